@@ -67,6 +67,14 @@ def test_num_examples_must_match_the_data(tmp_path):
     assert not os.path.exists(tmp_path / "privacy_report.json")
 
 
+def test_augmenting_precomputed_features_is_refused_before_any_output(tmp_path):
+    with pytest.raises(ValueError, match="Set augmult = 0 and augmentation = None"):
+        run_smoke(tmp_path, ["fashion_mnist_scatternet_linear.gin"], [
+            "tfdp.train_and_evaluate.augmentation = 'mnist_crop'",
+            "tfdp.train_and_evaluate.augmult = 4"])
+    assert not os.listdir(tmp_path)
+
+
 def test_recipe_smoke_run_reports_ema_and_augtest_and_the_same_epsilon(tmp_path):
     # augmult changes nothing in the accounting: same epsilon as one view.
     base = run_smoke(tmp_path / "k1", ["fashion_mnist.gin"], [

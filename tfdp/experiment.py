@@ -173,8 +173,9 @@ def train_and_evaluate(
       ValueError: on invalid or inconsistent privacy parameters, a
         num_examples that does not match the data, an unknown strategy, a
         static_batch_size that does not split evenly or truncates too often,
-        a checkpoint_every_steps that does not divide eval_every_steps, or a
-        checkpoint written under another privacy plan.
+        a checkpoint_every_steps that does not divide eval_every_steps, a
+        checkpoint written under another privacy plan, or augmentation asked
+        together with precomputed `features`.
       tfdp.data.DatasetNotFoundError: if the dataset is not prepared; the
         message says what to run.
     """
@@ -183,6 +184,12 @@ def train_and_evaluate(
     if deterministic:
         tf.config.experimental.enable_op_determinism()
     checkpoint_every_steps = _checkpoint_interval(checkpoint_every_steps, eval_every_steps)
+    if features is not None and (augmult > 0 or augmentation is not None):
+        raise ValueError(
+            f"features={features!r} are computed once from the un-augmented images, so "
+            f"augmentation={augmentation!r} and augmult={augmult} would transform feature "
+            "maps, not images. Set augmult = 0 and augmentation = None for feature models."
+        )
     keras.utils.set_random_seed(seed)
 
     plan = privacy.plan_privacy(
