@@ -31,13 +31,22 @@ run main --gin_file=fashion_mnist.gin
 run scatternet_linear --gin_file=fashion_mnist_scatternet_linear.gin
 run scatternet_cnn --gin_file=fashion_mnist_scatternet_cnn.gin
 # Issue 3: the recipe: augmult K x EMA (both evaluated in every run), 4 accumulation chunks.
-run recipe_k0 --gin_file=fashion_mnist_recipe.gin --gin_param=AUGMULT=0 \
+run recipe_k0 --gin_file=fashion_mnist_recipe_cnn.gin --gin_param=AUGMULT=0 \
   --gin_param=tfdp.train_and_evaluate.augtest=False
-run recipe_k0_accum4 --gin_file=fashion_mnist_recipe.gin --gin_param=AUGMULT=0 \
+run recipe_k0_accum4 --gin_file=fashion_mnist_recipe_cnn.gin --gin_param=AUGMULT=0 \
   --gin_param=tfdp.train_and_evaluate.augtest=False \
   --gin_param=tfdp.train_and_evaluate.accumulation_steps=4
-run recipe_k4 --gin_file=fashion_mnist_recipe.gin --gin_param=AUGMULT=4
-run recipe_k8 --gin_file=fashion_mnist_recipe.gin --gin_param=AUGMULT=8
+# Run-to-run noise of the two K = 0 runs above: two more seeds each (sampling, init and
+# a fresh noise draw), so "4 chunks matches 1 step" is judged against their spread.
+for seed in 1 2; do
+  run recipe_k0_seed$seed --gin_file=fashion_mnist_recipe_cnn.gin --gin_param=AUGMULT=0 \
+    --gin_param=tfdp.train_and_evaluate.augtest=False --gin_param=tfdp.train_and_evaluate.seed=$seed
+  run recipe_k0_accum4_seed$seed --gin_file=fashion_mnist_recipe_cnn.gin --gin_param=AUGMULT=0 \
+    --gin_param=tfdp.train_and_evaluate.augtest=False --gin_param=tfdp.train_and_evaluate.seed=$seed \
+    --gin_param=tfdp.train_and_evaluate.accumulation_steps=4
+done
+run recipe_k4 --gin_file=fashion_mnist_recipe_cnn.gin --gin_param=AUGMULT=4
+run recipe_k8 --gin_file=fashion_mnist_recipe_cnn.gin --gin_param=AUGMULT=8
 # Issue 6: TAN simulations of the main run (B_ref = 2048) at B/8, B/4, B/2, same steps.
 for b in 256 512 1024; do
   name=tan_sim_b$b

@@ -41,6 +41,7 @@ PUBLISHED_EPSILON = {
     "fashion_mnist_scatternet_linear.gin": 3.0,
     "fashion_mnist_scatternet_cnn.gin": 3.0,
     "fashion_mnist_recipe.gin": 3.0,
+    "fashion_mnist_recipe_cnn.gin": 3.0,
     "cifar10_scatternet_linear.gin": 3.0,
     "cifar10_scatternet_cnn.gin": 3.0,
     "cifar10_tramer_cnn.gin": 3.0,
