@@ -30,7 +30,9 @@ run main --gin_file=fashion_mnist.gin
 # Issue 4: ScatterNet models (Tramer & Boneh Table 13 settings).
 run scatternet_linear --gin_file=fashion_mnist_scatternet_linear.gin
 run scatternet_cnn --gin_file=fashion_mnist_scatternet_cnn.gin
-# Issue 3: the recipe: augmult K x EMA (both evaluated in every run), 4 accumulation chunks.
+# Issue 3: the recipe on ScatterNet + linear (the best config), then the ablation on the CNN:
+# augmult K x EMA (both evaluated in every run), 4 accumulation chunks.
+run recipe --gin_file=fashion_mnist_recipe.gin
 run recipe_k0 --gin_file=fashion_mnist_recipe_cnn.gin --gin_param=AUGMULT=0 \
   --gin_param=tfdp.train_and_evaluate.augtest=False
 run recipe_k0_accum4 --gin_file=fashion_mnist_recipe_cnn.gin --gin_param=AUGMULT=0 \

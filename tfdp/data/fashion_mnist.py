@@ -48,149 +48,149 @@ _IMAGE_SIZE = 28
 
 
 def prepare_fashion_mnist(source_dir=DEFAULT_SOURCE_DIR, data_dir=None):
-  """Converts the local Fashion-MNIST IDX files into the TFDS `fashion_mnist`.
+    """Converts the local Fashion-MNIST IDX files into the TFDS `fashion_mnist`.
 
-  Writes `<data_dir>/fashion_mnist/<version>/` (TFRecord shards and
-  `dataset_info.json`) exactly as `tfds build fashion_mnist` would, with the
-  splits `train` and `test`. Idempotent: if the dataset is already prepared in
-  `data_dir`, nothing is read or written (the source files are not needed).
-  The write is atomic (TFDS writes to a temporary folder and renames it), so an
-  interrupted conversion leaves nothing half-written. Gunzipped copies of the
-  IDX files go to a temporary folder that is deleted afterwards. The real
-  dataset (70000 images) takes about 20 s on 2 CPU cores and 38 MB of disk.
+    Writes `<data_dir>/fashion_mnist/<version>/` (TFRecord shards and
+    `dataset_info.json`) exactly as `tfds build fashion_mnist` would, with the
+    splits `train` and `test`. Idempotent: if the dataset is already prepared in
+    `data_dir`, nothing is read or written (the source files are not needed).
+    The write is atomic (TFDS writes to a temporary folder and renames it), so an
+    interrupted conversion leaves nothing half-written. Gunzipped copies of the
+    IDX files go to a temporary folder that is deleted afterwards. The real
+    dataset (70000 images) takes about 20 s on 2 CPU cores and 38 MB of disk.
 
-  Args:
-    source_dir: folder holding the four gzipped IDX files
-      `train-images-idx3-ubyte.gz`, `train-labels-idx1-ubyte.gz`,
-      `t10k-images-idx3-ubyte.gz`, `t10k-labels-idx1-ubyte.gz` (uint8 28x28
-      images and uint8 labels 0..9). Defaults to where the Debian package
-      `dataset-fashion-mnist` installs them.
-    data_dir: TFDS data directory to write into; None means the TFDS default
-      (`$TFDS_DATA_DIR` or `~/tensorflow_datasets`).
+    Args:
+      source_dir: folder holding the four gzipped IDX files
+        `train-images-idx3-ubyte.gz`, `train-labels-idx1-ubyte.gz`,
+        `t10k-images-idx3-ubyte.gz`, `t10k-labels-idx1-ubyte.gz` (uint8 28x28
+        images and uint8 labels 0..9). Defaults to where the Debian package
+        `dataset-fashion-mnist` installs them.
+      data_dir: TFDS data directory to write into; None means the TFDS default
+        (`$TFDS_DATA_DIR` or `~/tensorflow_datasets`).
 
-  Returns:
-    The TFDS data directory (pathlib.Path) holding the dataset: pass it as
-    `data_dir` to `tfds.load` / `tfdp.data.load_split`.
+    Returns:
+      The TFDS data directory (pathlib.Path) holding the dataset: pass it as
+      `data_dir` to `tfds.load` / `tfdp.data.load_split`.
 
-  Raises:
-    FileNotFoundError: a source file is missing; the message names it and says
-      to run `apt-get update && apt-get install dataset-fashion-mnist` or to
-      pass `--source_dir`.
-    ValueError: a source file is not a valid Fashion-MNIST IDX file (wrong magic
-      number, image size other than 28x28, or image and label counts differ).
-  """
-  builder = _LocalFashionMNIST(source_dir=source_dir, data_dir=data_dir)
-  if builder.is_prepared():
+    Raises:
+      FileNotFoundError: a source file is missing; the message names it and says
+        to run `apt-get update && apt-get install dataset-fashion-mnist` or to
+        pass `--source_dir`.
+      ValueError: a source file is not a valid Fashion-MNIST IDX file (wrong magic
+        number, image size other than 28x28, or image and label counts differ).
+    """
+    builder = _LocalFashionMNIST(source_dir=source_dir, data_dir=data_dir)
+    if builder.is_prepared():
+        return pathlib.Path(builder.data_dir_root)
+    source_dir = pathlib.Path(source_dir)
+    missing = [name for name in SOURCE_FILES if not (source_dir / name).is_file()]
+    if missing:
+        raise FileNotFoundError(
+            f"Fashion-MNIST source file(s) {', '.join(missing)} not found in "
+            f"{source_dir}. Install them with `{INSTALL_COMMAND}` (they go to "
+            f"{DEFAULT_SOURCE_DIR}), or pass --source_dir (source_dir=) pointing "
+            f"to a folder with the files {', '.join(SOURCE_FILES)}."
+        )
+    for images_name, labels_name in ((TRAIN_IMAGES, TRAIN_LABELS), (TEST_IMAGES, TEST_LABELS)):
+        num_images = _read_idx_num_examples(source_dir / images_name, _IDX_IMAGES_MAGIC)
+        num_labels = _read_idx_num_examples(source_dir / labels_name, _IDX_LABELS_MAGIC)
+        if num_images != num_labels:
+            raise ValueError(
+                f"{source_dir / images_name} holds {num_images} images but "
+                f"{source_dir / labels_name} holds {num_labels} labels; the two files "
+                "must come from the same Fashion-MNIST split. Reinstall with "
+                f"`{INSTALL_COMMAND}`."
+            )
+    with tempfile.TemporaryDirectory(prefix="tfdp_fashion_mnist_") as download_dir:
+        builder.download_and_prepare(
+            download_dir=download_dir,
+            download_config=tfds.download.DownloadConfig(try_download_gcs=False),
+        )
     return pathlib.Path(builder.data_dir_root)
-  source_dir = pathlib.Path(source_dir)
-  missing = [name for name in SOURCE_FILES if not (source_dir / name).is_file()]
-  if missing:
-    raise FileNotFoundError(
-        f"Fashion-MNIST source file(s) {', '.join(missing)} not found in "
-        f"{source_dir}. Install them with `{INSTALL_COMMAND}` (they go to "
-        f"{DEFAULT_SOURCE_DIR}), or pass --source_dir (source_dir=) pointing "
-        f"to a folder with the files {', '.join(SOURCE_FILES)}."
-    )
-  for images_name, labels_name in ((TRAIN_IMAGES, TRAIN_LABELS), (TEST_IMAGES, TEST_LABELS)):
-    num_images = _read_idx_num_examples(source_dir / images_name, _IDX_IMAGES_MAGIC)
-    num_labels = _read_idx_num_examples(source_dir / labels_name, _IDX_LABELS_MAGIC)
-    if num_images != num_labels:
-      raise ValueError(
-          f"{source_dir / images_name} holds {num_images} images but "
-          f"{source_dir / labels_name} holds {num_labels} labels; the two files "
-          "must come from the same Fashion-MNIST split. Reinstall with "
-          f"`{INSTALL_COMMAND}`."
-      )
-  with tempfile.TemporaryDirectory(prefix="tfdp_fashion_mnist_") as download_dir:
-    builder.download_and_prepare(
-        download_dir=download_dir,
-        download_config=tfds.download.DownloadConfig(try_download_gcs=False),
-    )
-  return pathlib.Path(builder.data_dir_root)
 
 
 def _read_idx_num_examples(path, magic):
-  """Returns the example count in an IDX file's header, checking the header.
+    """Returns the example count in an IDX file's header, checking the header.
 
-  Args:
-    path: a gzipped or raw IDX file (told apart by the gzip magic bytes, since
-      TFDS names its gunzipped copies `GZIP.<name>.gz`).
-    magic: the expected magic number (`_IDX_IMAGES_MAGIC` or `_IDX_LABELS_MAGIC`).
+    Args:
+      path: a gzipped or raw IDX file (told apart by the gzip magic bytes, since
+        TFDS names its gunzipped copies `GZIP.<name>.gz`).
+      magic: the expected magic number (`_IDX_IMAGES_MAGIC` or `_IDX_LABELS_MAGIC`).
 
-  Returns:
-    num_examples (int), the first dimension in the header.
+    Returns:
+      num_examples (int), the first dimension in the header.
 
-  Raises:
-    ValueError: wrong magic number, or images that are not 28x28.
-  """
-  path = pathlib.Path(path)
-  with open(path, "rb") as f:
-    is_gzip = f.read(2) == b"\x1f\x8b"
-  with (gzip.open if is_gzip else open)(path, "rb") as f:
-    num_dims = magic & 0xFF
-    header = f.read(4 * (1 + num_dims))
-  if len(header) != 4 * (1 + num_dims):
-    raise ValueError(f"{path} is too short to hold an IDX header.")
-  found_magic, *dims = struct.unpack(f">{1 + num_dims}I", header)
-  if found_magic != magic:
-    raise ValueError(
-        f"{path} has IDX magic number {found_magic:#010x}, expected {magic:#010x} "
-        f"({'images' if magic == _IDX_IMAGES_MAGIC else 'labels'}); check that "
-        "the file is the right Fashion-MNIST file."
-    )
-  if magic == _IDX_IMAGES_MAGIC and dims[1:] != [_IMAGE_SIZE, _IMAGE_SIZE]:
-    raise ValueError(
-        f"{path} holds {dims[1]}x{dims[2]} images; Fashion-MNIST images are "
-        f"{_IMAGE_SIZE}x{_IMAGE_SIZE}."
-    )
-  return dims[0]
+    Raises:
+      ValueError: wrong magic number, or images that are not 28x28.
+    """
+    path = pathlib.Path(path)
+    with open(path, "rb") as f:
+        is_gzip = f.read(2) == b"\x1f\x8b"
+    with (gzip.open if is_gzip else open)(path, "rb") as f:
+        num_dims = magic & 0xFF
+        header = f.read(4 * (1 + num_dims))
+    if len(header) != 4 * (1 + num_dims):
+        raise ValueError(f"{path} is too short to hold an IDX header.")
+    found_magic, *dims = struct.unpack(f">{1 + num_dims}I", header)
+    if found_magic != magic:
+        raise ValueError(
+            f"{path} has IDX magic number {found_magic:#010x}, expected {magic:#010x} "
+            f"({'images' if magic == _IDX_IMAGES_MAGIC else 'labels'}); check that "
+            "the file is the right Fashion-MNIST file."
+        )
+    if magic == _IDX_IMAGES_MAGIC and dims[1:] != [_IMAGE_SIZE, _IMAGE_SIZE]:
+        raise ValueError(
+            f"{path} holds {dims[1]}x{dims[2]} images; Fashion-MNIST images are "
+            f"{_IMAGE_SIZE}x{_IMAGE_SIZE}."
+        )
+    return dims[0]
 
 
 class _LocalDownloadManager:
-  """Stands in for the DownloadManager: a URL "downloads" to the local file.
+    """Stands in for the DownloadManager: a URL "downloads" to the local file.
 
-  Only `download_and_extract` (the one method the stock MNIST builders call) is
-  provided; it never touches the network.
-  """
+    Only `download_and_extract` (the one method the stock MNIST builders call) is
+    provided; it never touches the network.
+    """
 
-  def __init__(self, dl_manager, source_dir):
-    self._dl_manager = dl_manager
-    self._source_dir = pathlib.Path(source_dir)
+    def __init__(self, dl_manager, source_dir):
+        self._dl_manager = dl_manager
+        self._source_dir = pathlib.Path(source_dir)
 
-  def download_and_extract(self, url_or_urls):
-    def local_path(url):
-      name = posixpath.basename(urllib.parse.urlparse(url).path)
-      path = self._source_dir / name
-      if not path.is_file():
-        raise FileNotFoundError(
-            f"{path} not found (asked for {url}). Install the files with "
-            f"`{INSTALL_COMMAND}` or pass --source_dir."
-        )
-      return path
+    def download_and_extract(self, url_or_urls):
+        def local_path(url):
+            name = posixpath.basename(urllib.parse.urlparse(url).path)
+            path = self._source_dir / name
+            if not path.is_file():
+                raise FileNotFoundError(
+                    f"{path} not found (asked for {url}). Install the files with "
+                    f"`{INSTALL_COMMAND}` or pass --source_dir."
+                )
+            return path
 
-    return self._dl_manager.extract(tf.nest.map_structure(local_path, url_or_urls))
+        return self._dl_manager.extract(tf.nest.map_structure(local_path, url_or_urls))
 
 
 class _LocalFashionMNIST(mnist.FashionMNIST, skip_registration=True):
-  """The stock `fashion_mnist` builder, reading local IDX files.
+    """The stock `fashion_mnist` builder, reading local IDX files.
 
-  Same name, version and features as the registered builder, so the stock
-  builder reads what this one writes.
-  """
+    Same name, version and features as the registered builder, so the stock
+    builder reads what this one writes.
+    """
 
-  name = DATASET_NAME
+    name = DATASET_NAME
 
-  def __init__(self, *, source_dir=DEFAULT_SOURCE_DIR, **kwargs):
-    self._source_dir = pathlib.Path(source_dir)
-    super().__init__(**kwargs)
+    def __init__(self, *, source_dir=DEFAULT_SOURCE_DIR, **kwargs):
+        self._source_dir = pathlib.Path(source_dir)
+        super().__init__(**kwargs)
 
-  def _split_generators(self, dl_manager):
-    split_generators = super()._split_generators(
-        _LocalDownloadManager(dl_manager, self._source_dir)
-    )
-    # The stock builder hardcodes 60000 / 10000; use the count in the header.
-    for split_generator in split_generators:
-      split_generator.gen_kwargs["num_examples"] = _read_idx_num_examples(
-          os.fspath(split_generator.gen_kwargs["data_path"]), _IDX_IMAGES_MAGIC
-      )
-    return split_generators
+    def _split_generators(self, dl_manager):
+        split_generators = super()._split_generators(
+            _LocalDownloadManager(dl_manager, self._source_dir)
+        )
+        # The stock builder hardcodes 60000 / 10000; use the count in the header.
+        for split_generator in split_generators:
+            split_generator.gen_kwargs["num_examples"] = _read_idx_num_examples(
+                os.fspath(split_generator.gen_kwargs["data_path"]), _IDX_IMAGES_MAGIC
+            )
+        return split_generators
