@@ -33,6 +33,10 @@ run scatternet_cnn --gin_file=fashion_mnist_scatternet_cnn.gin
 # Issue 3: the recipe on ScatterNet + linear (the best config), then the ablation on the CNN:
 # augmult K x EMA (both evaluated in every run), 4 accumulation chunks.
 run recipe --gin_file=fashion_mnist_recipe.gin
+# One more seed of the recipe and of its no-recipe twin, for their run-to-run noise.
+run recipe_seed1 --gin_file=fashion_mnist_recipe.gin --gin_param=tfdp.train_and_evaluate.seed=1
+run scatternet_linear_seed1 --gin_file=fashion_mnist_scatternet_linear.gin \
+  --gin_param=tfdp.train_and_evaluate.seed=1
 run recipe_k0 --gin_file=fashion_mnist_recipe_cnn.gin --gin_param=AUGMULT=0 \
   --gin_param=tfdp.train_and_evaluate.augtest=False
 run recipe_k0_accum4 --gin_file=fashion_mnist_recipe_cnn.gin --gin_param=AUGMULT=0 \
