@@ -4,30 +4,14 @@ import glob
 import json
 import os
 
-import gin
 import pytest
 import tensorflow as tf
-import tensorflow_datasets as tfds
-
-from tfdp import experiment
-from tfdp import main
-
-MOCK_EXAMPLES = 64
 
 
-def run_smoke(workdir, gin_files, extra_params=()):
-    """Parses the configs then smoke.gin, and trains on TFDS mock data."""
-    gin.clear_config()
-    params = [f"NUM_EXAMPLES = {MOCK_EXAMPLES}", "BATCH_SIZE = 16", *extra_params]
-    main.parse_config([*gin_files, "smoke.gin"], params)
-    try:
-        with tfds.testing.mock_data(num_examples=MOCK_EXAMPLES):
-            return experiment.train_and_evaluate(workdir=str(workdir))
-    finally:
-        gin.clear_config()
+MOCK_EXAMPLES = 64  # the N that conftest.py's run_smoke trains on
 
 
-def test_smoke_run_writes_every_output(tmp_path):
+def test_smoke_run_writes_every_output(tmp_path, run_smoke):
     report = run_smoke(tmp_path, ["fashion_mnist.gin"])
     assert report["steps"] == 2
     assert 0 < report["epsilon"] <= 3.0
@@ -61,13 +45,13 @@ def test_smoke_run_writes_every_output(tmp_path):
     assert os.path.exists(tmp_path / "export" / "assets" / "privacy_report.json")
 
 
-def test_num_examples_must_match_the_data(tmp_path):
+def test_num_examples_must_match_the_data(tmp_path, run_smoke):
     with pytest.raises(ValueError, match=f"set NUM_EXAMPLES = {MOCK_EXAMPLES}"):
         run_smoke(tmp_path, ["fashion_mnist.gin"], [f"NUM_EXAMPLES = {MOCK_EXAMPLES + 1}"])
     assert not os.path.exists(tmp_path / "privacy_report.json")
 
 
-def test_augmenting_precomputed_features_is_refused_before_any_output(tmp_path):
+def test_augmenting_precomputed_features_is_refused_before_any_output(tmp_path, run_smoke):
     with pytest.raises(ValueError, match="Set augmult = 0 and augmentation = None"):
         run_smoke(tmp_path, ["fashion_mnist_scatternet_linear.gin"], [
             "tfdp.train_and_evaluate.augmentation = 'mnist_crop'",
@@ -75,7 +59,7 @@ def test_augmenting_precomputed_features_is_refused_before_any_output(tmp_path):
     assert not os.listdir(tmp_path)
 
 
-def test_recipe_smoke_run_reports_ema_and_augtest_and_the_same_epsilon(tmp_path):
+def test_recipe_smoke_run_reports_ema_and_augtest_and_the_same_epsilon(tmp_path, run_smoke):
     # augmult changes nothing in the accounting: same epsilon as one view.
     base = run_smoke(tmp_path / "k1", ["fashion_mnist.gin"], [
         "tfdp.train_and_evaluate.augmentation = 'mnist_crop'",
@@ -95,13 +79,13 @@ def test_recipe_smoke_run_reports_ema_and_augtest_and_the_same_epsilon(tmp_path)
         assert 0.0 <= last[key] <= 1.0
 
 
-def test_microbatched_run_states_it_in_the_report(tmp_path):
+def test_microbatched_run_states_it_in_the_report(tmp_path, run_smoke):
     report = run_smoke(tmp_path, ["fashion_mnist.gin"], [
         "tfdp.train_and_evaluate.num_microbatches = 4"])
     assert report["microbatching"] == {"num_microbatches": 4, "sensitivity": "2 * l2_clip_norm"}
 
 
-def test_simulation_is_labelled_in_metrics_and_report(tmp_path):
+def test_simulation_is_labelled_in_metrics_and_report(tmp_path, run_smoke):
     simulation = {"reference": "B=2048 sigma=1.93", "reference_batch_size": 2048,
                   "reference_noise_multiplier": 1.93, "reference_epsilon": 3.0}
     report = run_smoke(tmp_path, ["fashion_mnist.gin"], [
@@ -114,7 +98,7 @@ def test_simulation_is_labelled_in_metrics_and_report(tmp_path):
     assert last["simulation"] is True
 
 
-def test_runs_of_a_study_compose_in_the_ledger(tmp_path):
+def test_runs_of_a_study_compose_in_the_ledger(tmp_path, run_smoke):
     from tfdp import accounting  # pylint: disable=g-import-not-at-top
 
     study = tmp_path / "study"
@@ -134,7 +118,7 @@ def test_runs_of_a_study_compose_in_the_ledger(tmp_path):
     assert reports[1]["study"]["epsilon"] > reports[1]["epsilon"]
 
 
-def test_private_normalization_is_released_once_and_reused_on_restart(tmp_path):
+def test_private_normalization_is_released_once_and_reused_on_restart(tmp_path, run_smoke):
     pytest.importorskip("kymatio")
     params = ["tfdp.models.build_scatternet_linear.groups = None",
               "tfdp.train_and_evaluate.data_normalization = {'l2_clip_norm_mean': 1.0, "

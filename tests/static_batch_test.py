@@ -3,33 +3,22 @@
 import json
 import math
 
-import gin
 import pytest
 import tensorflow as tf
-import tensorflow_datasets as tfds
 
 from tfdp import data
-from tfdp import experiment
-from tfdp import main
 
-MOCK_EXAMPLES = 64
+MOCK_EXAMPLES = 64  # the N that conftest.py's run_smoke trains on
 
 
-def _run(workdir, *params):
-    """fashion_mnist.gin + smoke.gin (2 steps) on mock data, N = 64, B = 16."""
-    gin.clear_config()
-    main.parse_config(["fashion_mnist.gin", "smoke.gin"], [
-        f"NUM_EXAMPLES = {MOCK_EXAMPLES}", "BATCH_SIZE = 16", "TARGET_EPSILON = None",
-        "NOISE_MULTIPLIER = 1.0", *params])
-    try:
-        with tfds.testing.mock_data(num_examples=MOCK_EXAMPLES):
-            return experiment.train_and_evaluate(workdir=str(workdir))
-    finally:
-        gin.clear_config()
+def _run(run_smoke, workdir, *params):
+    """fashion_mnist.gin + smoke.gin (2 steps) on mock data, N = 64, B = 16, sigma = 1."""
+    return run_smoke(workdir, ["fashion_mnist.gin"], [
+        "TARGET_EPSILON = None", "NOISE_MULTIPLIER = 1.0", *params])
 
 
-def test_static_batches_state_the_cap_and_the_truncation_bound(tmp_path):
-    report = _run(tmp_path, "tfdp.train_and_evaluate.static_batch_size = 36",
+def test_static_batches_state_the_cap_and_the_truncation_bound(tmp_path, run_smoke):
+    report = _run(run_smoke, tmp_path, "tfdp.train_and_evaluate.static_batch_size = 36",
                   "tfdp.train_and_evaluate.accumulation_steps = 2")
     truncation = report["truncation"]
     # eta = 2 steps * P(Binomial(65, 16/64) > 36); delta' = delta + (1 + e^eps) eta.
@@ -45,25 +34,25 @@ def test_static_batches_state_the_cap_and_the_truncation_bound(tmp_path):
     assert report["steps"] == 2
 
 
-def test_a_cap_that_truncates_too_often_is_refused_with_the_auto_value(tmp_path):
+def test_a_cap_that_truncates_too_often_is_refused_with_the_auto_value(tmp_path, run_smoke):
     # 20 slots for an expected batch of 16: truncation is likely, delta would explode.
     with pytest.raises(ValueError, match=r"truncates Poisson batches .*='auto' \(\d+ here\)"):
-        _run(tmp_path, "tfdp.train_and_evaluate.static_batch_size = 20")
+        _run(run_smoke, tmp_path, "tfdp.train_and_evaluate.static_batch_size = 20")
 
 
-def test_a_cap_that_does_not_split_into_accumulation_chunks_is_refused(tmp_path):
+def test_a_cap_that_does_not_split_into_accumulation_chunks_is_refused(tmp_path, run_smoke):
     with pytest.raises(ValueError, match="must be a multiple of 4"):
-        _run(tmp_path, "tfdp.train_and_evaluate.static_batch_size = 38",
+        _run(run_smoke, tmp_path, "tfdp.train_and_evaluate.static_batch_size = 38",
              "tfdp.train_and_evaluate.accumulation_steps = 4")
 
 
-def test_checkpoint_interval_must_divide_the_evaluation_interval(tmp_path):
+def test_checkpoint_interval_must_divide_the_evaluation_interval(tmp_path, run_smoke):
     with pytest.raises(ValueError, match="must be >= 1 and divide eval_every_steps=2"):
-        _run(tmp_path, "tfdp.train_and_evaluate.checkpoint_every_steps = 3")
+        _run(run_smoke, tmp_path, "tfdp.train_and_evaluate.checkpoint_every_steps = 3")
 
 
-def test_checkpoints_every_step_evaluate_every_two(tmp_path):
-    report = _run(tmp_path, "NUM_STEPS = 4",
+def test_checkpoints_every_step_evaluate_every_two(tmp_path, run_smoke):
+    report = _run(run_smoke, tmp_path, "NUM_STEPS = 4",
                   "tfdp.train_and_evaluate.checkpoint_every_steps = 1",
                   "tfdp.train_and_evaluate.eval_every_steps = 2")
     assert report["steps"] == 4
@@ -75,7 +64,7 @@ def test_checkpoints_every_step_evaluate_every_two(tmp_path):
     assert kept == ["3", "4"]  # one per step (the manager keeps the last 2)
 
 
-def test_a_checkpoint_from_another_privacy_plan_is_not_resumed(tmp_path):
-    _run(tmp_path, "NUM_STEPS = 2")
+def test_a_checkpoint_from_another_privacy_plan_is_not_resumed(tmp_path, run_smoke):
+    _run(run_smoke, tmp_path, "NUM_STEPS = 2")
     with pytest.raises(ValueError, match="written with noise_multiplier=1.0 but this run plans"):
-        _run(tmp_path, "NUM_STEPS = 4", "NOISE_MULTIPLIER = 2.0")
+        _run(run_smoke, tmp_path, "NUM_STEPS = 4", "NOISE_MULTIPLIER = 2.0")
