@@ -1,6 +1,8 @@
 """Tests for tfdp.accounting.ledger (How to DP-fy ML, Sec. 5.4.2)."""
 
+import dataclasses
 import json
+import math
 import os
 
 import dp_accounting
@@ -9,16 +11,20 @@ import pytest
 from tfdp import accounting
 from tfdp.accounting import ledger
 
+NORM = accounting.DataNormalization(noise_multiplier=8.0, l2_clip_norm_mean=0.3,
+                                    l2_clip_norm_square=0.15, threshold=1e-4)
+
+
+def _mechanism(sigma, steps, **kwargs):
+    # De et al. 2022, Table 12: N = 50,000, B = 4096 (q = 0.08192).
+    return accounting.DPMechanism(num_examples=50000, batch_size=4096, num_steps=steps,
+                                  noise_multiplier=sigma, l2_clip_norm=1.0, delta=1e-5, **kwargs)
+
+
 RUNS = [
-    dict(run_name="a", noise_multiplier=3.0, sampling_prob=0.08192, num_steps=1843),
-    dict(run_name="b", noise_multiplier=5.0, sampling_prob=0.08192, num_steps=1593),
-    dict(
-        run_name="c",
-        noise_multiplier=4.0,
-        sampling_prob=0.08192,
-        num_steps=1000,
-        extra_events=[{"kind": "gaussian", "noise_multiplier": 8.0, "count": 2}],
-    ),
+    dict(run_name="a", mechanism=_mechanism(3.0, 1843)),
+    dict(run_name="b", mechanism=_mechanism(5.0, 1593)),
+    dict(run_name="c", mechanism=_mechanism(4.0, 1000, data_normalization=NORM)),
 ]
 
 
@@ -55,14 +61,10 @@ def test_append_run_creates_dir_and_writes_one_line_per_run(tmp_path):
     assert len(lines) == 3
     first = json.loads(lines[0])
     assert first["run"] == "a"
-    assert first["noise_multiplier"] == 3.0
-    assert first["sampling_prob"] == 0.08192
-    assert first["num_steps"] == 1843
-    assert first["extra_events"] == []
+    assert first["mechanism"] == RUNS[0]["mechanism"].to_dict()
+    assert first["sampling_coins"] == "secret"
     assert "timestamp" in first
-    assert json.loads(lines[2])["extra_events"] == [
-        {"kind": "gaussian", "noise_multiplier": 8.0, "count": 2}
-    ]
+    assert json.loads(lines[2])["mechanism"]["data_normalization"]["noise_multiplier"] == 8.0
 
 
 def test_study_event_is_the_composition_of_the_runs(tmp_path):
@@ -89,7 +91,7 @@ def test_study_epsilon_equals_epsilon_of_the_composed_event(tmp_path, acc):
     assert max(epsilons) < total < sum(epsilons)
 
 
-def test_extra_event_adds_privacy_cost(tmp_path):
+def test_data_normalization_adds_privacy_cost(tmp_path):
     _write_study(tmp_path)
     _, per_run = accounting.study_epsilon(tmp_path, delta=1e-5)
     without_norm = accounting.compute_epsilon(
@@ -107,16 +109,51 @@ def test_reappending_a_run_replaces_it(tmp_path):
     assert after == pytest.approx(before, rel=1e-12)
     assert len(per_run) == 3
     # A resumed run that ran longer replaces the old record, in place.
-    accounting.append_run(tmp_path, **{**RUNS[0], "num_steps": 2468})
+    accounting.append_run(tmp_path, run_name="a", mechanism=_mechanism(3.0, 2468))
     records = accounting.read_runs(tmp_path)
     assert [r["run"] for r in records] == ["a", "b", "c"]
-    assert records[0]["num_steps"] == 2468
+    assert records[0]["mechanism"].num_steps == 2468
     assert not [f for f in os.listdir(tmp_path) if f.endswith(".tmp")]
 
 
-def test_run_event_without_extras_is_the_dp_sgd_event():
-    record = {"run": "x", "noise_multiplier": 2.0, "sampling_prob": 0.1, "num_steps": 10}
-    assert accounting.run_event(record) == _sgd(2.0, 0.1, 10)
+def test_runs_sharing_a_fixed_sampling_seed_train_on_the_same_batches(tmp_path):
+    # Two runs with the same fixed seed, N and B see the same Poisson batch at every shared
+    # step: one subsampled mechanism per step, sigma_eff = (3^-2 + 5^-2)^(-1/2), not two
+    # independently subsampled ones.
+    accounting.append_run(tmp_path, run_name="a", mechanism=_mechanism(3.0, 1000),
+                          sampling_seed=7)
+    accounting.append_run(tmp_path, run_name="b", mechanism=_mechanism(5.0, 600),
+                          sampling_seed=7)
+    accounting.append_run(tmp_path, run_name="c", mechanism=_mechanism(4.0, 500))
+    records = accounting.read_runs(tmp_path)
+    assert records[0]["sampling_coins"] == records[1]["sampling_coins"] != "secret"
+    assert "7" not in records[0]["sampling_coins"].split(":")[0]  # a fingerprint, not the seed
+    joint = (3.0 ** -2 + 5.0 ** -2) ** -0.5
+    assert accounting.study_event(tmp_path) == dp_accounting.ComposedDpEvent([
+        _sgd(4.0, 0.08192, 500),
+        dp_accounting.ComposedDpEvent([_sgd(joint, 0.08192, 600), _sgd(3.0, 0.08192, 400)]),
+    ])
+    # With other seeds the two runs would be independent: a different total.
+    independent = accounting.epsilon_of_event(dp_accounting.ComposedDpEvent(
+        [_sgd(3.0, 0.08192, 1000), _sgd(5.0, 0.08192, 600), _sgd(4.0, 0.08192, 500)]),
+        delta=1e-5)
+    total, _ = accounting.study_epsilon(tmp_path, delta=1e-5)
+    assert not math.isclose(total, independent, rel_tol=1e-6)
+
+
+def test_a_shared_fixed_seed_with_another_batch_size_is_refused(tmp_path):
+    accounting.append_run(tmp_path, run_name="a", mechanism=_mechanism(3.0, 100),
+                          sampling_seed=7)
+    other = dataclasses.replace(_mechanism(3.0, 100), batch_size=2048)
+    accounting.append_run(tmp_path, run_name="b", mechanism=other, sampling_seed=7)
+    with pytest.raises(ValueError, match="share a fixed sampling seed"):
+        accounting.study_epsilon(tmp_path, delta=1e-5)
+
+
+def test_run_event_is_the_mechanism_event(tmp_path):
+    _write_study(tmp_path)
+    record = accounting.read_runs(tmp_path)[0]
+    assert accounting.run_event(record) == _sgd(3.0, 0.08192, 1843)
 
 
 def test_missing_ledger_raises(tmp_path):
@@ -129,8 +166,16 @@ def test_malformed_ledger_lines_raise(tmp_path):
     path.write_text("{not json\n")
     with pytest.raises(ValueError, match=r"ledger.jsonl:1 is not valid JSON"):
         accounting.read_runs(tmp_path)
-    path.write_text(json.dumps({"run": "x", "noise_multiplier": 1.0}) + "\n")
-    with pytest.raises(ValueError, match=r"misses the keys \['sampling_prob', " r"'num_steps'\]"):
+    path.write_text(json.dumps({"run": "x", "mechanism": {}}) + "\n")
+    with pytest.raises(ValueError, match=r"misses the keys \['sampling_coins'\]"):
+        accounting.read_runs(tmp_path)
+    path.write_text(json.dumps({"run": "x", "noise_multiplier": 1.0, "sampling_prob": 0.1,
+                                "num_steps": 3}) + "\n")
+    with pytest.raises(ValueError, match="written by an older tfdp"):
+        accounting.read_runs(tmp_path)
+    path.write_text(json.dumps({"run": "x", "sampling_coins": "secret", "mechanism": {
+        **_mechanism(3.0, 10).to_dict(), "noise_multiplier": 0.0}}) + "\n")
+    with pytest.raises(ValueError, match="ledger.jsonl:1: invalid mechanism: noise_multiplier"):
         accounting.read_runs(tmp_path)
 
 
@@ -138,29 +183,7 @@ def test_malformed_ledger_lines_raise(tmp_path):
     "kwargs, match",
     [
         (dict(run_name=""), "run_name must be a non-empty string"),
-        (dict(noise_multiplier=0.0), "noise_multiplier must be"),
-        (dict(sampling_prob=2.0), r"sampling_prob must be in \(0, 1\]"),
-        (dict(num_steps=0), "num_steps must be an integer >= 1"),
-        (
-            dict(extra_events=[{"kind": "laplace", "noise_multiplier": 1.0}]),
-            r"extra_events\[0\] .* is not supported",
-        ),
-        (
-            dict(extra_events=[{"kind": "gaussian"}]),
-            r"extra_events\[0\] needs a 'noise_multiplier'",
-        ),
-        (
-            dict(extra_events=[{"kind": "gaussian", "noise_multiplier": -1.0}]),
-            r"extra_events\[0\]: noise_multiplier must be",
-        ),
-        (
-            dict(extra_events=[{"kind": "gaussian", "noise_multiplier": 1.0, "count": 0}]),
-            r"extra_events\[0\]: count must be an integer >= 1",
-        ),
-        (
-            dict(extra_events=[{"kind": "gaussian", "noise_multiplier": 1.0, "sigma": 2}]),
-            r"extra_events\[0\] has unknown keys \['sigma'\]",
-        ),
+        (dict(mechanism={"noise_multiplier": 1.0}), "mechanism must be a DPMechanism"),
     ],
 )
 def test_append_run_errors(tmp_path, kwargs, match):

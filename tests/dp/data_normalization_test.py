@@ -184,9 +184,7 @@ def test_dp_event_is_two_gaussians_as_in_claim_b5():
     # (alpha / (2 sigma^2) each).
     sigma, delta = 8.0, 1e-5
     event = data_normalization_dp_event(sigma)
-    assert event == dp_accounting.ComposedDpEvent(
-        [dp_accounting.GaussianDpEvent(sigma), dp_accounting.GaussianDpEvent(sigma)]
-    )
+    assert event == dp_accounting.SelfComposedDpEvent(dp_accounting.GaussianDpEvent(sigma), 2)
     orders = [1.5, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0]
     composed = dp_accounting.rdp.RdpAccountant(orders).compose(event)
     single = dp_accounting.rdp.RdpAccountant(orders).compose(

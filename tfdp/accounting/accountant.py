@@ -214,6 +214,38 @@ def _dp_sgd_event(noise_multiplier, sampling_prob, num_steps, extra_events=()):
     return event
 
 
+def gaussian_composition_event(
+    *, noise_multiplier: float, count: int
+) -> dp_accounting.DpEvent:
+    """Returns the DpEvent of `count` Gaussian mechanisms without subsampling.
+
+    Used for fixed-size shuffled batches, where no amplification by sampling
+    is claimed: each example sits in at most one batch per epoch, so a run is
+    at most `count` = epochs-touched Gaussian mechanisms on any one example
+    (`tfdp.accounting.DPMechanism`). The noise multiplier is the noise std
+    divided by the L2 sensitivity of the adjacency that is claimed.
+
+    Args:
+      noise_multiplier: noise std / sensitivity (dimensionless), > 0.
+      count: how many times one example can be used, integer >= 1.
+
+    Returns:
+      `SelfComposedDpEvent(GaussianDpEvent(noise_multiplier), count)`.
+
+    Raises:
+      ValueError: if a parameter is out of range.
+    """
+    validate_privacy_params(noise_multiplier=noise_multiplier, num_steps=count)
+    return dp_accounting.SelfComposedDpEvent(
+        dp_accounting.GaussianDpEvent(float(noise_multiplier)), int(count))
+
+
+def compose_events(events) -> dp_accounting.DpEvent:
+    """One event for several on the same data (a single event is returned as is)."""
+    events = list(events)
+    return events[0] if len(events) == 1 else dp_accounting.ComposedDpEvent(events)
+
+
 def epsilon_of_event(
     event: dp_accounting.DpEvent, *, delta: float, accountant: str = "rdp"
 ) -> float:
@@ -313,11 +345,10 @@ def calibrate_noise_multiplier(
 ) -> float:
     """Returns the smallest noise_multiplier whose epsilon is <= target_epsilon.
 
-    Uses `dp_accounting.calibrate_dp_mechanism` (Brent's method) on a bracket
-    [lo, hi] found by doubling / halving from 1, with a tolerance of 1e-3 * lo
-    (so within 0.1% of the optimum). The returned value always satisfies
-    `compute_epsilon(...) <= target_epsilon`. This is how De et al. 2022
-    (App. C.4) pick sigma for each (learning rate, steps) pair.
+    The event is Poisson-subsampled DP-SGD (`dp_sgd_event`) composed with
+    `extra_events`; `solve_noise_multiplier` does the search for any event.
+    This is how De et al. 2022 (App. C.4) pick sigma for each (learning rate,
+    steps) pair.
 
     Args:
       target_epsilon: the epsilon budget, > 0.
@@ -336,28 +367,63 @@ def calibrate_noise_multiplier(
     """
     _validate_target_epsilon(target_epsilon)
     validate_privacy_params(sampling_prob=sampling_prob, num_steps=num_steps, delta=delta)
-    make_accountant = _accountant_factory(accountant)
+    # TAN estimate (TAN Def. 3.1, eq. 4): sigma ~ q sqrt(T / 2) / eta.
+    guess = sampling_prob * math.sqrt(num_steps / 2) / _tan_eta_for(target_epsilon, delta)
+    return solve_noise_multiplier(
+        lambda sigma: _dp_sgd_event(sigma, sampling_prob, num_steps, extra_events),
+        target_epsilon=target_epsilon,
+        delta=delta,
+        accountant=accountant,
+        guess=guess,
+        context=f"sampling_prob={sampling_prob:.4g}, num_steps={num_steps}, delta={delta:g}",
+    )
 
-    def make_event(sigma):
-        return _dp_sgd_event(sigma, sampling_prob, num_steps, extra_events)
+
+def solve_noise_multiplier(
+    make_event: Callable[[float], dp_accounting.DpEvent],
+    *,
+    target_epsilon: float,
+    delta: float,
+    accountant: str = "rdp",
+    guess: float = 1.0,
+    context: str = "",
+) -> float:
+    """Smallest noise multiplier whose event `make_event(sigma)` meets the budget.
+
+    Uses `dp_accounting.calibrate_dp_mechanism` (Brent's method) on a bracket
+    [lo, hi] found by doubling / halving from `guess`, with a tolerance of
+    1e-3 * lo (so within 0.1% of the optimum). The returned value always
+    satisfies epsilon(make_event(sigma)) <= target_epsilon.
+
+    Args:
+      make_event: sigma -> the run's DpEvent; epsilon must decrease in sigma.
+      target_epsilon: the epsilon budget, > 0.
+      delta: the delta of (epsilon, delta)-DP, in (0, 1).
+      accountant: "rdp" or "pld".
+      guess: where the bracket search starts (e.g. TAN's estimate).
+      context: the other parameters, for error messages.
+
+    Returns:
+      noise_multiplier (float, > 0): noise std divided by the sensitivity.
+
+    Raises:
+      ValueError: if the target cannot be met with noise_multiplier in
+        [0.05, 1e4] (the message says what to change).
+    """
+    _validate_target_epsilon(target_epsilon)
+    validate_privacy_params(delta=delta)
+    make_accountant = _accountant_factory(accountant)
 
     def epsilon(sigma):
         return make_accountant().compose(make_event(sigma)).get_epsilon(delta)
 
-    # Start from the TAN estimate (TAN Def. 3.1, eq. 4) and bracket by factors
-    # of 2: epsilon decreases in sigma.
-    eta = _tan_eta_for(target_epsilon, delta)
-    hi = min(
-        max(sampling_prob * math.sqrt(num_steps / 2) / eta, 2 * _MIN_NOISE_MULTIPLIER),
-        _MAX_NOISE_MULTIPLIER,
-    )
+    hi = min(max(guess, 2 * _MIN_NOISE_MULTIPLIER), _MAX_NOISE_MULTIPLIER)
     while epsilon(hi) > target_epsilon:
         hi *= 2
         if hi > _MAX_NOISE_MULTIPLIER:
             raise ValueError(
                 f"target_epsilon={target_epsilon} needs noise_multiplier > "
-                f"{_MAX_NOISE_MULTIPLIER:g} with sampling_prob={sampling_prob:.4g}, "
-                f"num_steps={num_steps}, delta={delta:g}: raise target_epsilon or "
+                f"{_MAX_NOISE_MULTIPLIER:g} ({context}): raise target_epsilon or "
                 f"lower num_steps or the batch size."
             )
     lo = hi / 2
@@ -367,8 +433,7 @@ def calibrate_noise_multiplier(
         if lo < _MIN_NOISE_MULTIPLIER:
             raise ValueError(
                 f"target_epsilon={target_epsilon} is met even with noise_multiplier"
-                f" = {hi:g} (sampling_prob={sampling_prob:.4g}, num_steps="
-                f"{num_steps}, delta={delta:g}): the budget is so loose that the "
+                f" = {hi:g} ({context}): the budget is so loose that the "
                 f"calibration is meaningless; lower target_epsilon or delta."
             )
     sigma = dp_accounting.calibrate_dp_mechanism(
@@ -478,12 +543,54 @@ def calibrate_num_steps(
     validate_privacy_params(
         noise_multiplier=noise_multiplier, sampling_prob=sampling_prob, delta=delta
     )
+    # TAN guess: S = 2 sigma^2 eta^2 / q^2 (TAN Def. 3.1).
+    eta = _tan_eta_for(target_epsilon, delta)
+    return solve_num_steps(
+        lambda steps: _dp_sgd_event(noise_multiplier, sampling_prob, steps, extra_events),
+        target_epsilon=target_epsilon,
+        delta=delta,
+        accountant=accountant,
+        max_num_steps=max_num_steps,
+        guess=2 * (noise_multiplier * eta / sampling_prob) ** 2,
+        context=(f"noise_multiplier={noise_multiplier}, sampling_prob={sampling_prob:.4g}, "
+                 f"delta={delta:g}"),
+    )
+
+
+def solve_num_steps(
+    make_event: Callable[[int], dp_accounting.DpEvent],
+    *,
+    target_epsilon: float,
+    delta: float,
+    accountant: str = "rdp",
+    max_num_steps: int = 10**7,
+    guess: float = 1.0,
+    context: str = "",
+) -> int:
+    """Largest step count T in [1, max_num_steps] whose `make_event(T)` meets the budget.
+
+    Args:
+      make_event: num_steps -> the run's DpEvent; epsilon must increase in T.
+      target_epsilon: the epsilon budget, > 0.
+      delta: the delta of (epsilon, delta)-DP, in (0, 1).
+      accountant: "rdp" or "pld".
+      max_num_steps: upper end of the search, returned as is when within budget.
+      guess: where the bracket search starts.
+      context: the other parameters, for error messages.
+
+    Returns:
+      num_steps (int, >= 1): epsilon(T) <= target_epsilon < epsilon(T + 1),
+      unless T = max_num_steps.
+
+    Raises:
+      ValueError: if max_num_steps < 1 or a single step already exceeds
+        target_epsilon (the message says what to change).
+    """
+    _validate_target_epsilon(target_epsilon)
+    validate_privacy_params(delta=delta)
     if not (_is_integer(max_num_steps) and max_num_steps >= 1):
         raise ValueError(f"max_num_steps must be an integer >= 1, got {max_num_steps!r}.")
     make_accountant = _accountant_factory(accountant)
-
-    def make_event(steps):
-        return _dp_sgd_event(noise_multiplier, sampling_prob, steps, extra_events)
 
     def epsilon(steps):
         return make_accountant().compose(make_event(steps)).get_epsilon(delta)
@@ -492,15 +599,12 @@ def calibrate_num_steps(
     if first > target_epsilon:
         raise ValueError(
             f"A single step already costs epsilon={first:.4g} > target_epsilon="
-            f"{target_epsilon} (noise_multiplier={noise_multiplier}, "
-            f"sampling_prob={sampling_prob:.4g}, delta={delta:g}): raise "
-            f"target_epsilon or noise_multiplier, or lower the batch size."
+            f"{target_epsilon} ({context}): raise target_epsilon or noise_multiplier, "
+            f"or lower the batch size."
         )
-    # TAN guess: S = 2 sigma^2 eta^2 / q^2 (TAN Def. 3.1).
-    eta = _tan_eta_for(target_epsilon, delta)
-    guess = min(2 * (noise_multiplier * eta / sampling_prob) ** 2, max_num_steps)
     return _largest_int_within_budget(
-        epsilon, target_epsilon, delta, make_accountant, make_event, guess, max_num_steps
+        epsilon, target_epsilon, delta, make_accountant, make_event,
+        min(guess, max_num_steps), max_num_steps,
     )
 
 
@@ -579,7 +683,7 @@ def data_normalization_dp_event(noise_multiplier):
       noise_multiplier: sigma_norm > 0 (noise std / clipping norm).
 
     Returns:
-      `dp_accounting.ComposedDpEvent` of two `GaussianDpEvent(noise_multiplier)`.
+      Two `GaussianDpEvent(noise_multiplier)` (`gaussian_composition_event`).
 
     Raises:
       ValueError: if noise_multiplier <= 0 (no finite privacy guarantee).
@@ -589,5 +693,4 @@ def data_normalization_dp_event(noise_multiplier):
             f"data_normalization_dp_event: noise_multiplier={noise_multiplier!r} must be "
             "> 0; with 0 the released statistics are not private."
         )
-    gaussian = dp_accounting.GaussianDpEvent(float(noise_multiplier))
-    return dp_accounting.ComposedDpEvent([gaussian, gaussian])
+    return gaussian_composition_event(noise_multiplier=noise_multiplier, count=2)

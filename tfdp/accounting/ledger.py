@@ -6,22 +6,22 @@ data, so the study as a whole is the composition of all its runs. A study
 directory holds one file, `ledger.jsonl`, with one JSON object per line and
 per run:
 
-    {"run": "lr=2_sigma=3",            # unique run name (str)
-     "noise_multiplier": 3.0,          # noise std / l2_clip_norm
-     "sampling_prob": 0.08192,         # q = batch_size / num_examples
-     "num_steps": 1843,                # optimizer updates
-     "extra_events": [                 # optional, default []
-        {"kind": "gaussian", "noise_multiplier": 8.0, "count": 2}],
-     "timestamp": "2024-01-01T00:00:00+00:00"}   # optional, UTC, ISO 8601
+    {"run": "lr=2_sigma=3",                  # unique run name (str)
+     "mechanism": {...},                      # DPMechanism.to_dict(), with
+                                              # num_steps = the steps taken
+     "sampling_coins": "secret",              # or "fixed:<fingerprint>"
+     "timestamp": "2026-11-23T00:00:00+00:00"}  # UTC, ISO 8601
 
-`extra_events` are other private computations on the same data, e.g. the
-private data normalization of Tramer & Boneh 2021 (App. B, Algorithm 2,
-PrivDataNorm: two Gaussian queries, per-channel mean and mean-square, so
-`count` = 2). Only `"kind": "gaussian"` (a `dp_accounting.GaussianDpEvent`,
-optional integer `count` >= 1, default 1) is supported.
+The mechanism is the run's `tfdp.accounting.DPMechanism`, so its event is
+built the one way every tfdp event is (`DPMechanism.dp_event`), data
+normalization and the shuffle/replace-one accounting included.
 
-This plain schema is used rather than `dp_accounting`'s `to_named_tuple`
-(which is not JSON) so that a person can read and audit the ledger.
+Runs whose sampling seeds were drawn from OS entropy ("secret") are
+independent and compose as separate events. Runs that share a seed fixed by
+the user train on the same batches at every step they share; they carry the
+same fingerprint of that seed (a hash, not the seed), and
+`mechanism.shared_coins_event` composes them jointly, or refuses when their
+batches are correlated in another way (different N or B).
 
 A run name is unique: appending a run whose name is already in the ledger
 (e.g. after a training job was pre-empted and resumed) REPLACES its line
@@ -30,58 +30,36 @@ instead of counting the run twice.
 Nothing here imports TensorFlow.
 """
 
+import collections
 import datetime
+import hashlib
 import json
-import numbers
 import os
 import tempfile
-from typing import Any, Dict, Iterable, List, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import dp_accounting
 
 from tfdp.accounting import accountant as accountant_lib
+from tfdp.accounting import mechanism as mechanism_lib
 
 LEDGER_FILENAME = "ledger.jsonl"
+SECRET_COINS = "secret"
 
-_EXTRA_EVENT_KINDS = ("gaussian",)
+
+def seed_fingerprint(seed: int) -> str:
+    """"fixed:<16 hex digits>": identifies runs that share a user-fixed sampling seed.
+
+    A hash, so the ledger does not spell the seed out; a small seed can still
+    be found by trying them all, which is why fixed seeds are for debugging.
+    """
+    digest = hashlib.sha256(f"tfdp-sampling-seed:{int(seed)}".encode()).hexdigest()
+    return "fixed:" + digest[:16]
 
 
 def ledger_path(study_dir: str) -> str:
     """Returns the path of the ledger file of `study_dir`."""
     return os.path.join(os.fspath(study_dir), LEDGER_FILENAME)
-
-
-def _validate_extra_events(extra_events: Iterable[Dict[str, Any]]) -> List[Dict[str, Any]]:
-    result = []
-    for i, extra in enumerate(extra_events):
-        if not isinstance(extra, dict) or extra.get("kind") not in (_EXTRA_EVENT_KINDS):
-            raise ValueError(
-                f"extra_events[{i}] = {extra!r} is not supported: use a dict "
-                f"{{'kind': 'gaussian', 'noise_multiplier': s}} (optional 'count')."
-            )
-        unknown = set(extra) - {"kind", "noise_multiplier", "count"}
-        if unknown:
-            raise ValueError(
-                f"extra_events[{i}] has unknown keys {sorted(unknown)}; allowed: "
-                f"kind, noise_multiplier, count."
-            )
-        if "noise_multiplier" not in extra:
-            raise ValueError(f"extra_events[{i}] needs a 'noise_multiplier'.")
-        try:
-            accountant_lib.validate_privacy_params(noise_multiplier=extra["noise_multiplier"])
-        except ValueError as e:
-            raise ValueError(f"extra_events[{i}]: {e}") from None
-        count = extra.get("count", 1)
-        if not (isinstance(count, numbers.Integral) and not isinstance(count, bool) and count >= 1):
-            raise ValueError(f"extra_events[{i}]: count must be an integer >= 1, got {count!r}.")
-        result.append(
-            {
-                "kind": "gaussian",
-                "noise_multiplier": float(extra["noise_multiplier"]),
-                "count": int(count),
-            }
-        )
-    return result
 
 
 def read_runs(study_dir: str) -> List[Dict[str, Any]]:
@@ -95,7 +73,8 @@ def read_runs(study_dir: str) -> List[Dict[str, Any]]:
 
     Raises:
       FileNotFoundError: if `study_dir/ledger.jsonl` does not exist.
-      ValueError: if a line is not valid JSON or misses a required key.
+      ValueError: if a line is not valid JSON, misses a key, or was written
+        in the older schema without a mechanism.
     """
     path = ledger_path(study_dir)
     if not os.path.exists(path):
@@ -112,18 +91,22 @@ def read_runs(study_dir: str) -> List[Dict[str, Any]]:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(
-                    f"{path}:{line_number} is not valid JSON ({e}); " f"fix or delete that line."
+                    f"{path}:{line_number} is not valid JSON ({e}); fix or delete that line."
                 ) from None
-            missing = [
-                k
-                for k in ("run", "noise_multiplier", "sampling_prob", "num_steps")
-                if k not in record
-            ]
+            if "mechanism" not in record and "noise_multiplier" in record:
+                raise ValueError(
+                    f"{path}:{line_number} was written by an older tfdp without the run's "
+                    "mechanism (N, B, C, sampling, data normalization); its epsilon cannot be "
+                    "recomputed exactly. Start a new study directory.")
+            missing = [k for k in ("run", "mechanism", "sampling_coins") if k not in record]
             if missing:
                 raise ValueError(
-                    f"{path}:{line_number} misses the keys {missing}; every run needs"
-                    f" run, noise_multiplier, sampling_prob and num_steps."
-                )
+                    f"{path}:{line_number} misses the keys {missing}; every run needs run, "
+                    "mechanism and sampling_coins.")
+            try:
+                record["mechanism"] = mechanism_lib.DPMechanism.from_dict(record["mechanism"])
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"{path}:{line_number}: invalid mechanism: {e}") from None
             records.append(record)
     return records
 
@@ -132,10 +115,8 @@ def append_run(
     study_dir: str,
     *,
     run_name: str,
-    noise_multiplier: float,
-    sampling_prob: float,
-    num_steps: int,
-    extra_events: Sequence[Dict[str, Any]] = (),
+    mechanism: mechanism_lib.DPMechanism,
+    sampling_seed: Optional[int] = None,
 ) -> None:
     """Records one DP-SGD run of a study in `study_dir/ledger.jsonl`.
 
@@ -146,35 +127,33 @@ def append_run(
     Args:
       study_dir: the study directory.
       run_name: unique, non-empty name of the run.
-      noise_multiplier: noise std divided by l2_clip_norm (dimensionless), > 0.
-      sampling_prob: q = batch_size / num_examples, in (0, 1].
-      num_steps: optimizer updates actually run (not epochs), integer >= 1.
-      extra_events: other private computations on the same data, e.g.
-        `[{"kind": "gaussian", "noise_multiplier": 8.0, "count": 2}]` for
-        private data normalization (Tramer & Boneh 2021, App. B).
+      mechanism: the run's `DPMechanism`, with `num_steps` = the optimizer
+        updates actually taken.
+      sampling_seed: the sampling seed when the user fixed it (only its
+        fingerprint is written), or None for a secret one.
 
     Raises:
-      ValueError: if run_name is empty, a privacy parameter is out of range or
-        an extra event is malformed.
+      ValueError: if run_name is empty or mechanism is not a DPMechanism.
     """
     if not isinstance(run_name, str) or not run_name:
         raise ValueError(f"run_name must be a non-empty string, got {run_name!r}.")
-    accountant_lib.validate_privacy_params(
-        noise_multiplier=noise_multiplier, sampling_prob=sampling_prob, num_steps=num_steps
-    )
+    if not isinstance(mechanism, mechanism_lib.DPMechanism):
+        raise ValueError(f"mechanism must be a DPMechanism, got {type(mechanism).__name__}.")
     record = {
         "run": run_name,
-        "noise_multiplier": float(noise_multiplier),
-        "sampling_prob": float(sampling_prob),
-        "num_steps": int(num_steps),
-        "extra_events": _validate_extra_events(extra_events),
+        "mechanism": mechanism.to_dict(),
+        "sampling_coins": SECRET_COINS if sampling_seed is None else seed_fingerprint(
+            sampling_seed),
         "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(),
     }
-    line = json.dumps(record, sort_keys=False) + "\n"
+    line = json.dumps(record) + "\n"
     os.makedirs(study_dir, exist_ok=True)
     path = ledger_path(study_dir)
-    existing = read_runs(study_dir) if os.path.exists(path) else []
-    if not any(r["run"] == run_name for r in existing):
+    existing = []
+    if os.path.exists(path):
+        with open(path, encoding="utf-8") as f:
+            existing = [json.loads(l) for l in f if l.strip()]
+    if not any(r.get("run") == run_name for r in existing):
         with open(path, "a", encoding="utf-8") as f:
             f.write(line)
         return
@@ -182,40 +161,28 @@ def append_run(
     fd, tmp_path = tempfile.mkstemp(dir=os.fspath(study_dir), suffix=".tmp")
     with os.fdopen(fd, "w", encoding="utf-8") as f:
         for r in existing:
-            f.write(line if r["run"] == run_name else json.dumps(r) + "\n")
+            f.write(line if r.get("run") == run_name else json.dumps(r) + "\n")
     os.replace(tmp_path, path)
 
 
 def run_event(record: Dict[str, Any]) -> dp_accounting.DpEvent:
-    """Returns the DpEvent of one ledger record.
+    """Returns the DpEvent of one ledger record (its mechanism's `dp_event()`)."""
+    return record["mechanism"].dp_event()
 
-    Args:
-      record: a dict with the schema of the module docstring.
 
-    Returns:
-      `accountant_lib.dp_sgd_event(...)` for the run, composed (ComposedDpEvent)
-      with its extra events, if any.
-
-    Raises:
-      ValueError: if a parameter in the record is out of range.
-    """
-    event = accountant_lib.dp_sgd_event(
-        noise_multiplier=record["noise_multiplier"],
-        sampling_prob=record["sampling_prob"],
-        num_steps=record["num_steps"],
-    )
-    extras = _validate_extra_events(record.get("extra_events", ()))
-    if not extras:
-        return event
-    return dp_accounting.ComposedDpEvent(
-        [event]
-        + [
-            dp_accounting.SelfComposedDpEvent(
-                dp_accounting.GaussianDpEvent(e["noise_multiplier"]), e["count"]
-            )
-            for e in extras
-        ]
-    )
+def _study_event(records) -> dp_accounting.DpEvent:
+    """Independent runs compose; Poisson runs sharing fixed coins compose jointly."""
+    shared = collections.defaultdict(list)
+    events = []
+    for record in records:
+        coins, mech = record["sampling_coins"], record["mechanism"]
+        if coins != SECRET_COINS and mech.sampling == "poisson":
+            shared[coins].append(mech)
+        else:
+            events.append(mech.dp_event())
+    for mechanisms in shared.values():
+        events.append(mechanism_lib.shared_coins_event(mechanisms))
+    return dp_accounting.ComposedDpEvent(events)
 
 
 def study_event(study_dir: str) -> dp_accounting.ComposedDpEvent:
@@ -223,9 +190,10 @@ def study_event(study_dir: str) -> dp_accounting.ComposedDpEvent:
 
     Raises:
       FileNotFoundError: if the ledger does not exist.
-      ValueError: if the ledger is malformed.
+      ValueError: if the ledger is malformed, or runs share a fixed sampling
+        seed in a way that cannot be composed (`shared_coins_event`).
     """
-    return dp_accounting.ComposedDpEvent([run_event(r) for r in read_runs(study_dir)])
+    return _study_event(read_runs(study_dir))
 
 
 def study_epsilon(
@@ -247,20 +215,15 @@ def study_epsilon(
 
     Raises:
       FileNotFoundError: if the ledger does not exist.
-      ValueError: if delta or the accountant is invalid or the ledger is
-        malformed.
+      ValueError: if delta or the accountant is invalid, the ledger is
+        malformed, or runs share fixed coins that cannot be composed.
     """
     records = read_runs(study_dir)
     per_run = [
-        (
-            r["run"],
-            accountant_lib.epsilon_of_event(run_event(r), delta=delta, accountant=accountant),
-        )
+        (r["run"], accountant_lib.epsilon_of_event(run_event(r), delta=delta,
+                                                   accountant=accountant))
         for r in records
     ]
-    total = accountant_lib.epsilon_of_event(
-        dp_accounting.ComposedDpEvent([run_event(r) for r in records]),
-        delta=delta,
-        accountant=accountant,
-    )
+    total = accountant_lib.epsilon_of_event(_study_event(records), delta=delta,
+                                            accountant=accountant)
     return total, per_run

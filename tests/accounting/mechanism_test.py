@@ -1,0 +1,206 @@
+"""DPMechanism: one object for the run's privacy facts; planning, events, records."""
+
+import dataclasses
+import math
+
+import dp_accounting
+import pytest
+
+from tfdp import accounting
+from tfdp.accounting import mechanism as mechanism_lib
+
+COMMON = dict(num_examples=60000, batch_size=2048, l2_clip_norm=0.1, target_delta=1e-5)
+
+
+def _mechanism(**overrides):
+    fields = dict(num_examples=60000, batch_size=600, num_steps=100, noise_multiplier=1.0,
+                  l2_clip_norm=0.5, delta=1e-5)
+    return accounting.DPMechanism(**{**fields, **overrides})
+
+
+# -- Planning (formerly training/privacy.py) ------------------------------------------
+
+
+def test_noise_is_calibrated_to_the_target():
+    mech = accounting.plan_mechanism(num_steps=1172, target_epsilon=3.0, **COMMON)
+    assert mech.noise_calibrated and not mech.steps_capped
+    assert mech.sampling_prob == pytest.approx(2048 / 60000)
+    assert mech.epsilon() == pytest.approx(3.0, rel=2e-3)
+    assert mech.epsilon() <= 3.0
+    # The same sigma as the accountant's own calibration of the Poisson event.
+    assert mech.noise_multiplier == pytest.approx(accounting.calibrate_noise_multiplier(
+        target_epsilon=3.0, sampling_prob=2048 / 60000, num_steps=1172, delta=1e-5), rel=1e-3)
+
+
+def test_steps_are_capped_so_training_never_passes_the_target():
+    mech = accounting.plan_mechanism(num_steps=5000, noise_multiplier=1.0, target_epsilon=3.0,
+                                     **COMMON)
+    assert mech.steps_capped and mech.num_steps < 5000
+    assert mech.epsilon() <= 3.0 < mech.epsilon(mech.num_steps + 1)
+
+
+def test_epsilon_upper_bound_is_an_upper_bound():
+    mech = accounting.plan_mechanism(num_steps=100, noise_multiplier=1.0, **COMMON)
+    for step in (1, 9, 10, 11, 99, 100):
+        assert accounting.epsilon_upper_bound(mech, step) >= mech.epsilon(step)
+    assert accounting.epsilon_upper_bound(mech, 0) == 0.0
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (dict(noise_multiplier=0.0), "noise_multiplier"),
+        (dict(noise_multiplier=-1.0), "noise_multiplier"),
+        (dict(noise_multiplier=1.0, target_delta=1.0), "delta"),
+        (dict(noise_multiplier=1.0, batch_size=70000), "batch_size=70000 is larger"),
+        (dict(noise_multiplier=1.0, l2_clip_norm=0.0), "l2_clip_norm must be a finite number > 0"),
+        (dict(noise_multiplier=1.0, accountant="moments"), "Unknown accountant"),
+        (dict(noise_multiplier=1.0, sampling="shufle"), "Unknown sampling scheme"),
+        (dict(noise_multiplier=1.0, num_microbatches=0), "num_microbatches must be an integer"),
+        (dict(noise_multiplier=1.0, data_normalization={"noise_multiplier": 8.0}),
+         "missing keys"),
+        (dict(), "Neither NOISE_MULTIPLIER nor TARGET_EPSILON"),
+    ],
+)
+def test_bad_parameters_raise_clear_errors(overrides, message):
+    kwargs = dict(COMMON, num_steps=10)
+    kwargs.update(overrides)
+    with pytest.raises(ValueError, match=message):
+        accounting.plan_mechanism(**kwargs)
+
+
+def test_plan_uses_the_same_epsilon_as_the_accountant():
+    mech = accounting.plan_mechanism(num_steps=50, noise_multiplier=1.1, **COMMON)
+    assert mech.epsilon() == accounting.compute_epsilon(
+        noise_multiplier=1.1, sampling_prob=2048 / 60000, num_steps=50, delta=1e-5)
+
+
+NORM = {"noise_multiplier": 8.0, "l2_clip_norm_mean": 0.3, "l2_clip_norm_square": 0.15,
+        "threshold": 1e-4}
+
+
+def test_private_data_normalization_is_composed_into_epsilon():
+    plain = accounting.plan_mechanism(num_steps=50, noise_multiplier=1.1, **COMMON)
+    normed = accounting.plan_mechanism(num_steps=50, noise_multiplier=1.1,
+                                       data_normalization=NORM, **COMMON)
+    assert normed.epsilon() > plain.epsilon()
+    assert normed.epsilon(0) > 0  # released before the first step
+    calibrated = accounting.plan_mechanism(num_steps=50, target_epsilon=3.0,
+                                           data_normalization=NORM, **COMMON)
+    assert calibrated.epsilon() <= 3.0
+    assert calibrated.noise_multiplier > accounting.plan_mechanism(
+        num_steps=50, target_epsilon=3.0, **COMMON).noise_multiplier
+
+
+# -- Sensitivity, noise, division -------------------------------------------------------
+
+
+@pytest.mark.parametrize("overrides, sensitivity", [
+    (dict(), 0.5),                                              # C
+    (dict(normalize_update=True), 1.0),                         # De et al. eq. (3)
+    (dict(num_microbatches=8), 1.0),                            # 2C (Sec. 5.6)
+    (dict(num_microbatches=8, normalize_update=True), 2.0),
+    (dict(sampling="shuffle"), 1.0),                            # replace-one: 2C
+    (dict(sampling="shuffle", num_microbatches=8), 1.0),        # still 2C, not 4C
+    (dict(sampling="shuffle", normalize_update=True), 2.0),
+])
+def test_sensitivity_and_noise_std(overrides, sensitivity):
+    mech = _mechanism(noise_multiplier=3.0, **overrides)
+    assert mech.sensitivity() == pytest.approx(sensitivity)
+    assert mech.noise_stddev() == pytest.approx(3.0 * sensitivity)
+
+
+def test_update_divisor_is_the_expected_batch_or_the_microbatch_count():
+    assert _mechanism().update_divisor == 600.0
+    assert _mechanism(num_microbatches=8).update_divisor == 8.0
+
+
+def test_adjacency_follows_the_sampling():
+    assert _mechanism().adjacency == accounting.ADD_OR_REMOVE == "add-or-remove one example"
+    assert _mechanism(sampling="shuffle").adjacency == accounting.REPLACE_ONE
+
+
+# -- Events ------------------------------------------------------------------------------
+
+
+def test_poisson_event_is_the_subsampled_gaussian():
+    assert _mechanism().dp_event() == accounting.dp_sgd_event(
+        noise_multiplier=1.0, sampling_prob=0.01, num_steps=100)
+
+
+def test_shuffle_counts_the_epochs_touched_not_the_examples_seen():
+    # N = 10, B = 4: floor(10/4) = 2 batches per epoch, 2 examples dropped each epoch.
+    # T = 5 steps touch epochs 0, 1, 2: an example can be in 3 steps. ceil(T B / N) = 2
+    # would undercount.
+    mech = _mechanism(num_examples=10, batch_size=4, num_steps=5, sampling="shuffle",
+                      delta=1e-3)
+    assert mech.participations() == 3
+    assert mech.dp_event() == dp_accounting.SelfComposedDpEvent(
+        dp_accounting.GaussianDpEvent(1.0), 3)
+
+
+def test_shuffle_includes_the_data_normalization_at_replace_one():
+    norm = accounting.DataNormalization(**NORM)
+    mech = _mechanism(num_examples=10, batch_size=4, num_steps=5, sampling="shuffle",
+                      delta=1e-3, data_normalization=norm)
+    # Replace-one doubles the normalization's sensitivity: noise multiplier 8 / 2.
+    assert mech.dp_event() == dp_accounting.ComposedDpEvent([
+        dp_accounting.SelfComposedDpEvent(dp_accounting.GaussianDpEvent(1.0), 3),
+        dp_accounting.SelfComposedDpEvent(dp_accounting.GaussianDpEvent(4.0), 2)])
+    no_norm = dataclasses.replace(mech, data_normalization=None)
+    assert mech.epsilon() > no_norm.epsilon()
+    # What papers often quote for shuffling is smaller and is not the guarantee.
+    assert mech.epsilon_assuming_poisson() < mech.epsilon()
+
+
+def test_truncation_adds_to_the_guarantee_delta():
+    trunc = accounting.Truncation(static_batch_size=700, per_replica_batch_size=700,
+                                  num_replicas=1, truncation_probability=1e-9)
+    mech = _mechanism(truncation=trunc)
+    epsilon, delta = mech.guarantee()
+    assert epsilon == mech.epsilon()
+    assert delta == pytest.approx(1e-5 + (1 + math.exp(epsilon)) * 1e-9)
+    assert _mechanism().guarantee() == (mech.epsilon(), 1e-5)
+
+
+# -- Records: checkpoint and ledger ------------------------------------------------------
+
+
+def test_to_dict_round_trips():
+    mech = _mechanism(data_normalization=accounting.DataNormalization(**NORM),
+                      truncation=accounting.Truncation(700, 700, 1, 1e-9),
+                      num_microbatches=4, fixed_seeds=("noise_seed",))
+    assert accounting.DPMechanism.from_dict(mech.to_dict()) == mech
+
+
+@pytest.mark.parametrize("change, field", [
+    (dict(accountant="pld"), "accountant"),
+    (dict(normalize_update=True), "normalize_update"),
+    (dict(num_microbatches=4), "num_microbatches"),
+    (dict(sampling="shuffle"), "sampling"),
+    (dict(noise_multiplier=1.5), "noise_multiplier"),
+    (dict(batch_size=601), "batch_size"),
+    (dict(truncation=accounting.Truncation(700, 700, 1, 1e-9)), "static_batch_size"),
+    (dict(data_normalization=accounting.DataNormalization(**NORM)), "data_normalization"),
+    (dict(fixed_seeds=("sampling_seed",)), "fixed_seeds"),
+])
+def test_differences_name_the_field(change, field):
+    lines = _mechanism().differences(_mechanism(**change))
+    assert len(lines) == 1 and lines[0].startswith(field)
+
+
+def test_more_steps_are_not_a_different_mechanism():
+    assert _mechanism().differences(_mechanism(num_steps=500)) == []
+
+
+def test_runs_sharing_fixed_coins_compose_as_one_subsampled_mechanism():
+    a = _mechanism(noise_multiplier=2.0, num_steps=100)
+    b = _mechanism(noise_multiplier=2.0, num_steps=40)
+    # Steps 1-40: both runs on the same batch, sigma_eff = (1/4 + 1/4)^(-1/2) = sqrt(2).
+    event = mechanism_lib.shared_coins_event([a, b])
+    assert event == dp_accounting.ComposedDpEvent([
+        accounting.dp_sgd_event(noise_multiplier=math.sqrt(2), sampling_prob=0.01,
+                                num_steps=40),
+        accounting.dp_sgd_event(noise_multiplier=2.0, sampling_prob=0.01, num_steps=60)])
+    with pytest.raises(ValueError, match="same NUM_EXAMPLES and BATCH_SIZE"):
+        mechanism_lib.shared_coins_event([a, _mechanism(batch_size=601)])
