@@ -18,11 +18,24 @@ import pytest
 import tensorflow as tf
 from scipy import stats
 
+from tfdp import accounting
 from tfdp.training import distribute
 from tfdp.training.dp_model import DPModel
 
 REPLICAS = (1, 2, 4)
-SIGMA, CLIP, BATCH = 2.0, 0.5, 50.0  # noise std of the update: 2 * 0.5 / 50 = 0.02
+
+
+class _Noiseless(DPModel):
+    """A test double without noise: the arithmetic of clipping and division alone."""
+
+    def add_noise(self, summed):
+        return summed
+
+
+def _mechanism(l2_clip_norm, batch_size):
+    return accounting.DPMechanism(num_examples=1000, batch_size=batch_size, num_steps=10,
+                                  noise_multiplier=1.0, l2_clip_norm=l2_clip_norm, delta=1e-5)
+SIGMA, CLIP, BATCH = 2.0, 0.5, 50  # noise std of the update: 2 * 0.5 / 50 = 0.02
 
 _SCRIPT = r'''
 import sys
@@ -31,24 +44,85 @@ import tensorflow as tf
 cpu = tf.config.list_physical_devices("CPU")[0]
 tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 4)
 import keras
+from tfdp import accounting
 from tfdp import data
 from tfdp.training import distribute
 from tfdp.training.dp_model import DPModel
 
 out, replica_counts = sys.argv[1], [int(r) for r in sys.argv[2].split(",")]
-SIGMA, CLIP, BATCH = 2.0, 0.5, 50.0
+SIGMA, CLIP, BATCH = 2.0, 0.5, 50
 devices = [d.name for d in tf.config.list_logical_devices("CPU")]
 
 
-def build(strategy, hidden, **kwargs):
+class Noiseless(DPModel):
+    def add_noise(self, summed):
+        return summed
+
+
+class FixedIds(Noiseless):
+    """Microbatch ids of the whole logical batch from a table; replica r takes its slice."""
+
+    def draw_microbatch_ids(self, mask):
+        n = tf.shape(mask)[0]
+        replica = tf.distribute.get_replica_context().replica_id_in_sync_group
+        return tf.slice(self.id_table, [replica * n], [n])
+
+
+def mechanism(l2_clip_norm, noise_multiplier, batch_size, num_microbatches=None):
+    return accounting.DPMechanism(
+        num_examples=1000, batch_size=int(batch_size), num_steps=10,
+        noise_multiplier=noise_multiplier or 1.0, l2_clip_norm=l2_clip_norm, delta=1e-5,
+        num_microbatches=num_microbatches)
+
+
+def build(strategy, hidden, *, l2_clip_norm, noise_multiplier, batch_size, cls=None, **kwargs):
+    cls = cls or (Noiseless if noise_multiplier == 0 else DPModel)
     with strategy.scope():
         keras.utils.set_random_seed(0)
         inputs = keras.Input((8,))
         x = keras.layers.Dense(hidden, activation="tanh")(inputs)
         model = keras.Model(inputs, keras.layers.Dense(10)(x))
-        dp = DPModel(model, noise_seed=3, **kwargs)
+        dp = cls(model, mechanism(l2_clip_norm, noise_multiplier, batch_size), noise_seed=3,
+                 **kwargs)
         dp.compile(optimizer=keras.optimizers.SGD(1.0))
     return model, dp
+
+
+def microbatch_deltas(strategy, r):
+    """||clipped sum(D') - clipped sum(D)|| over every assignment of 2 microbatches.
+
+    D = [-3, 2, -1] and D' = [4, -3, 2, -1] (times 10 e_1), padded with masked slots
+    to 4 rows, so replica r holds a different slice of D and D' (R = 2: [d0, d1 | d2, pad]
+    vs [x, d0 | d1, d2]). Linear model, zero kernel, label 0, C = 1; the shared examples
+    keep their ids.
+    """
+    with strategy.scope():
+        inputs = keras.Input((2,))
+        model = keras.Model(inputs, keras.layers.Dense(
+            10, use_bias=False, kernel_initializer="zeros")(inputs))
+        dp = FixedIds(model, mechanism(1.0, 0.0, 4, num_microbatches=2))
+        dp.compile(optimizer=keras.optimizers.SGD(1.0))
+        dp.id_table = tf.Variable(tf.zeros([8], tf.int32), trainable=False)
+
+    def clipped_sum(cs):
+        kernel = model.trainable_variables[0]
+        kernel.assign(tf.zeros_like(kernel))
+        rows = [[10.0 * c, 0.0] for c in cs] + [[0.0, 0.0]] * (4 - len(cs))
+        mask = [1.0] * len(cs) + [0.0] * (4 - len(cs))
+        ds = tf.data.Dataset.from_tensors((tf.constant(rows), tf.zeros([4], tf.int32),
+                                           tf.constant(mask)))
+        dp.fit(distribute.distribute_logical_batches(strategy, ds), epochs=1, steps_per_epoch=1,
+               verbose=0)
+        return -2.0 * kernel.numpy()  # SGD lr 1: update = -clipped sum / M, M = 2
+
+    deltas = []
+    for ids in np.ndindex(2, 2, 2):
+        for added in range(2):
+            dp.id_table.assign(list(ids) + [0] * 5)
+            before = clipped_sum([-3, 2, -1])
+            dp.id_table.assign([added, *ids] + [0] * 4)
+            deltas.append(np.linalg.norm(clipped_sum([4, -3, 2, -1]) - before))
+    return np.array(deltas)
 
 
 def fit(strategy, dp, model, ds, steps):
@@ -87,6 +161,8 @@ for r in replica_counts:
     np.save(f"{out}/ema_{r}.npy", np.stack([
         np.concatenate([strategy.experimental_local_results(e.value)[i].numpy().ravel()
                         for e in dp.ema_variables]) for i in range(r)]))
+    # 3. Microbatches that span replicas: the sensitivity stays 2C.
+    np.save(f"{out}/microbatch_deltas_{r}.npy", microbatch_deltas(strategy, r))
 '''
 
 
@@ -146,7 +222,7 @@ def test_masked_padding_contributes_nothing():
         keras.utils.set_random_seed(0)
         inputs = keras.Input((8,))
         model = keras.Model(inputs, keras.layers.Dense(10)(keras.layers.Dense(16)(inputs)))
-        dp = DPModel(model, l2_clip_norm=0.05, noise_multiplier=0.0, batch_size=10.0)
+        dp = _Noiseless(model, _mechanism(0.05, 10))
         dp.compile(optimizer=keras.optimizers.SGD(1.0))
         before = [w.numpy().copy() for w in model.trainable_variables]
         logs = dp.train_step(tuple(tf.constant(t) for t in batch))
@@ -154,6 +230,18 @@ def test_masked_padding_contributes_nothing():
         updates.append([w.numpy() - b for w, b in zip(model.trainable_variables, before)])
     for a, b in zip(*updates):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-9)
+
+
+@pytest.mark.parametrize("replicas", REPLICAS)
+def test_microbatched_sensitivity_is_2c_across_replicas(replica_runs, replicas):
+    # Adjacent batches built by hand (tests/training/dp_model_test.py has the same with
+    # 1, 2 and 4 accumulation chunks): adding one example moves the others to another
+    # replica, but microbatches are summed over all replicas before clipping, so only
+    # the added example's microbatch changes.
+    deltas = replica_runs(f"microbatch_deltas_{replicas}")
+    assert deltas.shape == (16,)
+    assert deltas.max() <= 2.0 + 1e-5
+    assert deltas.max() >= 2.0 - 1e-5
 
 
 @pytest.mark.parametrize("replicas", REPLICAS[1:])
@@ -204,8 +292,7 @@ def test_static_chunks_give_the_update_of_variable_chunks():
         keras.utils.set_random_seed(0)
         inputs = keras.Input((8,))
         model = keras.Model(inputs, keras.layers.Dense(10)(keras.layers.Dense(16)(inputs)))
-        dp = DPModel(model, l2_clip_norm=0.05, noise_multiplier=0.0, batch_size=10.0,
-                     accumulation_steps=4)
+        dp = _Noiseless(model, _mechanism(0.05, 10), accumulation_steps=4)
         dp.compile(optimizer=keras.optimizers.SGD(1.0))
         step = tf.function(dp.train_step, input_signature=[(
             tf.TensorSpec([signature.shape[0], 8], tf.float32), signature,

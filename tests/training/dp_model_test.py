@@ -6,7 +6,25 @@ import pytest
 import tensorflow as tf
 from scipy import stats
 
+from tfdp import accounting
 from tfdp.training.dp_model import DPModel
+
+
+class _Noiseless(DPModel):
+    """A test double without noise: the arithmetic of clipping and division alone."""
+
+    def add_noise(self, summed):
+        return summed
+
+
+_MECHANISM_KEYS = ("l2_clip_norm", "noise_multiplier", "batch_size", "normalize_update",
+                   "num_microbatches")
+
+
+def _mechanism(*, l2_clip_norm, noise_multiplier, batch_size, **kwargs):
+    return accounting.DPMechanism(
+        num_examples=1000, batch_size=int(batch_size), num_steps=10,
+        noise_multiplier=noise_multiplier, l2_clip_norm=l2_clip_norm, delta=1e-5, **kwargs)
 
 
 def _mlp(seed=0, hidden=400, dim=8, classes=10):
@@ -17,7 +35,11 @@ def _mlp(seed=0, hidden=400, dim=8, classes=10):
 
 
 def _dp_model(model, *, lr=1.0, **kwargs):
-    dp = DPModel(model, **kwargs)
+    """A compiled DPModel; noise_multiplier=0 gives the noiseless test double."""
+    privacy = {k: kwargs.pop(k) for k in _MECHANISM_KEYS if k in kwargs}
+    sigma = privacy.pop("noise_multiplier")
+    cls = _Noiseless if sigma == 0 else DPModel
+    dp = cls(model, _mechanism(noise_multiplier=sigma or 1.0, **privacy), **kwargs)
     dp.compile(optimizer=keras.optimizers.SGD(learning_rate=lr))
     return dp
 
@@ -119,22 +141,32 @@ def test_metrics_report_pre_clip_norm_and_clipped_fraction():
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        (dict(l2_clip_norm=0.0, noise_multiplier=1.0, batch_size=4), "l2_clip_norm must be > 0"),
-        (dict(l2_clip_norm=1.0, noise_multiplier=-1.0, batch_size=4), "noise_multiplier must be >= 0"),
-        (dict(l2_clip_norm=1.0, noise_multiplier=1.0, batch_size=0), "batch_size"),
-        (dict(l2_clip_norm=1.0, noise_multiplier=1.0, batch_size=4, accumulation_steps=0),
-         "accumulation_steps must be >= 1"),
+        (dict(accumulation_steps=0), "accumulation_steps must be >= 1"),
+        (dict(ema_decay=1.0), "ema_decay must be in"),
     ],
 )
 def test_invalid_arguments_raise_clear_errors(kwargs, message):
+    mechanism = _mechanism(l2_clip_norm=1.0, noise_multiplier=1.0, batch_size=4)
     with pytest.raises(ValueError, match=message):
-        DPModel(_mlp(hidden=4), **kwargs)
+        DPModel(_mlp(hidden=4), mechanism, **kwargs)
+
+
+def test_the_mechanism_is_required():
+    with pytest.raises(ValueError, match="must be a tfdp.accounting.DPMechanism"):
+        DPModel(_mlp(hidden=4), {"l2_clip_norm": 1.0})
 
 
 def test_compile_rejects_a_loss():
-    dp = DPModel(_mlp(hidden=4), l2_clip_norm=1.0, noise_multiplier=1.0, batch_size=4)
+    dp = DPModel(_mlp(hidden=4), _mechanism(l2_clip_norm=1.0, noise_multiplier=1.0, batch_size=4))
     with pytest.raises(ValueError, match="does not take 'loss'"):
         dp.compile(optimizer="sgd", loss="mse")
+
+
+def test_secret_seed_is_not_in_the_config():
+    dp = DPModel(_mlp(hidden=4), _mechanism(l2_clip_norm=1.0, noise_multiplier=1.0, batch_size=4),
+                 noise_seed=1234)
+    assert "noise_seed" not in dp.get_config()
+    assert "1234" not in str(dp.get_config())
 
 
 def test_microbatched_noise_follows_the_2c_sensitivity():
@@ -223,3 +255,84 @@ def test_an_empty_poisson_batch_still_takes_a_noisy_step(accumulation_steps):
     assert int(dp.optimizer.iterations.numpy()) == 1
     assert all(np.all(np.isfinite(w)) for w in _weights(model))
     assert any(np.any(w0 != w1) for w0, w1 in zip(before, _weights(model)))
+
+
+class _FixedIds(_Noiseless):
+    """Noiseless, and the microbatch ids come from a table: adjacent batches by hand."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.id_table = tf.Variable(tf.zeros([8], tf.int32), trainable=False)
+
+    def draw_microbatch_ids(self, mask):
+        return self.id_table[:tf.shape(mask)[0]]
+
+
+def _linear_clipped_sums(accumulation_steps, num_microbatches):
+    """Clipped sums of D = [-3, 2, -1] and D' = [4, -3, 2, -1] (times 10 e_1), C = 1.
+
+    A linear model with a zero kernel and label 0 has per-example gradient
+    x (softmax - e_0), so these examples' gradients lie along one direction
+    with norms 10 |c| * 0.95 >> C: every clipped unit has norm exactly C.
+    Yields (ids of D, id of the added example, ||sum(D') - sum(D)||) for every
+    microbatch assignment, the shared examples keeping their ids (coupling).
+    """
+    inputs = keras.Input((2,))
+    model = keras.Model(inputs, keras.layers.Dense(10, use_bias=False,
+                                                   kernel_initializer="zeros")(inputs))
+    mechanism = _mechanism(l2_clip_norm=1.0, noise_multiplier=1.0, batch_size=4,
+                           num_microbatches=num_microbatches)
+    dp = _FixedIds(model, mechanism, accumulation_steps=accumulation_steps)
+    dp.compile(optimizer=keras.optimizers.SGD(1.0))
+    clipped_sum = tf.function(lambda x, y, m: dp.clip_and_accumulate(x, y, m)[0])
+
+    def batch(cs):
+        x = tf.constant([[10.0 * c, 0.0] for c in cs])
+        return x, tf.zeros([len(cs)], tf.int32), tf.ones([len(cs)])
+
+    d, d_plus = batch([-3, 2, -1]), batch([4, -3, 2, -1])
+    m = num_microbatches or 1
+    for ids in np.ndindex(*([m] * 3)):
+        for added in range(m):
+            dp.id_table.assign(list(ids) + [0] * 5)
+            before = clipped_sum(*d)
+            dp.id_table.assign([added, *ids] + [0] * 4)
+            after = clipped_sum(*d_plus)
+            delta = np.sqrt(sum(np.sum((a - b).numpy() ** 2) for a, b in zip(after, before)))
+            yield ids, added, delta
+
+
+@pytest.mark.parametrize("accumulation_steps", [1, 2, 4])
+def test_microbatched_sensitivity_is_2c_for_any_chunking(accumulation_steps):
+    # The review's reproduction (How to DP-fy ML Sec. 5.6): with 2 accumulation chunks and
+    # per-chunk microbatches, adding 4 at index 0 moved the later examples across the chunk
+    # boundary and changed both microbatches: ||delta|| = 4C. Microbatches that span the
+    # chunks change only the added example's one: <= 2C, whatever the ids.
+    deltas = [delta for _, _, delta in _linear_clipped_sums(accumulation_steps, 2)]
+    assert len(deltas) == 16
+    assert max(deltas) <= 2.0 + 1e-5
+    assert max(deltas) >= 2.0 - 1e-5  # e.g. all in one microbatch: mean -1 -> +1 (tight)
+
+
+@pytest.mark.parametrize("accumulation_steps", [1, 2, 4])
+def test_per_example_sensitivity_is_c_for_any_chunking(accumulation_steps):
+    deltas = [delta for _, _, delta in _linear_clipped_sums(accumulation_steps, None)]
+    assert deltas == pytest.approx([1.0], abs=1e-5)  # exactly the added clipped vector
+
+
+@pytest.mark.parametrize("batch, accumulation_steps", [(0, 1), (0, 2), (1, 2), (3, 4)])
+def test_empty_chunks_of_a_conv_model_are_padded_not_an_error(batch, accumulation_steps):
+    # Poisson batches can be empty or smaller than the chunk count; vectorized conv kernel
+    # gradients fail on an empty chunk ("Tried to stack elements of an empty list").
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((6, 6, 1))
+    x = keras.layers.Conv2D(2, 3)(inputs)
+    model = keras.Model(inputs, keras.layers.Dense(10)(keras.layers.Flatten()(x)))
+    dp = _dp_model(model, l2_clip_norm=1.0, noise_multiplier=0.0, batch_size=4.0,
+                   accumulation_steps=accumulation_steps)
+    step = tf.function(dp.train_step, input_signature=[(
+        tf.TensorSpec([None, 6, 6, 1], tf.float32), tf.TensorSpec([None], tf.int32))])
+    before = _weights(model)
+    step((tf.ones([batch, 6, 6, 1]), tf.zeros([batch], tf.int32)))
+    changed = any(np.any(w0 != w1) for w0, w1 in zip(before, _weights(model)))
+    assert changed == (batch > 0)  # noiseless: only real examples move the weights

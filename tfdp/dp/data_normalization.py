@@ -23,6 +23,8 @@ them to the run's accounting by composing `data_normalization_dp_event`
 
 import tensorflow as tf
 
+from tfdp.dp import coins
+
 
 def _check_positive(name, value):
     if not value > 0:
@@ -107,7 +109,8 @@ def private_channel_mean_and_var(
       noise_multiplier: sigma_norm >= 0, noise std divided by the clipping
         norm (dimensionless), the same for both mechanisms.
       threshold: tau >= 0, lower bound of the released variance.
-      seed: None (default) draws the noise from a non-deterministic source.
+      seed: None (default) draws the noise from a generator seeded from OS
+        entropy (`tfdp.dp.coins`).
         An int makes the noise reproducible: ONLY for tests, since anyone who
         knows the seed can subtract the noise.
       generator: optional `tf.random.Generator` to draw the noise from (as
@@ -167,7 +170,7 @@ def private_channel_mean_and_var(
     shape = tf.shape(sum_mean)
     if seed is None:
         if generator is None:
-            generator = tf.random.Generator.from_non_deterministic_state()
+            generator = coins.noise_generator()
         noise_mean = generator.normal(shape)
         noise_square = generator.normal(shape)
     else:

@@ -114,6 +114,35 @@ def output_dir(workdir, strategy):
     return path
 
 
+def broadcast_from_chief(strategy, value: int) -> int:
+    """Every worker gets the chief's `value` (an int64), e.g. the secret sampling seed.
+
+    Each worker process draws its own secret coins, but the Poisson batches
+    must be the same on every worker (`distribute_logical_batches`). Under
+    `multi_worker_mirrored` the value is all-reduced (SUM) with only global
+    replica 0, on the chief, contributing it; nothing is written or logged.
+    Single-process strategies return `value` unchanged.
+
+    Args:
+      strategy: the run's strategy.
+      value: this process's value, an int in [0, 2**63).
+
+    Returns:
+      The chief's value, a Python int.
+    """
+    if not isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
+        return int(value)
+
+    def replica_fn():
+        context = tf.distribute.get_replica_context()
+        first = tf.equal(context.replica_id_in_sync_group, 0)
+        mine = tf.where(first, tf.constant(int(value), tf.int64), tf.constant(0, tf.int64))
+        return context.all_reduce(tf.distribute.ReduceOp.SUM, mine)
+
+    result = strategy.run(replica_fn)
+    return int(strategy.experimental_local_results(result)[0].numpy())
+
+
 def per_replica_batch_size(static_batch_size, num_replicas, accumulation_steps=1):
     """Examples per replica per step for a static logical batch, with a clear error.
 

@@ -5,7 +5,9 @@ import contextlib
 import keras
 import tensorflow as tf
 
+from tfdp import accounting
 from tfdp.dp import clipping
+from tfdp.dp import coins
 from tfdp.dp import noise
 from tfdp.training import ema
 
@@ -13,66 +15,70 @@ from tfdp.training import ema
 class DPModel(keras.Model):
     """Wraps a Keras classifier and trains it with DP-SGD.
 
-    `train_step` follows the step order of Keras 3's own TensorFlow trainer
-    (`keras/src/backend/tensorflow/trainer.py`): unpack, forward, gradients,
-    `optimizer.apply_gradients`, metrics. Only the gradient differs:
+    Every privacy fact comes from one `tfdp.accounting.DPMechanism`: the clip
+    norm, the noise std (`mechanism.noise_stddev()`, noise_multiplier times
+    the sensitivity) and the divisor (`mechanism.update_divisor`); nothing
+    here recomputes them.
 
-    1. per-example gradients with `tf.vectorized_map`; with augmentation
-       multiplicity the loss of one example is the mean over its K views, so its
-       gradient is the mean of the K view gradients (De et al. 2022, eq. (4));
-    2. each example's gradient is clipped to global L2 norm <= `l2_clip_norm`
-       (and divided by it when `normalize_update`, De et al. 2022, eq. (3));
-    3. one call of `train_step` is one LOGICAL batch and one optimizer update.
-       With `accumulation_steps` = a > 1 (virtual batching) the batch is cut
-       into a chunks processed one after another in a `tf.while_loop`, so only
-       one chunk's per-example gradients are in memory; their clipped sums
-       are added up, Gaussian noise of std `noise_multiplier * sensitivity` is
-       added ONCE, the sum is divided by the expected logical batch size
-       `batch_size` (public, never the realized size), and the optimizer takes
-       one step (De et al. 2022, App. A.1, Algorithm 1). No update sits inside
-       a conditional, which keeps the step valid under every tf.distribute
-       strategy.
+    `train_step` follows the step order of Keras 3's own TensorFlow trainer
+    (`keras/src/backend/tensorflow/trainer.py`): unpack, gradients,
+    `optimizer.apply_gradients`, metrics. The gradient is made in three named
+    steps (as Opacus' `DPOptimizer.pre_step`), each overridable:
+
+    1. `clip_and_accumulate`: per-example gradients with `tf.vectorized_map`
+       (with augmentation multiplicity the loss of one example is the mean
+       over its K views, so its gradient is the mean of the K view gradients,
+       De et al. 2022, eq. (4)); each example's gradient is clipped to global
+       L2 norm <= C (and divided by C with `normalize_update`, eq. (3)); the
+       clipped gradients are summed. One call of `train_step` is one LOGICAL
+       batch and one optimizer update. With `accumulation_steps` = a > 1
+       (virtual batching) the batch is cut into a chunks processed one after
+       another in a `tf.while_loop`, so only one chunk's per-example
+       gradients are in memory (De et al. 2022, App. A.1, Algorithm 1).
+    2. `add_noise`: Gaussian noise of std `mechanism.noise_stddev()` ONCE per
+       logical batch, after accumulation.
+    3. `scale_update`: divide by `mechanism.update_divisor`, the expected
+       logical batch size B (public, never the realized size), or the number
+       of microbatches M.
+
+    No update sits inside a conditional, which keeps the step valid under
+    every tf.distribute strategy.
 
     Replicas. Keras 3 all-reduces gradients across replicas with a SUM
     (`keras/src/backend/tensorflow/optimizer.py`). Each replica therefore adds
-    its own independent draw of std `noise_multiplier * sensitivity / sqrt(R)`
+    its own independent draw of std `noise_stddev / sqrt(R)`
     (`tfdp.dp.noise.noise_stddev_per_replica`); the sum has std exactly
-    `noise_multiplier * sensitivity`. (De et al. 2022, App. A.1, instead share
-    one draw scaled by 1/R; both are exact, independent draws need no shared
-    key.) The draws are independent because the noise generator is a
-    `tf.random.Generator` created in `__init__`, i.e. under the strategy scope
-    where the DPModel must be built: such a generator hashes
-    `replica_id_in_sync_group` into its Philox key on every draw
-    (`tensorflow/python/ops/stateful_random_ops.py`, `_preprocess_key`), so
-    the replicas share the counter but not the key. Its state is
-    checkpointed; a run resumed from step t continues the counter from there,
-    so noise already used is never redrawn for another batch (steps after the
-    checkpoint are replayed with the same batch AND the same noise). Verified
-    by `tests/training/distribute_test.py` (a KS test on the summed noise for
-    R = 1, 2, 4; shared draws would give std sqrt(R) times too large).
-    Build the DPModel inside `strategy.scope()`; each replica receives a
-    contiguous slice of the logical batch (`tfdp.training.distribute`).
+    `noise_stddev`. (De et al. 2022, App. A.1, instead share one draw scaled
+    by 1/R; both are exact, independent draws need no shared key.) The draws
+    are independent because the noise generator is a `tf.random.Generator`
+    created in `__init__`, i.e. under the strategy scope where the DPModel
+    must be built: such a generator hashes `replica_id_in_sync_group` into its
+    Philox key on every draw (`tensorflow/python/ops/stateful_random_ops.py`,
+    `_preprocess_key`), so the replicas share the counter but not the key.
+    Its state starts from OS entropy (`tfdp.dp.coins`) unless `noise_seed` is
+    fixed, and it is checkpointed: a run resumed from step t continues the
+    counter from there, so noise already used is never redrawn for another
+    batch (steps after the checkpoint are replayed with the same batch AND
+    the same noise). Verified by `tests/training/distribute_test.py` (a KS
+    test on the summed noise for R = 1, 2, 4; shared draws would give std
+    sqrt(R) times too large). Build the DPModel inside `strategy.scope()`;
+    each replica receives a contiguous slice of the logical batch
+    (`tfdp.training.distribute`).
 
-    Inputs to `fit`: `(images, labels)` or `(images, labels, mask)` where
-    `images` is float32 or uint8 `[batch, height, width, channels]` (one view) or
-    `[batch, augmult, height, width, channels]` (K views), `labels` is int
-    `[batch]` and `mask` float32 `[batch]` is 1 for real examples and 0 for
-    padding (padding contributes exactly nothing). `batch` may vary from step to
-    step (Poisson sampling).
-
-    Microbatching (`num_microbatches`, TF Privacy's semantics). Each example
-    joins one of the microbatches uniformly at random (ids drawn from the noise
-    generator, independent of the data), the MEAN gradient of each microbatch
-    is clipped, the clipped means are summed, noise of std
-    `noise_multiplier * 2 * l2_clip_norm` is added, and the result is divided by
-    `num_microbatches` (How to DP-fy ML, Ponomareva et al. 2023, Sec. 5.6,
-    Algorithm 3). Why 2C: the ids of the other examples do not depend on the
-    data, so adding or removing one example changes only its own microbatch,
-    whose clipped mean moves from some v to some v' with |v|, |v'| <= C, hence
-    |v - v'| <= 2C. (Assigning microbatches by position in the batch, as a
-    reshape does, would not give this: one added example shifts every later
-    example into another microbatch.) The accountant's noise_multiplier is
-    unchanged because the noise grows with the sensitivity.
+    Microbatching (`mechanism.num_microbatches` = M, TF Privacy's semantics).
+    Each example joins microbatch j ~ Uniform{0..M-1}, drawn i.i.d. from the
+    noise generator (`draw_microbatch_ids`), independent of the data and of
+    its position. The gradient SUM and the count of every microbatch are
+    accumulated over all chunks and, with an all-reduce, over all replicas;
+    only then is each microbatch's MEAN clipped, and the clipped means are
+    summed (How to DP-fy ML, Ponomareva et al. 2023, Sec. 5.6, Algorithm 3).
+    So the clipped sum depends only on the multiset of (example, microbatch)
+    pairs, not on how the batch was cut into chunks and replicas, and adding
+    or removing one example changes one microbatch's clipped mean from v to
+    v', |v - v'| <= 2C: the mechanism's 2C sensitivity. (Clipping microbatches
+    per chunk or per replica would not give this: one added example shifts
+    every later example into another chunk, and several microbatches change.)
+    Memory: M accumulators of the model's size per replica.
 
     EMA (`ema_decay`). After every update the average `e <- d e + (1 - d) w`
     with `d = min(ema_decay, (1 + t) / (10 + t))` (De et al. 2022, App. C.3);
@@ -85,6 +91,13 @@ class DPModel(keras.Model):
     invariant Keras relies on for its own weights and slots. Tested with 2 and
     4 replicas in `tests/training/distribute_test.py`.
 
+    Inputs to `fit`: `(images, labels)` or `(images, labels, mask)` where
+    `images` is float32 or uint8 `[batch, height, width, channels]` (one view) or
+    `[batch, augmult, height, width, channels]` (K views), `labels` is int
+    `[batch]` and `mask` float32 `[batch]` is 1 for real examples and 0 for
+    padding (padding contributes exactly nothing). `batch` may vary from step to
+    step (Poisson sampling).
+
     Metrics: `loss`, `accuracy` (on the mean logits of the views), `grad_norm`
     (mean pre-clip norm of the clipped units: examples, or microbatches) and
     `clipped_fraction`.
@@ -93,26 +106,17 @@ class DPModel(keras.Model):
       model: the classifier, a built `keras.Model` mapping float32 images
         `[batch, height, width, channels]` in [0, 255] to logits
         `[batch, num_classes]`. It must not mix examples (no BatchNorm).
-      l2_clip_norm: C > 0, the per-example L2 bound.
-      noise_multiplier: sigma >= 0, noise std divided by the sensitivity
-        (dimensionless). 0 disables noise (not private).
-      batch_size: the expected LOGICAL batch size B = sampling_prob * N
-        (examples per optimizer update, across replicas and accumulation
-        steps). The noisy sum is divided by it.
+      mechanism: the run's `tfdp.accounting.DPMechanism` (clip norm, noise,
+        divisor, microbatches).
       accumulation_steps: chunks per logical batch (per replica), processed
         sequentially to bound memory.
-      normalize_update: De et al. 2022, eq. (3).
-      noise_seed: int seed of the noise generator, or None for a
-        non-deterministic one (what a private release should use).
-      num_microbatches: None (per-example clipping) or microbatches per
-        logical batch; must be a multiple of accumulation_steps * replicas.
+      noise_seed: None (default: secret, from OS entropy), or an int to
+        reproduce a run. Not returned by `get_config` (a secret).
       ema_decay: None (no EMA) or the asymptotic EMA decay in [0, 1).
 
     Raises:
-      ValueError: on a non-positive `l2_clip_norm`, `batch_size` or
-        `accumulation_steps`, a negative `noise_multiplier`, an `ema_decay`
-        outside [0, 1), or a `num_microbatches` that is not a positive multiple
-        of `accumulation_steps`.
+      ValueError: on a `mechanism` that is not a DPMechanism, an
+        `accumulation_steps` < 1, or an `ema_decay` outside [0, 1).
 
     Reference:
       Abadi et al. 2016, Algorithm 1; De et al. 2022, Sec. 2 and App. A.1.
@@ -121,48 +125,27 @@ class DPModel(keras.Model):
     def __init__(
         self,
         model,
+        mechanism,
         *,
-        l2_clip_norm,
-        noise_multiplier,
-        batch_size,
         accumulation_steps=1,
-        normalize_update=False,
         noise_seed=None,
-        num_microbatches=None,
         ema_decay=None,
         **kwargs,
     ):
         super().__init__(**kwargs)
-        if not l2_clip_norm > 0:
-            raise ValueError(f"l2_clip_norm must be > 0, got {l2_clip_norm}.")
-        if noise_multiplier < 0:
-            raise ValueError(f"noise_multiplier must be >= 0, got {noise_multiplier}.")
-        if not batch_size > 0:
-            raise ValueError(f"batch_size (expected logical batch) must be > 0, got {batch_size}.")
+        if not isinstance(mechanism, accounting.DPMechanism):
+            raise ValueError(
+                f"mechanism must be a tfdp.accounting.DPMechanism (e.g. from "
+                f"tfdp.accounting.plan_mechanism), got {type(mechanism).__name__}.")
         if int(accumulation_steps) < 1:
             raise ValueError(f"accumulation_steps must be >= 1, got {accumulation_steps}.")
-        if num_microbatches is not None and (
-            int(num_microbatches) < 1 or int(num_microbatches) % int(accumulation_steps)
-        ):
-            raise ValueError(
-                f"num_microbatches={num_microbatches} must be a positive multiple of "
-                f"accumulation_steps={accumulation_steps} (microbatches per logical batch)."
-            )
         if ema_decay is not None and not 0.0 <= ema_decay < 1.0:
             raise ValueError(f"ema_decay must be in [0, 1) or None, got {ema_decay}.")
         self.model = model
-        self.num_microbatches = None if num_microbatches is None else int(num_microbatches)
-        self.ema_decay = None if ema_decay is None else float(ema_decay)
-        self.l2_clip_norm = float(l2_clip_norm)
-        self.noise_multiplier = float(noise_multiplier)
-        self.batch_size = float(batch_size)
+        self.mechanism = mechanism
         self.accumulation_steps = int(accumulation_steps)
-        self.normalize_update = bool(normalize_update)
-        self.noise_seed = noise_seed
-        if noise_seed is None:
-            self.noise_generator = tf.random.Generator.from_non_deterministic_state()
-        else:
-            self.noise_generator = tf.random.Generator.from_seed(noise_seed)
+        self.ema_decay = None if ema_decay is None else float(ema_decay)
+        self.noise_generator = coins.noise_generator(noise_seed)
         self.loss_tracker = keras.metrics.Mean(name="loss")
         self.accuracy_tracker = keras.metrics.Mean(name="accuracy")
         self.grad_norm_tracker = keras.metrics.Mean(name="grad_norm")
@@ -178,30 +161,14 @@ class DPModel(keras.Model):
         self.built = bool(getattr(model, "built", False))
 
     def get_config(self):
+        # noise_seed is left out on purpose: a seed written into a saved
+        # config would make the noise public.
         return {
             "model": keras.saving.serialize_keras_object(self.model),
-            "l2_clip_norm": self.l2_clip_norm,
-            "noise_multiplier": self.noise_multiplier,
-            "batch_size": self.batch_size,
+            "mechanism": self.mechanism.to_dict(),
             "accumulation_steps": self.accumulation_steps,
-            "normalize_update": self.normalize_update,
-            "noise_seed": self.noise_seed,
-            "num_microbatches": self.num_microbatches,
             "ema_decay": self.ema_decay,
         }
-
-    @property
-    def sensitivity(self):
-        """L2 sensitivity of one logical batch's clipped sum (C; 1 normalized; x2 microbatched)."""
-        return noise.sensitivity(
-            self.l2_clip_norm, normalize=self.normalize_update,
-            num_microbatches=self.num_microbatches,
-        )
-
-    @property
-    def update_divisor(self):
-        """What the noisy sum is divided by: B, or the number of microbatches."""
-        return float(self.num_microbatches) if self.num_microbatches else self.batch_size
 
     def call(self, inputs, training=False):
         return self.model(inputs, training=training)
@@ -272,11 +239,10 @@ class DPModel(keras.Model):
         if mask is None:
             mask = tf.ones(tf.shape(labels)[:1], tf.float32)
         mask = tf.cast(mask, tf.float32)
-        if self.accumulation_steps == 1:
-            summed, stats = self._clipped_chunk(images, labels, mask)
-        else:
-            summed, stats = self._accumulate_chunks(images, labels, mask)
-        self._apply_noisy_update(summed)
+        summed, stats = self.clip_and_accumulate(images, labels, mask)
+        gradients = self.scale_update(self.add_noise(summed))
+        self.optimizer.apply_gradients(zip(gradients, self.trainable_variables))
+        self._update_ema()
         loss_sum, correct, norm_sum, clipped_count, examples, units = stats
         self.loss_tracker.update_state(_safe_mean(loss_sum, examples), sample_weight=examples)
         self.accuracy_tracker.update_state(_safe_mean(correct, examples), sample_weight=examples)
@@ -284,116 +250,127 @@ class DPModel(keras.Model):
         self.clipped_tracker.update_state(_safe_mean(clipped_count, units), sample_weight=units)
         return {m.name: m.result() for m in self.metrics}
 
+    # -- Step 1: clip and accumulate ----------------------------------------
+
+    def clip_and_accumulate(self, images, labels, mask):
+        """This replica's share of the logical batch's clipped gradient sum.
+
+        Args:
+          images: `[batch, ...]` this replica's slice (one view or K views).
+          labels: int `[batch]`.
+          mask: float32 `[batch]`, 0 on padding.
+
+        Returns:
+          `(summed, stats)`: `summed[i]` float32 of `trainable_variables[i]`'s
+          shape; over all replicas the SUM of `summed` is the clipped sum of
+          the logical batch. `stats` are the metric sums (loss, correct,
+          pre-clip norms, clipped units, examples, clipped units count).
+        """
+        if self.mechanism.num_microbatches:
+            return self._microbatch_clipped_sum(images, labels, mask)
+        zeros = [tf.zeros_like(v) for v in self.trainable_variables]
+        initial = (zeros, tuple(tf.zeros([]) for _ in range(6)))
+        return self._accumulate(self._clipped_chunk, (images, labels, mask), initial)
+
+    def _accumulate(self, chunk_fn, tensors, initial):
+        """Sums `chunk_fn(*chunk)` over `accumulation_steps` consecutive chunks.
+
+        The batch is padded with zero rows (mask 0, contributing nothing) to
+        a positive multiple of `accumulation_steps`, so that every chunk has
+        the same shape and at least one row (an empty Poisson batch or chunk
+        would otherwise break the vectorized conv gradients), then cut with a
+        `reshape`: chunk i is row i. A static batch that already splits
+        evenly is not padded, so its chunks keep one static shape, as XLA and
+        TPUs need.
+        """
+        a = self.accumulation_steps
+        tensors = _pad_rows(tensors, a)
+        if a == 1:
+            return tf.nest.map_structure(tf.add, initial, chunk_fn(*tensors))
+        split = [tf.reshape(t, [a, -1, *_dims(t)[1:]]) for t in tensors]
+
+        def body(i, total):
+            return i + 1, tf.nest.map_structure(tf.add, total, chunk_fn(*[t[i] for t in split]))
+
+        _, total = tf.while_loop(lambda i, _: i < a, body, (tf.constant(0), initial))
+        return total
+
     def _clipped_chunk(self, images, labels, mask):
-        """Clipped gradient sum of one chunk and its metric sums."""
+        """Clipped gradient sum of one chunk (per-example clipping) and its metric sums."""
         grads, (losses, logits) = clipping.per_example_gradients(
             self._example_loss, self.trainable_variables, (images, labels)
         )
-        if self.num_microbatches:
-            grads, unit_mask = self._microbatch_means(grads, mask)
-        else:
-            unit_mask = mask
         summed, norms, clipped = clipping.clipped_sum(
-            grads, self.l2_clip_norm, normalize=self.normalize_update, mask=unit_mask
-        )
-        hits = tf.cast(
-            tf.equal(tf.argmax(logits, -1, output_type=tf.int32), tf.cast(labels, tf.int32)),
-            tf.float32,
+            grads, self.mechanism.l2_clip_norm, normalize=self.mechanism.normalize_update,
+            mask=mask,
         )
         stats = (
             tf.reduce_sum(losses * mask),
-            tf.reduce_sum(hits * mask),
-            tf.reduce_sum(norms * unit_mask),
+            tf.reduce_sum(_hits(logits, labels) * mask),
+            tf.reduce_sum(norms * mask),
             tf.reduce_sum(clipped),
             tf.reduce_sum(mask),
-            tf.reduce_sum(unit_mask),
+            tf.reduce_sum(mask),
         )
         return summed, stats
 
-    def _accumulate_chunks(self, images, labels, mask):
-        """Sums `_clipped_chunk` over `accumulation_steps` consecutive chunks.
+    def draw_microbatch_ids(self, mask):
+        """Each example's microbatch: i.i.d. Uniform{0..M-1}, int32 `[batch]`.
 
-        A static batch (padded to a multiple of `accumulation_steps`) is cut
-        into chunks of one static shape, as XLA and TPUs need; a variable one
-        into `ceil(batch / accumulation_steps)`-sized slices.
+        Drawn from the (secret) noise generator, independent of the data and
+        of the positions (see the class docstring).
         """
-        static = labels.shape[0]
-        if static is not None and static % self.accumulation_steps == 0:
-            return self._accumulate_static_chunks(images, labels, mask)
-        size = tf.shape(labels)[0]
-        chunk = (size + self.accumulation_steps - 1) // self.accumulation_steps
-        zeros = [tf.zeros_like(v) for v in self.trainable_variables]
-        zero_stats = tuple(tf.zeros([]) for _ in range(6))
+        return self.noise_generator.uniform(
+            tf.shape(mask), 0, self.mechanism.num_microbatches, dtype=tf.int32)
 
-        def body(i, summed, stats):
-            start = tf.minimum(i * chunk, size)
-            end = tf.minimum(start + chunk, size)
-            part, part_stats = self._clipped_chunk(
-                images[start:end], labels[start:end], mask[start:end]
+    def _microbatch_clipped_sum(self, images, labels, mask):
+        """Clipped sum of microbatch means, microbatches global over chunks and replicas."""
+        m = self.mechanism.num_microbatches
+        ids = self.draw_microbatch_ids(mask)
+
+        def chunk_fn(images, labels, mask, ids):
+            grads, (losses, logits) = clipping.per_example_gradients(
+                self._example_loss, self.trainable_variables, (images, labels)
             )
-            return (
-                i + 1,
-                [a + b for a, b in zip(summed, part)],
-                tuple(a + b for a, b in zip(stats, part_stats)),
-            )
+            sums = [tf.math.unsorted_segment_sum(g * _expand(mask, g), ids, m) for g in grads]
+            counts = tf.math.unsorted_segment_sum(mask, ids, m)
+            stats = (tf.reduce_sum(losses * mask), tf.reduce_sum(_hits(logits, labels) * mask),
+                     tf.reduce_sum(mask))
+            return sums, counts, stats
 
-        _, summed, stats = tf.while_loop(
-            lambda i, *_: i < self.accumulation_steps, body, (tf.constant(0), zeros, zero_stats)
-        )
-        return summed, stats
-
-    def _accumulate_static_chunks(self, images, labels, mask):
-        """`_accumulate_chunks` for a static batch: chunk i is row i of a reshape."""
-        a = self.accumulation_steps
-
-        def chunks(t):
-            return tf.reshape(t, [a, t.shape[0] // a, *t.shape[1:]])
-
-        images, labels, mask = chunks(images), chunks(labels), chunks(mask)
-        zeros = [tf.zeros_like(v) for v in self.trainable_variables]
-        zero_stats = tuple(tf.zeros([]) for _ in range(6))
-
-        def body(i, summed, stats):
-            part, part_stats = self._clipped_chunk(images[i], labels[i], mask[i])
-            return (
-                i + 1,
-                [s + p for s, p in zip(summed, part)],
-                tuple(s + p for s, p in zip(stats, part_stats)),
-            )
-
-        _, summed, stats = tf.while_loop(
-            lambda i, *_: i < a, body, (tf.constant(0), zeros, zero_stats)
-        )
-        return summed, stats
-
-    def _microbatch_means(self, grads, mask):
-        """Mean gradient of each microbatch; examples join one uniformly at random."""
-        replicas = self.distribute_strategy.num_replicas_in_sync
-        per_call, remainder = divmod(self.num_microbatches, self.accumulation_steps * replicas)
-        if remainder:
-            raise ValueError(
-                f"num_microbatches={self.num_microbatches} is not a multiple of "
-                f"accumulation_steps * replicas = {self.accumulation_steps * replicas}."
-            )
-        ids = self.noise_generator.uniform(tf.shape(mask), 0, per_call, dtype=tf.int32)
-        counts = tf.math.unsorted_segment_sum(mask, ids, per_call)
-        means = []
-        for g in grads:
-            weighted = g * tf.reshape(mask, [-1] + [1] * (g.shape.rank - 1))
-            total = tf.math.unsorted_segment_sum(weighted, ids, per_call)
-            denom = tf.reshape(tf.maximum(counts, 1.0), [-1] + [1] * (g.shape.rank - 1))
-            means.append(total / denom)
-        return means, tf.cast(counts > 0, tf.float32)
-
-    def _apply_noisy_update(self, summed):
-        """Noise once per logical batch, divide by the expected batch, step."""
+        initial = ([tf.zeros([m, *v.shape]) for v in self.trainable_variables], tf.zeros([m]),
+                   tuple(tf.zeros([]) for _ in range(3)))
+        sums, counts, (loss_sum, correct, examples) = self._accumulate(
+            chunk_fn, (images, labels, mask, ids), initial)
         num_replicas = self.distribute_strategy.num_replicas_in_sync
-        stddev = noise.noise_stddev_per_replica(
-            self.noise_multiplier, self.sensitivity, num_replicas
+        if num_replicas > 1:  # microbatches span replicas: sum them before clipping
+            sums, counts = tf.distribute.get_replica_context().all_reduce(
+                tf.distribute.ReduceOp.SUM, (sums, counts))
+        means = [s / _expand(tf.maximum(counts, 1.0), s) for s in sums]
+        units = tf.cast(counts > 0, tf.float32)
+        summed, norms, clipped = clipping.clipped_sum(
+            means, self.mechanism.l2_clip_norm, normalize=self.mechanism.normalize_update,
+            mask=units,
         )
-        noisy = noise.add_gaussian_noise(summed, stddev=stddev, generator=self.noise_generator)
-        gradients = [g / self.update_divisor for g in noisy]
-        self.optimizer.apply_gradients(zip(gradients, self.trainable_variables))
+        # Every replica now holds the whole clipped sum; Keras SUMs the replicas.
+        summed = [s / num_replicas for s in summed]
+        stats = (loss_sum, correct, tf.reduce_sum(norms * units), tf.reduce_sum(clipped),
+                 examples, tf.reduce_sum(units))
+        return summed, stats
+
+    # -- Steps 2 and 3: noise once per logical batch, divide by the public size --
+
+    def add_noise(self, summed):
+        """Adds this replica's share of the logical batch's noise (std split over R)."""
+        stddev = noise.noise_stddev_per_replica(
+            self.mechanism.noise_stddev(), self.distribute_strategy.num_replicas_in_sync)
+        return noise.add_gaussian_noise(summed, stddev=stddev, generator=self.noise_generator)
+
+    def scale_update(self, noisy):
+        """Divides the noisy sum by the expected batch size B (or by M microbatches)."""
+        return [g / self.mechanism.update_divisor for g in noisy]
+
+    def _update_ema(self):
         if self.ema_variables:
             decay = ema.ema_decay(self.optimizer.iterations - 1, self.ema_decay)
             for e, v in zip(self.ema_variables, self.trainable_variables):
@@ -402,16 +379,45 @@ class DPModel(keras.Model):
     def test_step(self, data):
         images, labels, mask = keras.utils.unpack_x_y_sample_weight(data)
         logits = self.model(tf.cast(images, tf.float32), training=False)
-        hits = tf.cast(
-            tf.equal(tf.argmax(logits, -1, output_type=tf.int32), tf.cast(labels, tf.int32)),
-            tf.float32,
-        )
         self.loss_tracker.update_state(self._loss_fn(labels, logits), sample_weight=mask)
-        self.accuracy_tracker.update_state(hits, sample_weight=mask)
+        self.accuracy_tracker.update_state(_hits(logits, labels), sample_weight=mask)
         return {
             "loss": self.loss_tracker.result(),
             "accuracy": self.accuracy_tracker.result(),
         }
+
+
+def _hits(logits, labels):
+    """float32 [batch]: 1 where the arg-max logit is the label."""
+    predicted = tf.argmax(logits, -1, output_type=tf.int32)
+    return tf.cast(tf.equal(predicted, tf.cast(labels, tf.int32)), tf.float32)
+
+
+def _pad_rows(tensors, multiple):
+    """Pads `[batch, ...]` tensors with zero rows to a positive multiple of `multiple`.
+
+    A no-op when the static batch size already is one.
+    """
+    static = tensors[0].shape[0]
+    if static is not None and static > 0 and static % multiple == 0:
+        return tensors
+    size = tf.shape(tensors[0])[0]
+    pad = tf.maximum(1, (size + multiple - 1) // multiple) * multiple - size
+    # tf.pad with a tensor amount forgets every static dimension; keep the inner ones.
+    return [tf.ensure_shape(
+        tf.pad(t, tf.concat([[[0, pad]], tf.zeros([t.shape.rank - 1, 2], tf.int32)], 0)),
+        [None, *t.shape[1:]]) for t in tensors]
+
+
+def _dims(t):
+    """The shape of `t` as a list: static dimensions as ints, others as tensors."""
+    dynamic = tf.shape(t)
+    return [d if d is not None else dynamic[k] for k, d in enumerate(t.shape)]
+
+
+def _expand(vector, like):
+    """`vector` [n] reshaped to broadcast against `like` [n, ...]."""
+    return tf.reshape(vector, [-1] + [1] * (like.shape.rank - 1))
 
 
 def _safe_mean(total, count):
