@@ -1,56 +1,98 @@
-"""The privacy card has every field of How to DP-fy ML Sec. 5.3.3."""
+"""The privacy card has every field of How to DP-fy ML Sec. 5.3.3, read from the mechanism."""
 
 import json
+import math
 
 import pytest
 
+from tfdp import accounting
 from tfdp.export import privacy_report
-from tfdp.training.privacy import plan_privacy
 
 REQUIRED = {
     "epsilon", "delta", "accountant", "noise_multiplier", "l2_clip_norm", "batch_size",
     "num_examples", "steps", "sampling", "neighbouring_relation", "privacy_unit",
     "dp_setting", "covered", "mechanism_output", "epsilon_tier", "hyperparameters",
-    "software", "delta_below_1_over_n",
+    "software", "delta_below_1_over_n", "sensitivity", "noise_stddev", "coins", "assumptions",
 }
 
 
-def _plan(sampling="poisson"):
-    return plan_privacy(num_examples=60000, batch_size=600, num_steps=100, l2_clip_norm=1.0,
-                        target_delta=1e-5, noise_multiplier=1.0, sampling=sampling)
+def _mechanism(**overrides):
+    fields = dict(num_examples=60000, batch_size=600, num_steps=100, l2_clip_norm=1.0,
+                  delta=1e-5, noise_multiplier=1.0)
+    return accounting.DPMechanism(**{**fields, **overrides})
+
+
+def _report(**overrides):
+    return privacy_report.build_privacy_report(
+        _mechanism(**overrides), steps_completed=100, hyperparameters={"lr": 0.1})
 
 
 def test_report_has_every_field_and_the_markdown_card_states_them(tmp_path):
-    plan = _plan()
-    report = privacy_report.build_privacy_report(
-        plan, steps_completed=100, epsilon=plan.epsilon(100), hyperparameters={"lr": 0.1})
+    mechanism = _mechanism()
+    report = _report()
     assert REQUIRED <= set(report)
+    assert report["epsilon"] == mechanism.epsilon(100)
     assert report["sampling"]["assumption_holds"] is True
     assert report["neighbouring_relation"] == "add-or-remove one example"
+    assert report["mechanism"] == mechanism.to_dict()
     json_path, md_path = privacy_report.write_privacy_report(report, tmp_path)
     assert json.loads(open(json_path).read())["steps"] == 100
     card = open(md_path).read()
-    for phrase in ("central", "add-or-remove", "every iterate", "Tier", "Poisson", "lr"):
+    for phrase in ("central", "add-or-remove", "every iterate", "Tier", "Poisson", "lr",
+                   "What the guarantee assumes", "secret"):
         assert phrase in card
 
 
-def test_shuffling_is_reported_as_a_sampling_mismatch():
-    plan = _plan("shuffle")
-    report = privacy_report.build_privacy_report(
-        plan, steps_completed=100, epsilon=plan.epsilon(100), epsilon_without_amplification=9.0)
-    assert report["sampling"]["assumption_holds"] is False
-    assert "assumes Poisson sampling" in report["sampling"]["note"]
-    assert "assumes Poisson sampling" in privacy_report.render_markdown(report)
-    assert report["epsilon_without_amplification"] == 9.0
+def test_shuffling_is_reported_at_replace_one_without_amplification():
+    report = _report(sampling="shuffle")
+    assert report["neighbouring_relation"] == "replace one example"
+    assert report["sensitivity"] == 2.0 and report["sensitivity_formula"].startswith("2 *")
+    # 100 steps of 600 out of 60000: one epoch touched; epsilon is the Gaussian's.
+    assert "at most 1 of the 100 steps" in report["sampling"]["accountant_assumes"]
+    assert report["epsilon"] == pytest.approx(accounting.epsilon_of_event(
+        accounting.gaussian_composition_event(noise_multiplier=1.0, count=1), delta=1e-5))
+    assert report["sampling"]["epsilon_assuming_poisson"] < report["epsilon"]
+    card = privacy_report.render_markdown(report)
+    assert "replace one example" in card and "NOT a guarantee" in card
 
 
-def test_microbatching_doubles_the_stated_sensitivity():
-    plan = _plan()
-    report = privacy_report.build_privacy_report(
-        plan, steps_completed=100, epsilon=1.0, num_microbatches=8)
-    assert report["sensitivity"] == "2 * l2_clip_norm"
+@pytest.mark.parametrize("overrides, sensitivity, formula", [
+    (dict(), 1.0, "l2_clip_norm"),
+    (dict(l2_clip_norm=0.1, normalize_update=True), 1.0, "1"),
+    (dict(l2_clip_norm=0.1, num_microbatches=8), 0.2, "2 * l2_clip_norm"),
+    (dict(l2_clip_norm=0.1, normalize_update=True, num_microbatches=8), 2.0, "2 * 1"),
+])
+def test_the_stated_sensitivity_is_the_mechanism_s(overrides, sensitivity, formula):
+    # The normalized update (De et al. eq. (3)) has sensitivity 1, not l2_clip_norm.
+    report = _report(**overrides)
+    assert report["sensitivity"] == pytest.approx(sensitivity)
+    assert report["sensitivity_formula"].startswith(formula)
+    assert report["noise_stddev"] == pytest.approx(sensitivity)  # sigma = 1
+
+
+def test_the_top_level_delta_is_the_whole_guarantee_s():
+    truncation = accounting.Truncation(static_batch_size=700, per_replica_batch_size=700,
+                                       num_replicas=1, truncation_probability=1e-8)
+    report = _report(truncation=truncation)
+    assert report["accountant_delta"] == 1e-5
+    assert report["delta"] == pytest.approx(1e-5 + (1 + math.exp(report["epsilon"])) * 1e-8)
+    assert report["truncation"]["delta_with_truncation"] == report["delta"]
+    assert f"{report['delta']:.3g})-DP" in privacy_report.render_markdown(report)
+
+
+def test_a_delta_of_1_over_n_or_more_is_never_a_reasonable_guarantee():
+    report = _report(num_examples=1000, batch_size=10, delta=1e-3)
+    assert report["epsilon"] < 10
+    assert report["epsilon_tier"].startswith("No meaningful guarantee")
+    assert not report["delta_below_1_over_n"]
+
+
+def test_fixed_seeds_are_stated_as_an_assumption():
+    report = _report(fixed_seeds=("sampling_seed",))
+    assert report["coins"]["sampling_seed"].startswith("fixed by the user")
+    assert report["coins"]["noise_seed"].startswith("secret")
 
 
 @pytest.mark.parametrize("epsilon, tier", [(0.5, "Tier 1"), (8.0, "Tier 2"), (12.0, "Tier 3")])
 def test_epsilon_tiers(epsilon, tier):
-    assert privacy_report.epsilon_tier(epsilon).startswith(tier)
+    assert privacy_report.epsilon_tier(epsilon, 1e-6, 60000).startswith(tier)

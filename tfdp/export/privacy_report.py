@@ -8,6 +8,7 @@ epsilon tier of Sec. 5.2.1, the hyper-parameters and the software versions.
 Pure Python: no TensorFlow import.
 """
 
+import dataclasses
 import importlib.metadata
 import json
 import math
@@ -21,8 +22,16 @@ _PACKAGES = ("tfdp", "tensorflow", "tensorflow-cpu", "tensorflow-tpu", "keras",
              "dp-accounting", "tensorflow-datasets", "gin-config")
 
 
-def epsilon_tier(epsilon: float) -> str:
-    """The tier of How to DP-fy ML, Sec. 5.2.1, for a final epsilon."""
+def epsilon_tier(epsilon: float, delta: float, num_examples: int) -> str:
+    """The tier of How to DP-fy ML, Sec. 5.2.1, for a final (epsilon, delta).
+
+    A delta >= 1/N is never rated a reasonable guarantee, whatever epsilon:
+    a mechanism that publishes one random example in full is (0, 1/N)-DP
+    (Sec. 5.3.2 asks for delta << 1/N).
+    """
+    if delta >= 1.0 / num_examples:
+        return (f"No meaningful guarantee: delta = {delta:.3g} >= 1/N = {1.0 / num_examples:.3g} "
+                "(How to DP-fy ML, Sec. 5.3.2 asks for delta << 1/N)")
     if epsilon <= 1.0:
         return "Tier 1: strong formal privacy guarantee (epsilon <= 1)"
     if epsilon <= 10.0:
@@ -41,84 +50,118 @@ def software_versions() -> dict:
     return versions
 
 
+ASSUMPTIONS = (
+    "central DP: the party that runs training is trusted to run the mechanism as stated",
+    "the sampling and noise coins are secret: drawn from OS entropy and kept only in the "
+    "run's checkpoint (unless fixed by the user, see `coins`)",
+    "the number of training examples N is public",
+    "training-set metrics in the logs, TensorBoard and metrics.jsonl are not covered",
+    "hyper-parameter tuning runs are covered only when they share a study ledger",
+)
+
+
 def build_privacy_report(
-    plan,
+    mechanism,
     *,
     steps_completed,
-    epsilon,
-    epsilon_without_amplification=None,
     hyperparameters=None,
-    num_microbatches=None,
     exported_parameters="last",
-    extra_mechanisms=(),
     simulation=None,
     study=None,
-    truncation=None,
 ) -> dict:
-    """Builds the report as a JSON-serializable dict.
+    """Builds the report as a JSON-serializable dict, from the run's mechanism alone.
+
+    Every privacy number (epsilon, delta, sensitivity, noise std, adjacency,
+    the events composed) is read from `mechanism`; nothing is recomputed here.
 
     Args:
-      plan: the run's `tfdp.training.privacy.PrivacyPlan`.
+      mechanism: the run's `tfdp.accounting.DPMechanism`.
       steps_completed: optimizer updates actually taken.
-      epsilon: epsilon at `plan.delta` after `steps_completed`, everything
-        composed (DP-SGD and `extra_mechanisms`).
-      epsilon_without_amplification: for shuffled batches, the guarantee that
-        does not rely on amplification by sampling (Sec. 5.3.3, footnote b).
       hyperparameters: other training settings to record (dict).
-      num_microbatches: None, or the microbatch count when the mean gradient
-        of each microbatch was clipped (sensitivity 2C, Sec. 5.6).
       exported_parameters: "last" or "ema": which parameters were exported.
-      extra_mechanisms: descriptions (dicts) of other private data accesses
-        composed into `epsilon`, e.g. private data normalization.
       simulation: None, or a dict describing the reference run this one
         simulates at a smaller batch (TAN, Sander et al. 2023, Sec. 3.4).
-      study: None, or {"dir": ..., "epsilon": ...} for the tuning ledger.
-      truncation: None, or (static batch shapes, `tfdp.data.padding`) a dict
-        with `static_batch_size` (the cap), `per_replica_batch_size`,
-        `num_replicas`, `truncation_probability` (eta, the probability that
-        any step's Poisson batch exceeded the cap) and
-        `delta_with_truncation` (delta + (1 + e^epsilon) eta): the run is
-        (epsilon, delta_with_truncation)-DP (`tfdp.data.padding`; Chua et al.
-        2024, arXiv:2411.04205).
+      study: None, or {"dir": ..., "epsilon": ..., ...} for the tuning ledger.
 
     Returns:
-      The report dict (keys documented by `privacy_report.md`).
+      The report dict (keys documented by `privacy_report.md`). `epsilon` and
+      `delta` at the top are the guarantee of the whole run: every mechanism
+      composed, and with static batches the truncation term added to delta
+      (`accountant_delta` is the accountant's own delta).
     """
-    poisson = plan.sampling == "poisson"
-    sampling = {
-        "scheme": plan.sampling,
-        "sampling_prob": plan.sampling_prob,
-        "accountant_assumes": "poisson",
-        "assumption_holds": poisson,
-    }
+    epsilon, delta = mechanism.guarantee(steps_completed)
+    poisson = mechanism.sampling == "poisson"
+    if poisson:
+        sampling = {
+            "scheme": "poisson",
+            "sampling_prob": mechanism.sampling_prob,
+            "accountant_assumes": "Poisson sampling with probability sampling_prob "
+                                  "(amplification by subsampling)",
+            "assumption_holds": True,
+        }
+    else:
+        sampling = {
+            "scheme": "shuffle",
+            "sampling_prob": mechanism.sampling_prob,
+            "accountant_assumes": (
+                "fixed-size shuffled batches, no amplification: each example is in at most "
+                f"one batch per epoch, so in at most {mechanism.participations(steps_completed)} "
+                f"of the {steps_completed} steps (epochs touched = ceil(T / floor(N / B)))"),
+            "assumption_holds": True,
+            "epsilon_assuming_poisson": mechanism.epsilon_assuming_poisson(steps_completed),
+            "note": (
+                "epsilon_assuming_poisson is what papers often quote for shuffled batches; it "
+                "is NOT a guarantee of this run (How to DP-fy ML, Sec. 5.3.1)."),
+        }
+    unit = "1" if mechanism.normalize_update else "l2_clip_norm"
+    doubled = mechanism.sensitivity() != (1.0 if mechanism.normalize_update
+                                          else mechanism.l2_clip_norm)
+    why = []
+    if mechanism.num_microbatches:
+        why.append("microbatch means are clipped")
     if not poisson:
-        sampling["note"] = (
-            "Batches were shuffled fixed-size batches, but the stated epsilon assumes "
-            "Poisson sampling (How to DP-fy ML, Sec. 5.3.1). The epsilon is NOT a "
-            "proven guarantee for this run; see epsilon_without_amplification."
-        )
-    sensitivity = "2 * l2_clip_norm" if num_microbatches else "l2_clip_norm"
+        why.append("replace-one adjacency")
     covered = "this training run only; hyper-parameter tuning runs are not covered"
     if study:
-        covered = (
-            "this training run; the tuning runs in the study ledger are composed in "
-            "study.epsilon"
-        )
+        covered = ("this training run; the tuning runs in the study ledger are composed in "
+                   "study.epsilon")
+    extra = []
+    if mechanism.data_normalization is not None:
+        extra.append({
+            "mechanism": "private data normalization (Tramer & Boneh 2021, App. B)",
+            "dp_event": "two Gaussian mechanisms, released once before training",
+            **dataclasses.asdict(mechanism.data_normalization),
+        })
+    coins = {
+        name: ("fixed by the user: the guarantee assumes this seed stays secret"
+               if name in mechanism.fixed_seeds else
+               "secret: drawn from OS entropy, kept only in the checkpoint")
+        for name in ("sampling_seed", "noise_seed")
+    }
     report = {
         "epsilon": float(epsilon),
-        "delta": plan.delta,
-        "accountant": plan.accountant,
-        "noise_multiplier": plan.noise_multiplier,
-        "l2_clip_norm": plan.l2_clip_norm,
-        "batch_size": plan.batch_size,
-        "num_examples": plan.num_examples,
+        "delta": float(delta),
+        "accountant_delta": mechanism.delta,
+        "accountant": mechanism.accountant,
+        "noise_multiplier": mechanism.noise_multiplier,
+        "noise_stddev": mechanism.noise_stddev(),
+        "l2_clip_norm": mechanism.l2_clip_norm,
+        "sensitivity": mechanism.sensitivity(),
+        "sensitivity_formula": (f"2 * {unit} ({', '.join(why)})" if doubled else unit),
+        "clipping_unit": mechanism.clipping_unit,
+        "normalize_update": mechanism.normalize_update,
+        "batch_size": mechanism.batch_size,
+        "update_divisor": mechanism.update_divisor,
+        "num_examples": mechanism.num_examples,
         "steps": int(steps_completed),
-        "planned_steps": plan.num_steps,
-        "target_epsilon": plan.target_epsilon,
-        "noise_calibrated": plan.noise_calibrated,
-        "steps_capped_by_target_epsilon": plan.steps_capped,
+        "planned_steps": mechanism.num_steps,
+        "target_epsilon": mechanism.target_epsilon,
+        "noise_calibrated": mechanism.noise_calibrated,
+        "steps_capped_by_target_epsilon": mechanism.steps_capped,
         "sampling": sampling,
+        "coins": coins,
         "dp_setting": "central: the party running training is trusted to run the mechanism",
+        "assumptions": list(ASSUMPTIONS),
         "covered": covered,
         "not_covered": (
             "training-set statistics in the logs, TensorBoard and metrics.jsonl "
@@ -132,27 +175,27 @@ def build_privacy_report(
         ),
         "exported_parameters": exported_parameters,
         "privacy_unit": "one training example (its image and its label)",
-        "neighbouring_relation": "add-or-remove one example",
-        "sensitivity": sensitivity,
+        "neighbouring_relation": mechanism.adjacency,
         "microbatching": (
-            {"num_microbatches": num_microbatches, "sensitivity": "2 * l2_clip_norm"}
-            if num_microbatches else None
+            {"num_microbatches": mechanism.num_microbatches,
+             "sensitivity": mechanism.sensitivity()}
+            if mechanism.num_microbatches else None
         ),
-        "delta_times_num_examples": plan.delta * plan.num_examples,
-        "delta_below_1_over_n": plan.delta < 1.0 / plan.num_examples,
-        "epsilon_tier": epsilon_tier(epsilon),
-        "extra_mechanisms": list(extra_mechanisms),
+        "delta_times_num_examples": delta * mechanism.num_examples,
+        "delta_below_1_over_n": delta < 1.0 / mechanism.num_examples,
+        "epsilon_tier": epsilon_tier(epsilon, delta, mechanism.num_examples),
+        "extra_mechanisms": extra,
+        "mechanism": mechanism.to_dict(),
         "hyperparameters": dict(hyperparameters or {}),
         "software": software_versions(),
     }
-    if epsilon_without_amplification is not None:
-        report["epsilon_without_amplification"] = float(epsilon_without_amplification)
     if simulation:
         report["simulation"] = dict(simulation)
     if study:
         report["study"] = dict(study)
-    if truncation:
-        report["truncation"] = dict(truncation)
+    if mechanism.truncation is not None:
+        report["truncation"] = dataclasses.asdict(mechanism.truncation) | {
+            "delta_with_truncation": float(delta)}
     return report
 
 
@@ -170,12 +213,8 @@ def render_markdown(report: dict) -> str:
             "below.",
             "",
         ]
-    # With truncated (static) batches the guarantee's delta includes the
-    # truncation term; the accountant's delta stays in `delta`.
-    guarantee_delta = (report["truncation"]["delta_with_truncation"]
-                       if report.get("truncation") else delta)
     lines += [
-        f"**Guarantee:** ({eps:.4g}, {guarantee_delta:.3g})-DP for {report['privacy_unit']}, "
+        f"**Guarantee:** ({eps:.4g}, {delta:.3g})-DP for {report['privacy_unit']}, "
         f"{report['neighbouring_relation']} adjacency, {report['accountant'].upper()} "
         f"accountant, after {report['steps']} steps.",
         "",
@@ -187,11 +226,12 @@ def render_markdown(report: dict) -> str:
             f"{trunc['static_batch_size']} examples ({trunc['per_replica_batch_size']} per "
             f"replica x {trunc['num_replicas']}) and padded with masked slots. Truncation "
             f"happens with probability <= {trunc['truncation_probability']:.3g} over the "
-            f"run, so the guarantee's delta is the accountant's {delta:.3g} + (1 + e^epsilon) "
-            f"* that probability = {trunc['delta_with_truncation']:.4g} (truncated Poisson "
-            "sampling, Chua et al. 2024, arXiv:2411.04205).",
+            f"run, so the guarantee's delta is the accountant's "
+            f"{report['accountant_delta']:.3g} + (1 + e^epsilon) * that probability = "
+            f"{delta:.4g} (truncated Poisson sampling, Chua et al. 2024, arXiv:2411.04205).",
             "",
         ]
+    sampling = report["sampling"]
     lines += [
         "| item | value |",
         "|---|---|",
@@ -200,33 +240,40 @@ def render_markdown(report: dict) -> str:
         f"| not covered | {report['not_covered']} |",
         f"| mechanism output | {report['mechanism_output']} |",
         f"| privacy unit | {report['privacy_unit']} |",
-        f"| adjacency | {report['neighbouring_relation']}; sensitivity {report['sensitivity']} |",
-        f"| accountant | {report['accountant']} (Poisson-subsampled Gaussian) |",
-        f"| sampling used | {report['sampling']['scheme']} (q = "
-        f"{report['sampling']['sampling_prob']:.6g}); accountant assumption holds: "
-        f"{report['sampling']['assumption_holds']} |",
+        f"| adjacency | {report['neighbouring_relation']}; sensitivity "
+        f"{report['sensitivity']:.6g} = {report['sensitivity_formula']} per "
+        f"{report['clipping_unit']} |",
+        f"| noise | std {report['noise_stddev']:.6g} = noise_multiplier "
+        f"{report['noise_multiplier']:.6g} * sensitivity, once per logical batch; the noisy "
+        f"sum is divided by {report['update_divisor']:.6g} |",
+        f"| accountant | {report['accountant']}: {sampling['accountant_assumes']} |",
+        f"| sampling used | {sampling['scheme']} (q = {sampling['sampling_prob']:.6g}); "
+        f"accountant assumption holds: {sampling['assumption_holds']} |",
         f"| epsilon | {eps:.4f} |",
-        f"| delta | {delta:.3g} (delta * N = {report['delta_times_num_examples']:.3g}; "
-        f"below 1/N: {report['delta_below_1_over_n']}) |",
+        f"| delta | {delta:.3g} (accountant's delta {report['accountant_delta']:.3g}; "
+        f"delta * N = {report['delta_times_num_examples']:.3g}; below 1/N: "
+        f"{report['delta_below_1_over_n']}) |",
         f"| epsilon tier (Sec. 5.2.1) | {report['epsilon_tier']} |",
-        f"| noise_multiplier | {report['noise_multiplier']:.6g} |",
         f"| l2_clip_norm | {report['l2_clip_norm']:.6g} |",
         f"| batch_size (expected) | {report['batch_size']} |",
         f"| num_examples | {report['num_examples']} |",
         f"| steps (planned) | {report['steps']} ({report['planned_steps']}) |",
     ]
-    if "note" in report["sampling"]:
-        lines.append(f"| sampling note | {report['sampling']['note']} |")
-    if "epsilon_without_amplification" in report:
-        lines.append(
-            f"| epsilon without amplification | {report['epsilon_without_amplification']:.4f} |"
-        )
+    for name, how in report["coins"].items():
+        lines.append(f"| {name} | {how} |")
+    if "note" in sampling:
+        lines.append(f"| epsilon assuming Poisson sampling | "
+                     f"{sampling['epsilon_assuming_poisson']:.4f}: {sampling['note']} |")
     if report.get("microbatching"):
         lines.append(f"| microbatching | {report['microbatching']} |")
     for mech in report["extra_mechanisms"]:
         lines.append(f"| also composed | {mech} |")
     if report.get("study"):
         lines.append(f"| tuning study | {report['study']} |")
+    if report.get("audit"):
+        lines.append(f"| empirical audit | {report['audit']} |")
+    lines += ["", "## What the guarantee assumes", ""]
+    lines += [f"- {a}" for a in report["assumptions"]]
     lines += ["", "## Hyper-parameters", ""]
     lines += [f"- `{k}`: {v}" for k, v in sorted(report["hyperparameters"].items())]
     lines += ["", "## Software", ""]
