@@ -8,7 +8,7 @@ import tensorflow_datasets as tfds
 
 from tfdp import experiment
 from tfdp import main
-from tfdp.training import privacy
+from tfdp import accounting
 
 # Configs whose file name starts with "_" are fragments for `include`; smoke.gin is an overlay.
 CONFIGS = sorted(
@@ -55,18 +55,26 @@ def _macro(name):
         return None
 
 
+def _binding(name, default=None):
+    try:
+        return gin.query_parameter(f"tfdp.train_and_evaluate.{name}")
+    except ValueError:
+        return default
+
+
 def _plan(config):
     gin.clear_config()
     try:
         main.parse_config([config], [])
-        norm = gin.query_parameter("tfdp.train_and_evaluate.data_normalization") \
-            if "data_normalization" in gin.config_str() else None
-        return privacy.plan_privacy(
+        return accounting.plan_mechanism(
             num_examples=_macro("NUM_EXAMPLES"), batch_size=_macro("BATCH_SIZE"),
             num_steps=_macro("NUM_STEPS"), l2_clip_norm=_macro("L2_CLIP_NORM"),
             target_delta=_macro("TARGET_DELTA"), noise_multiplier=_macro("NOISE_MULTIPLIER"),
             target_epsilon=_macro("TARGET_EPSILON"),
-            data_normalization_noise=(norm or {}).get("noise_multiplier"),
+            accountant=_binding("accountant", "rdp"), sampling=_binding("sampling", "poisson"),
+            normalize_update=_binding("normalize_update", False),
+            num_microbatches=_binding("num_microbatches"),
+            data_normalization=_binding("data_normalization"),
         )
     finally:
         gin.clear_config()
@@ -78,11 +86,11 @@ def test_every_config_has_a_published_epsilon():
 
 @pytest.mark.parametrize("config", CONFIGS)
 def test_config_epsilon_matches_the_paper(config):
-    plan = _plan(config)
-    epsilon = plan.epsilon(plan.num_steps)
+    mechanism = _plan(config)
+    epsilon = mechanism.epsilon()
     assert epsilon == pytest.approx(PUBLISHED_EPSILON[config], rel=0.015)
-    if plan.target_epsilon is not None:
-        assert epsilon <= plan.target_epsilon  # never past the budget
+    if mechanism.target_epsilon is not None:
+        assert epsilon <= mechanism.target_epsilon  # never past the budget
 
 
 @pytest.mark.parametrize("config", CONFIGS)

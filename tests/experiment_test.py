@@ -3,7 +3,9 @@
 import glob
 import json
 import os
+import shutil
 
+import numpy as np
 import pytest
 import tensorflow as tf
 
@@ -82,7 +84,9 @@ def test_recipe_smoke_run_reports_ema_and_augtest_and_the_same_epsilon(tmp_path,
 def test_microbatched_run_states_it_in_the_report(tmp_path, run_smoke):
     report = run_smoke(tmp_path, ["fashion_mnist.gin"], [
         "tfdp.train_and_evaluate.num_microbatches = 4"])
-    assert report["microbatching"] == {"num_microbatches": 4, "sensitivity": "2 * l2_clip_norm"}
+    # fashion_mnist.gin's C = 0.1: the clipped microbatch means give sensitivity 2C.
+    assert report["microbatching"] == {"num_microbatches": 4, "sensitivity": pytest.approx(0.2)}
+    assert report["noise_stddev"] == pytest.approx(0.2 * report["noise_multiplier"])
 
 
 def test_simulation_is_labelled_in_metrics_and_report(tmp_path, run_smoke):
@@ -129,3 +133,74 @@ def test_private_normalization_is_released_once_and_reused_on_restart(tmp_path, 
     assert (tmp_path / "data_normalization.json").read_text() == released
     assert again["epsilon"] == first["epsilon"]
     assert "private data normalization" in first["extra_mechanisms"][0]["mechanism"]
+
+
+def _checkpoint_tensor(workdir, name):
+    reader = tf.train.load_checkpoint(tf.train.latest_checkpoint(str(workdir / "checkpoints")))
+    return reader.get_tensor(f"ledger/{name}/.ATTRIBUTES/VARIABLE_VALUE")
+
+
+def test_sampling_coins_are_secret_by_default(tmp_path, run_smoke):
+    # The same config twice, the noise fixed: the batches differ, because the sampling
+    # seed comes from OS entropy (before, seed = 0 made them public and identical).
+    fixed_noise = ["tfdp.train_and_evaluate.noise_seed = 11"]
+    reports = [run_smoke(tmp_path / name, ["fashion_mnist.gin"], fixed_noise)
+               for name in ("a", "b")]
+    seeds = [int(_checkpoint_tensor(tmp_path / name, "sampling_seed")) for name in ("a", "b")]
+    assert seeds[0] != seeds[1]
+    weights = [tf.train.load_checkpoint(tf.train.latest_checkpoint(
+        str(tmp_path / name / "checkpoints"))) for name in ("a", "b")]
+    kernel = "optimizer/_trainable_variables/0/.ATTRIBUTES/VARIABLE_VALUE"
+    assert not np.array_equal(weights[0].get_tensor(kernel), weights[1].get_tensor(kernel))
+    # The seed is written nowhere but the checkpoint.
+    for name, seed in zip(("a", "b"), seeds):
+        workdir = tmp_path / name
+        for path in glob.glob(str(workdir / "**" / "*"), recursive=True):
+            if os.path.isfile(path) and "/checkpoints/" not in path:
+                content = open(path, "rb").read()
+                assert str(seed).encode() not in content, path
+    assert reports[0]["coins"]["sampling_seed"].startswith("secret")
+    assert reports[0]["coins"]["noise_seed"].startswith("fixed by the user")
+
+
+def test_a_fixed_sampling_seed_reproduces_the_batches_and_is_reported(tmp_path, run_smoke):
+    fixed = ["tfdp.train_and_evaluate.noise_seed = 11", "tfdp.train_and_evaluate.sampling_seed = 5"]
+    reports = [run_smoke(tmp_path / name, ["fashion_mnist.gin"], fixed) for name in ("a", "b")]
+    kernel = "optimizer/_trainable_variables/0/.ATTRIBUTES/VARIABLE_VALUE"
+    a, b = (tf.train.load_checkpoint(tf.train.latest_checkpoint(
+        str(tmp_path / name / "checkpoints"))).get_tensor(kernel) for name in ("a", "b"))
+    np.testing.assert_array_equal(a, b)
+    assert reports[0]["coins"]["sampling_seed"].startswith("fixed by the user")
+    assert "assumes this seed stays secret" in (tmp_path / "a" / "privacy_report.md").read_text()
+
+
+@pytest.mark.parametrize("change, field", [
+    ("tfdp.train_and_evaluate.accountant = 'pld'", "accountant"),
+    ("tfdp.train_and_evaluate.normalize_update = True", "normalize_update"),
+    ("tfdp.train_and_evaluate.num_microbatches = 4", "num_microbatches"),
+    ("tfdp.train_and_evaluate.sampling_seed = 3", "fixed_seeds"),
+])
+def test_resuming_under_another_mechanism_is_refused_naming_the_field(tmp_path, run_smoke,
+                                                                      change, field):
+    # Before, only sigma, q, C and delta were compared: a switch from RDP to PLD on a
+    # half-finished run silently changed the epsilon series in metrics.jsonl.
+    params = ["TARGET_EPSILON = None", "NOISE_MULTIPLIER = 1.0"]
+    run_smoke(tmp_path, ["fashion_mnist.gin"], params)
+    before = (tmp_path / "metrics.jsonl").read_text()
+    with pytest.raises(ValueError, match=rf"another privacy mechanism:\n  {field}"):
+        run_smoke(tmp_path, ["fashion_mnist.gin"], [*params, "NUM_STEPS = 4", change])
+    assert (tmp_path / "metrics.jsonl").read_text() == before  # nothing written
+    assert (tmp_path / "privacy_report.json").exists()  # nothing deleted
+
+
+def test_a_normalization_released_under_other_settings_is_refused(tmp_path, run_smoke):
+    pytest.importorskip("kymatio")
+    norm = ("tfdp.train_and_evaluate.data_normalization = {'l2_clip_norm_mean': 1.0, "
+            "'l2_clip_norm_square': 1.5, 'noise_multiplier': %s, 'threshold': 1e-4}")
+    params = ["tfdp.models.build_scatternet_linear.groups = None", "NUM_STEPS = 1"]
+    run_smoke(tmp_path, ["fashion_mnist_scatternet_linear.gin"], [*params, norm % 8.0])
+    released = json.loads((tmp_path / "data_normalization.json").read_text())
+    assert released["released_with"]["noise_multiplier"] == 8.0
+    shutil.rmtree(tmp_path / "checkpoints")  # even without a checkpoint to compare with
+    with pytest.raises(ValueError, match="released with .*'noise_multiplier': 8.0"):
+        run_smoke(tmp_path, ["fashion_mnist_scatternet_linear.gin"], [*params, norm % 4.0])

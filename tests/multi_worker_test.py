@@ -18,8 +18,16 @@ import tensorflow as tf
 NUM_STEPS = 4
 
 _WRAPPER = r'''
-import sys
+import os, sys
 import tensorflow_datasets as tfds
+from tfdp.training import distribute
+original = distribute.broadcast_from_chief
+def broadcast_from_chief(strategy, value):  # record what this worker agreed on (test only)
+    agreed = original(strategy, value)
+    with open(os.environ["TFDP_TEST_SEED_FILE"], "w") as f:
+        f.write(str(agreed))
+    return agreed
+distribute.broadcast_from_chief = broadcast_from_chief
 with tfds.testing.mock_data(num_examples=64):
     from tfdp import main
     sys.argv = ["tfdp.main"] + sys.argv[1:]
@@ -60,7 +68,8 @@ def test_two_workers_on_loopback_train_and_the_chief_writes_once(tmp_path):
         temp_dirs[index].mkdir()
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "TMPDIR": str(temp_dirs[index]),
                "TF_CONFIG": json.dumps({"cluster": cluster,
-                                        "task": {"type": "worker", "index": index}})}
+                                        "task": {"type": "worker", "index": index}}),
+               "TFDP_TEST_SEED_FILE": str(tmp_path / f"seed{index}")}
         procs.append(subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL,
                                       stderr=subprocess.PIPE, text=True))
     errors = []
@@ -86,5 +95,10 @@ def test_two_workers_on_loopback_train_and_the_chief_writes_once(tmp_path):
         f"ckpt-{NUM_STEPS}")
     loaded = tf.saved_model.load(str(workdir / "export"))
     assert loaded.serve(tf.zeros([2, 28, 28, 1], tf.uint8)).shape == (2, 10)
+    # Both workers sample with the chief's secret seed (each drew its own).
+    seeds = [int((tmp_path / f"seed{index}").read_text()) for index in range(2)]
+    reader = tf.train.load_checkpoint(tf.train.latest_checkpoint(str(workdir / "checkpoints")))
+    assert seeds[0] == seeds[1] == reader.get_tensor(
+        "ledger/sampling_seed/.ATTRIBUTES/VARIABLE_VALUE")
     # Worker 1 wrote its copies into a temp dir and deleted it.
     assert not any(name.startswith("tfdp_worker") for name in os.listdir(temp_dirs[1]))

@@ -4,11 +4,14 @@ One configuration, run as separate processes on TFDS mock data, with static
 batches ("auto"), checkpoints every 2 steps, EMA, augmult and op determinism
 (`tests/multi_worker_test.py` runs the same machinery with 2 replicas):
 
-* A and B: uninterrupted runs with the same seeds -> identical weights
+* A and B: uninterrupted runs with the same fixed seeds -> identical weights
   (determinism);
 * C: paused after step 5 (of 6; checkpoints at steps 2 and 4), SIGKILLed,
   then restarted with the same command -> the same final step, epsilon,
-  privacy ledger, noise-generator state and weights as A.
+  privacy ledger, noise-generator state and weights as A;
+* D: secret coins (no seed fixed), paused after step 1, before its first
+  interval, SIGKILLed and restarted -> it resumes from the checkpoint written
+  before step 1 with the same secret sampling seed and noise state.
 """
 
 import json
@@ -51,20 +54,24 @@ _PARAMS = [
     "tfdp.train_and_evaluate.static_batch_size = 'auto'",
     "tfdp.train_and_evaluate.deterministic = True",
     "tfdp.train_and_evaluate.noise_seed = 7",
+    "tfdp.train_and_evaluate.sampling_seed = 5",
     "tfdp.train_and_evaluate.ema_decay = 0.9",
     "tfdp.train_and_evaluate.augmentation = 'mnist_crop'",
     "tfdp.train_and_evaluate.augmult = 2",
 ]
 
 
-def _command(wrapper, workdir):
+_SECRET = [p for p in _PARAMS if "_seed" not in p]
+
+
+def _command(wrapper, workdir, params):
     return [sys.executable, str(wrapper), f"--workdir={workdir}",
             "--gin_file=fashion_mnist.gin", "--gin_file=smoke.gin",
-            *[f"--gin_param={p}" for p in _PARAMS]]
+            *[f"--gin_param={p}" for p in params]]
 
 
-def _start(wrapper, workdir, **env):
-    return subprocess.Popen(_command(wrapper, workdir), env={**os.environ, **env},
+def _start(wrapper, workdir, params=_PARAMS, **env):
+    return subprocess.Popen(_command(wrapper, workdir, params), env={**os.environ, **env},
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 
@@ -82,31 +89,39 @@ def _checkpoint(workdir):
                   if name.endswith("VARIABLE_VALUE")}
 
 
+def _kill_at_pause(proc, paused):
+    deadline = time.time() + 300
+    while not paused.exists():
+        assert proc.poll() is None, proc.communicate()[1][-4000:]
+        assert time.time() < deadline, "the run to be killed never reached its pause"
+        time.sleep(0.2)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.communicate(timeout=60)
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Runs A, B and C side by side; kills C at its pause and restarts it."""
+    """Runs A, B, C and D side by side; kills C and D at their pauses and restarts them."""
     root = tmp_path_factory.mktemp("runs")
     wrapper = root / "run_tfdp.py"
     wrapper.write_text(_WRAPPER)
-    paused = root / "paused"
     procs = {name: _start(wrapper, root / name) for name in ("a", "b")}
     killed = _start(wrapper, root / "c", TFDP_TEST_PAUSE_AT_STEP=str(PAUSE_AT),
-                    TFDP_TEST_PAUSED_FILE=str(paused))
-    deadline = time.time() + 300
-    while not paused.exists():
-        assert killed.poll() is None, killed.communicate()[1][-4000:]
-        assert time.time() < deadline, "the run to be killed never reached its pause"
-        time.sleep(0.2)
-    os.kill(killed.pid, signal.SIGKILL)
-    killed.communicate(timeout=60)
+                    TFDP_TEST_PAUSED_FILE=str(root / "paused_c"))
+    secret = _start(wrapper, root / "d", _SECRET, TFDP_TEST_PAUSE_AT_STEP="1",
+                    TFDP_TEST_PAUSED_FILE=str(root / "paused_d"))
+    _kill_at_pause(killed, root / "paused_c")
     interrupted = {
         "returncode": killed.returncode,
         "checkpoint": tf.train.latest_checkpoint(str(root / "c" / "checkpoints")),
         "report_exists": (root / "c" / "privacy_report.json").exists(),
     }
+    _kill_at_pause(secret, root / "paused_d")
+    interrupted["secret"] = _checkpoint(root / "d")
     for proc in procs.values():
         _finish(proc)
     _finish(_start(wrapper, root / "c"))  # the same command again
+    _finish(_start(wrapper, root / "d", _SECRET))
     return root, interrupted
 
 
@@ -139,7 +154,7 @@ def test_killed_run_resumes_to_the_uninterrupted_result(runs):
     assert c["epsilon"] == a["epsilon"] > 0
     assert c["truncation"] == a["truncation"]
     assert c["truncation"]["static_batch_size"] > 16  # above the expected batch
-    assert c["truncation"]["delta_with_truncation"] <= 1.1 * c["delta"]
+    assert c["delta"] == c["truncation"]["delta_with_truncation"] <= 1.1 * c["accountant_delta"]
 
     _, ledger_a = _checkpoint(root / "a")
     path_c, ledger_c = _checkpoint(root / "c")
@@ -164,13 +179,17 @@ def test_killed_run_resumes_to_the_uninterrupted_result(runs):
 def test_checkpoint_holds_the_ema_and_a_restore_brings_it_back(tmp_path):
     import keras  # pylint: disable=g-import-not-at-top
 
+    from tfdp import accounting  # pylint: disable=g-import-not-at-top
     from tfdp.training.dp_model import DPModel  # pylint: disable=g-import-not-at-top
+
+    mechanism = accounting.DPMechanism(num_examples=100, batch_size=4, num_steps=10,
+                                       noise_multiplier=1.0, l2_clip_norm=1.0, delta=1e-5)
 
     def build():
         keras.utils.set_random_seed(0)
         inputs = keras.Input((4,))
-        dp = DPModel(keras.Model(inputs, keras.layers.Dense(3)(inputs)), l2_clip_norm=1.0,
-                     noise_multiplier=1.0, batch_size=4.0, ema_decay=0.5, noise_seed=1)
+        dp = DPModel(keras.Model(inputs, keras.layers.Dense(3)(inputs)), mechanism,
+                     ema_decay=0.5, noise_seed=1)
         dp.compile(optimizer=keras.optimizers.SGD(1.0))
         return dp
 
@@ -183,3 +202,18 @@ def test_checkpoint_holds_the_ema_and_a_restore_brings_it_back(tmp_path):
     tf.train.Checkpoint(model=restored).restore(path).assert_existing_objects_matched()
     for e, value in zip(restored.ema_variables, saved):
         np.testing.assert_array_equal(e.numpy(), value)
+
+
+def test_secret_coins_survive_a_kill_before_the_first_interval(runs):
+    root, interrupted = runs
+    path, before = interrupted["secret"]
+    assert os.path.basename(path) == "ckpt-0"  # written before step 1
+    _, after = _checkpoint(root / "d")
+    key = "ledger/{}/.ATTRIBUTES/VARIABLE_VALUE"
+    assert after[key.format("steps")] == NUM_STEPS
+    assert after[key.format("noise_seed")] == -1  # drawn from OS entropy, not fixed
+    assert after[key.format("sampling_seed")] == before[key.format("sampling_seed")]
+    _, fixed = _checkpoint(root / "a")
+    assert after[key.format("sampling_seed")] != fixed[key.format("sampling_seed")]
+    report = _report(root / "d")
+    assert report["coins"]["sampling_seed"].startswith("secret")

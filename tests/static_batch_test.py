@@ -26,7 +26,8 @@ def test_static_batches_state_the_cap_and_the_truncation_bound(tmp_path, run_smo
     assert truncation["static_batch_size"] == 36 and truncation["num_replicas"] == 1
     assert truncation["truncation_probability"] == pytest.approx(eta)
     assert truncation["delta_with_truncation"] == pytest.approx(
-        report["delta"] + (1 + math.exp(report["epsilon"])) * eta)
+        report["accountant_delta"] + (1 + math.exp(report["epsilon"])) * eta)
+    assert report["delta"] == truncation["delta_with_truncation"]  # the whole guarantee's
     saved = json.loads((tmp_path / "privacy_report.json").read_text())
     assert saved["truncation"] == truncation
     card = (tmp_path / "privacy_report.md").read_text()
@@ -66,5 +67,5 @@ def test_checkpoints_every_step_evaluate_every_two(tmp_path, run_smoke):
 
 def test_a_checkpoint_from_another_privacy_plan_is_not_resumed(tmp_path, run_smoke):
     _run(run_smoke, tmp_path, "NUM_STEPS = 2")
-    with pytest.raises(ValueError, match="written with noise_multiplier=1.0 but this run plans"):
+    with pytest.raises(ValueError, match=r"another privacy mechanism:\n  noise_multiplier: 1.0 vs 2.0"):
         _run(run_smoke, tmp_path, "NUM_STEPS = 4", "NOISE_MULTIPLIER = 2.0")

@@ -8,6 +8,7 @@ model is built in the strategy's scope, each replica trains on its slice of
 every (padded, masked) logical batch, and only the chief writes the outputs.
 """
 
+import dataclasses
 import json
 import math
 import os
@@ -20,16 +21,17 @@ import numpy as np
 import tensorflow as tf
 from absl import logging
 
+from tfdp import accounting
 from tfdp import augment
 from tfdp import data
 from tfdp import models
+from tfdp.dp import coins
 from tfdp.export import privacy_report
 from tfdp.export import saved_model
 from tfdp.training import callbacks as callbacks_lib
 from tfdp.training import distribute
 from tfdp.training import evaluation
 from tfdp.training import optimizers  # noqa: F401  (registers build_optimizer)
-from tfdp.training import privacy
 from tfdp.training.dp_model import DPModel
 
 METRICS_FILE = "metrics.jsonl"
@@ -75,6 +77,7 @@ def train_and_evaluate(
     eval_batch_size=1000,
     eval_examples=None,
     seed=0,
+    sampling_seed=None,
     noise_seed=None,
     progress_bar=None,
     strategy="default",
@@ -86,8 +89,27 @@ def train_and_evaluate(
 
     Privacy-coupled values (num_examples, batch_size, num_steps,
     noise_multiplier, target_epsilon, target_delta, l2_clip_norm) come from gin
-    macros defined once per config; the sampler, DPModel and the accountant all
-    read them from one `PrivacyPlan`.
+    macros defined once per config; the sampler, DPModel, the accountant, the
+    checkpoint, the study ledger and the report all read them from one
+    `tfdp.accounting.DPMechanism`.
+
+    The run goes through named stages, and nothing is written to `workdir`
+    (and no private statistic is released) until every setting has been
+    checked, the data loaded and any checkpoint in the workdir checked against
+    this run's mechanism:
+
+    1. `_plan`: the mechanism (calibration, the target-epsilon cap, static
+       batch truncation) and every other setting;
+    2. `_load_data`: the splits, checked against NUM_EXAMPLES;
+    3. `_check_workdir`: an existing checkpoint must hold this mechanism, the
+       same fixed seeds and no more steps than planned;
+    4. `_features`: ScatterNet features and the private data normalization,
+       released once per workdir;
+    5. `_build_model`: the model and its DPModel, in the strategy's scope;
+    6. `_restore`: the checkpoint, or a first one at step 0 holding the
+       secret coins;
+    7. `_fit`: training with evaluations, checkpoints and logs;
+    8. `_finalize`: the study ledger, the privacy report and the SavedModel.
 
     Args:
       workdir: output directory (see README: operative_config.gin, metrics.jsonl,
@@ -98,15 +120,17 @@ def train_and_evaluate(
       num_steps: T, optimizer updates (not epochs).
       l2_clip_norm: C, the per-example L2 bound.
       target_delta: delta at which epsilon is reported.
-      noise_multiplier: sigma (noise std / C), or None to calibrate it to
-        target_epsilon.
+      noise_multiplier: sigma (noise std / sensitivity), or None to calibrate
+        it to target_epsilon.
       target_epsilon: the budget; training never goes past it.
       model_fn: builder `(num_classes, input_shape=...) -> keras.Model`.
       optimizer_fn: builder `() -> keras.optimizers.Optimizer`.
       data_dir: TFDS data_dir (None: TFDS's default, ~/tensorflow_datasets).
       train_split, test_split: TFDS split names.
       accountant: "rdp" or "pld".
-      sampling: "poisson" (default, what the accountant assumes) or "shuffle".
+      sampling: "poisson" (default: amplification by subsampling) or
+        "shuffle" (fixed-size shuffled batches: replace-one adjacency, no
+        amplification, see `tfdp.accounting.DPMechanism`).
       augmentation: name in `tfdp.augment.AUGMENTATIONS`, or None.
       augmentation_kwargs: keyword arguments of that augmentation (dict).
       augmult: K views per example (0 = no augmentation; De et al. 2022).
@@ -134,15 +158,19 @@ def train_and_evaluate(
         simulates at a smaller batch (TAN, Sec. 3.4; printed by
         `tools/privacy.py simulate`): the run is labelled as a simulation,
         not private at the reference epsilon, in metrics.jsonl and the report.
-      study_dir: None, or a tuning-study directory: the run appends its DP
-        event to the study's ledger and the report states the epsilon of the
-        whole study (How to DP-fy ML, Sec. 5.4.2).
+      study_dir: None, or a tuning-study directory: the run appends its
+        mechanism to the study's ledger and the report states the epsilon of
+        the whole study (How to DP-fy ML, Sec. 5.4.2).
       eval_every_steps: optimizer updates between evaluations (each is also a
         checkpoint).
       eval_batch_size: evaluation batch size.
       eval_examples: evaluate on the first this-many test examples (None: all).
-      seed: seed of sampling, augmentation and initialization.
-      noise_seed: seed of the DP noise, or None for a non-deterministic one.
+      seed: public seed of augmentation and initialization. It does NOT
+        choose the batches or the noise.
+      sampling_seed: None (default: drawn from OS entropy, kept only in the
+        checkpoint), or an int to reproduce the batches; the report then says
+        the guarantee assumes it stays secret (`tfdp.dp.coins`).
+      noise_seed: the same for the DP noise.
       progress_bar: Keras progress bar per step (None: only on a terminal).
       strategy: "default", "mirrored", "multi_worker_mirrored" (TF_CONFIG) or
         "tpu" (`tfdp.training.make_strategy`; its `tpu` address is a gin
@@ -158,13 +186,14 @@ def train_and_evaluate(
         privacy report (`tfdp.data.padding`).
       checkpoint_every_steps: optimizer updates between checkpoints (None:
         eval_every_steps); must divide eval_every_steps. A checkpoint is also
-        written at every evaluation and at the last step. It holds the model,
-        EMA, optimizer (and step), noise-generator state and the privacy
-        ledger; the input position is the step (batches are keyed by
-        (seed, step)). A run restarted with the same command resumes there.
+        written before the first step, at every evaluation and at the last
+        step. It holds the model, EMA, optimizer (and step), noise-generator
+        state, the secret sampling seed and the privacy ledger (the whole
+        mechanism); the input position is the step (batches are keyed by
+        (sampling seed, step)). A run restarted with the same command resumes
+        there.
       deterministic: call `tf.config.experimental.enable_op_determinism()`
-        (process-wide; slower) so that a fixed seed and noise_seed give
-        identical weights.
+        (process-wide; slower) so that fixed seeds give identical weights.
 
     Returns:
       The privacy report dict.
@@ -174,8 +203,8 @@ def train_and_evaluate(
         num_examples that does not match the data, an unknown strategy, a
         static_batch_size that does not split evenly or truncates too often,
         a checkpoint_every_steps that does not divide eval_every_steps, a
-        checkpoint written under another privacy plan, or augmentation asked
-        together with precomputed `features`.
+        checkpoint written under another mechanism or with more steps than
+        planned, or augmentation asked together with precomputed `features`.
       tfdp.data.DatasetNotFoundError: if the dataset is not prepared; the
         message says what to run.
     """
@@ -183,188 +212,117 @@ def train_and_evaluate(
     dist = distribute.make_strategy(strategy)
     if deterministic:
         tf.config.experimental.enable_op_determinism()
-    checkpoint_every_steps = _checkpoint_interval(checkpoint_every_steps, eval_every_steps)
-    if features is not None and (augmult > 0 or augmentation is not None):
-        raise ValueError(
-            f"features={features!r} are computed once from the un-augmented images, so "
-            f"augmentation={augmentation!r} and augmult={augmult} would transform feature "
-            "maps, not images. Set augmult = 0 and augmentation = None for feature models."
-        )
-    keras.utils.set_random_seed(seed)
 
-    plan = privacy.plan_privacy(
-        num_examples=num_examples,
-        batch_size=batch_size,
-        num_steps=num_steps,
-        l2_clip_norm=l2_clip_norm,
-        target_delta=target_delta,
-        noise_multiplier=noise_multiplier,
-        target_epsilon=target_epsilon,
-        accountant=accountant,
-        sampling=sampling,
-        data_normalization_noise=(data_normalization or {}).get("noise_multiplier"),
-    )
-    train = data.load_split(dataset, train_split, data_dir=data_dir, image_size=image_size)
-    test = data.load_split(dataset, test_split, data_dir=data_dir, image_size=image_size)
-    if len(train.labels) != num_examples:
-        raise ValueError(
-            f"NUM_EXAMPLES={num_examples} but the {dataset!r} split {train_split!r} has "
-            f"{len(train.labels)} examples. The accountant must use the real N: set "
-            f"NUM_EXAMPLES = {len(train.labels)} (or change the split)."
-        )
-    os.makedirs(workdir, exist_ok=True)
+    # 1. The mechanism and every other setting, before any I/O.
+    checkpoint_every_steps = _checkpoint_interval(checkpoint_every_steps, eval_every_steps)
+    _check_augmentation(features, augmentation, augmult, augtest)
     if data_normalization and strategy == "multi_worker_mirrored":
         raise ValueError(
             "data_normalization is not supported under multi_worker_mirrored: every worker "
             "would draw its own private release. Run it on one worker first (the release is "
             f"saved to {DATA_NORMALIZATION_FILE} and reused), or use strategy 'mirrored'."
         )
-    num_replicas = dist.num_replicas_in_sync
-    chief = distribute.is_chief(dist)
-    out_dir = distribute.output_dir(workdir, dist)  # workdir, or a temp dir off the chief
-    image_shape = tuple(train.images.shape[1:])
-    train, test, head_kwargs = _features(train, test, features, data_normalization, workdir)
-    static_size, truncation = _static_batch_size(
-        static_batch_size, plan, dist, accumulation_steps
+    mechanism = _plan(
+        dist, accumulation_steps, static_batch_size,
+        num_examples=num_examples, batch_size=batch_size, num_steps=num_steps,
+        l2_clip_norm=l2_clip_norm, target_delta=target_delta,
+        noise_multiplier=noise_multiplier, target_epsilon=target_epsilon,
+        accountant=accountant, sampling=sampling, normalize_update=normalize_update,
+        num_microbatches=num_microbatches, data_normalization=data_normalization,
+        fixed_seeds=tuple(name for name, value in (("sampling_seed", sampling_seed),
+                                                   ("noise_seed", noise_seed))
+                          if value is not None),
     )
-    with dist.scope():  # model, DP state and optimizer are mirrored; datasets are not
-        model = model_fn(
-            num_classes=train.num_classes, input_shape=tuple(train.images.shape[1:]),
-            **head_kwargs
-        )
-        models.validate_dp_model(model)
-        dp_model = DPModel(
-            model,
-            l2_clip_norm=plan.l2_clip_norm,
-            noise_multiplier=plan.noise_multiplier,
-            batch_size=plan.batch_size,
-            accumulation_steps=accumulation_steps,
-            normalize_update=normalize_update,
-            noise_seed=noise_seed,
-            num_microbatches=num_microbatches,
-            ema_decay=ema_decay,
-        )
-        dp_model.compile(optimizer=optimizer_fn(), jit_compile=False)
+    keras.utils.set_random_seed(seed)
 
-    ledger = callbacks_lib.make_privacy_ledger(plan)
-    checkpoint = tf.train.Checkpoint(
-        model=dp_model, optimizer=dp_model.optimizer, noise_generator=dp_model.noise_generator,
-        ledger=ledger,
-    )
-    # Every worker saves (saving may run collectives); only the chief's copy is kept.
-    manager = tf.train.CheckpointManager(
-        checkpoint, os.path.join(out_dir, CHECKPOINT_DIR), max_to_keep=2
-    )
+    # 2. Data (read only).
+    train, test = _load_data(dataset, train_split, test_split, data_dir=data_dir,
+                             image_size=image_size, num_examples=mechanism.num_examples)
+    image_shape = tuple(train.images.shape[1:])
+
+    # 3. An existing checkpoint must be of this very mechanism (read only).
     latest = tf.train.latest_checkpoint(os.path.join(workdir, CHECKPOINT_DIR))
     if latest:
-        checkpoint.restore(latest).expect_partial()
-        logging.info("Resumed from %s.", latest)
-    start_step = int(dp_model.optimizer.iterations.numpy())
-    if latest:
-        callbacks_lib.check_privacy_ledger(ledger, plan, start_step)
-    if chief:
+        callbacks_lib.check_privacy_ledger(latest, mechanism, sampling_seed=sampling_seed,
+                                           noise_seed=noise_seed)
+
+    # 4. Features and the private data normalization (released once per workdir).
+    train, test, head_kwargs = _features(train, test, features, mechanism.data_normalization,
+                                         workdir)
+
+    # 5. Model and DP state, mirrored under the strategy.
+    with dist.scope():
+        model = model_fn(num_classes=train.num_classes,
+                         input_shape=tuple(train.images.shape[1:]), **head_kwargs)
+        models.validate_dp_model(model)
+        dp_model = DPModel(model, mechanism, accumulation_steps=accumulation_steps,
+                           noise_seed=noise_seed, ema_decay=ema_decay)
+        dp_model.compile(optimizer=optimizer_fn(), jit_compile=False)
+    ledger = callbacks_lib.make_privacy_ledger(
+        mechanism, noise_seed=noise_seed, sampling_seed=distribute.broadcast_from_chief(
+            dist, coins.secret_seed() if sampling_seed is None else sampling_seed))
+
+    # 6. Restore, or write a first checkpoint that holds the secret coins.
+    chief = distribute.is_chief(dist)
+    out_dir = distribute.output_dir(workdir, dist)  # workdir, or a temp dir off the chief
+    os.makedirs(out_dir, exist_ok=True)
+    manager, start_step = _restore(dp_model, ledger, out_dir, latest)
+    if chief and start_step < mechanism.num_steps:
         _remove_finished_outputs(workdir)
 
+    # 7. Fit.
     augment_fn = None
     if augmult > 0 or augmentation is not None:
         augment_fn = augment.get_augmentation(
             augmentation or "none", **(augmentation_kwargs or {})
         )
     train_ds = _train_dataset(
-        train, plan, seed=seed, start_step=start_step, augment_fn=augment_fn, augmult=augmult,
-        static_batch_size=static_size, multiple=num_replicas,
+        train, mechanism, seed=int(ledger.sampling_seed.numpy()), start_step=start_step,
+        augment_fn=augment_fn, augment_seed=[seed, 1], augmult=augmult,
+        static_batch_size=mechanism.truncation and mechanism.truncation.static_batch_size,
+        multiple=dist.num_replicas_in_sync,
     )
     train_ds = distribute.distribute_logical_batches(
-        dist, train_ds, per_replica_size=static_size // num_replicas if static_size else None
-    )
+        dist, train_ds, per_replica_size=(
+            mechanism.truncation and mechanism.truncation.per_replica_batch_size))
     n_eval = len(test.labels) if eval_examples is None else min(eval_examples, len(test.labels))
     eval_ds = data.eval_batches(
         test.images[:n_eval], test.labels[:n_eval], batch_size=eval_batch_size
     )
-    if progress_bar is None:
-        progress_bar = sys.stdout.isatty()
-    augtest_spec = None
-    if augtest:
-        if augment_fn is None or augmult < 1:
-            raise ValueError("augtest needs an augmentation and augmult >= 1 (the K views).")
-        augtest_spec = (augment_fn, augmult, [seed, 2])
-    callbacks = [
-        callbacks_lib.EvaluationEpochsOnly(
-            evaluation.ExtraEvaluation(dp_model, eval_ds, augtest=augtest_spec)),
-        callbacks_lib.PrivacyCallback(plan),
-        callbacks_lib.ProgressLog(plan.num_steps),
-        callbacks_lib.CheckpointCallback(manager, ledger=ledger, plan=plan),
-        callbacks_lib.MetricsJsonl(
-            os.path.join(out_dir, METRICS_FILE),
-            extra={"simulation": True} if simulation else None,
-        ),
-        callbacks_lib.OperativeConfigSaver(os.path.join(out_dir, OPERATIVE_CONFIG)),
-        callbacks_lib.tensorboard_callback(out_dir),
-    ]
-    if start_step < plan.num_steps:
-        # fit epochs are checkpoint intervals; only some of them evaluate.
-        epochs, initial_epoch, validation_freq = _fit_schedule(
-            plan.num_steps, start_step, checkpoint_every_steps, eval_every_steps)
-        dp_model.fit(
-            train_ds,
-            epochs=epochs,
-            initial_epoch=initial_epoch,
-            steps_per_epoch=checkpoint_every_steps,
-            validation_data=eval_ds,
-            validation_freq=validation_freq,
-            callbacks=callbacks,
-            verbose=1 if progress_bar else 0,
-        )
+    augtest_spec = (augment_fn, augmult, [seed, 2]) if augtest else None
+    _fit(dp_model, mechanism, manager, ledger, train_ds, eval_ds, out_dir,
+         start_step=start_step, checkpoint_every_steps=checkpoint_every_steps,
+         eval_every_steps=eval_every_steps, augtest=augtest_spec, simulation=simulation,
+         progress_bar=sys.stdout.isatty() if progress_bar is None else progress_bar)
+
+    # 8. Study ledger, privacy report and SavedModel.
     steps_done = int(dp_model.optimizer.iterations.numpy())
-    if steps_done != plan.num_steps:
+    if steps_done != mechanism.num_steps:
         raise RuntimeError(
-            f"Training stopped at step {steps_done}, not the planned {plan.num_steps}; "
+            f"Training stopped at step {steps_done}, not the planned {mechanism.num_steps}; "
             "no privacy report or export was written."
         )
     study = None
     if study_dir and chief:  # one ledger entry per run, not per worker
-        study = _record_in_study(study_dir, workdir, plan, steps_done)
+        study = _record_in_study(study_dir, workdir, mechanism, sampling_seed=sampling_seed)
     if simulation:
         logging.warning(
             "This run SIMULATES %s; it is not private at the reference epsilon.",
             simulation.get("reference", simulation),
         )
     report = privacy_report.build_privacy_report(
-        plan,
+        mechanism,
         steps_completed=steps_done,
-        epsilon=plan.epsilon(steps_done),
-        epsilon_without_amplification=_epsilon_without_amplification(plan),
         hyperparameters=_hyperparameters(
             dataset=dataset, augmentation=augmentation, augmult=augmult,
-            accumulation_steps=accumulation_steps, normalize_update=normalize_update,
-            ema_decay=ema_decay, augtest=augtest,
-            optimizer=keras.optimizers.serialize(dp_model.optimizer)["config"],
+            accumulation_steps=accumulation_steps, ema_decay=ema_decay, augtest=augtest,
+            seed=seed, optimizer=keras.optimizers.serialize(dp_model.optimizer)["config"],
         ),
-        num_microbatches=num_microbatches,
         exported_parameters="ema" if ema_decay is not None else "last",
-        extra_mechanisms=[
-            {"mechanism": "private data normalization (Tramer & Boneh 2021, App. B)",
-             "dp_event": "two Gaussian mechanisms", **data_normalization}
-        ] if data_normalization else (),
         simulation=simulation,
         study=study,
-        truncation=truncation and {
-            **truncation,
-            "delta_with_truncation": data.delta_with_truncation(
-                plan.delta, plan.epsilon(steps_done), truncation["truncation_probability"]),
-        },
     )
-    # The chief writes the report and the SavedModel once; other workers export
-    # too (the save may run collectives) into their temp dir, then delete it.
-    json_path, md_path = privacy_report.write_privacy_report(report, out_dir)
-    export_model = model
-    if features == "scatternet":
-        export_model = models.build_scatternet_classifier(model, image_shape)
-    with dp_model.use_ema_parameters():
-        saved_model.export_saved_model(
-            export_model, os.path.join(out_dir, EXPORT_DIR), image_shape=image_shape,
-            asset_paths=(json_path, md_path),
-        )
+    _export(report, dp_model, model, out_dir, features=features, image_shape=image_shape)
     if out_dir != workdir:
         shutil.rmtree(out_dir, ignore_errors=True)
     logging.info(
@@ -374,12 +332,133 @@ def train_and_evaluate(
     return report
 
 
-def _features(train, test, features, data_normalization, workdir):
-    """Replaces pixels by cached ScatterNet features, privately normalized if asked.
+def _plan(strategy, accumulation_steps, static_batch_size, **privacy):
+    """Stage 1: the run's `DPMechanism`, truncation of static batches included."""
+    mechanism = accounting.plan_mechanism(**privacy)
+    truncation = _truncation(static_batch_size, mechanism, strategy, accumulation_steps)
+    return dataclasses.replace(mechanism, truncation=truncation)
 
-    The private mean and variance are released once per run: they are saved to
+
+def _check_augmentation(features, augmentation, augmult, augtest):
+    """Refuses augmentation settings that would be silently wrong."""
+    if features is not None and (augmult > 0 or augmentation is not None):
+        raise ValueError(
+            f"features={features!r} are computed once from the un-augmented images, so "
+            f"augmentation={augmentation!r} and augmult={augmult} would transform feature "
+            "maps, not images. Set augmult = 0 and augmentation = None for feature models."
+        )
+    if augtest and augmult < 1:
+        raise ValueError("augtest needs an augmentation and augmult >= 1 (the K views).")
+
+
+def _load_data(dataset, train_split, test_split, *, data_dir, image_size, num_examples):
+    """Stage 2: the two splits, the training split checked against NUM_EXAMPLES."""
+    train = data.load_split(dataset, train_split, data_dir=data_dir, image_size=image_size)
+    test = data.load_split(dataset, test_split, data_dir=data_dir, image_size=image_size)
+    if len(train.labels) != num_examples:
+        raise ValueError(
+            f"NUM_EXAMPLES={num_examples} but the {dataset!r} split {train_split!r} has "
+            f"{len(train.labels)} examples. The accountant must use the real N: set "
+            f"NUM_EXAMPLES = {len(train.labels)} (or change the split)."
+        )
+    return train, test
+
+
+def _restore(dp_model, ledger, out_dir, latest):
+    """Stage 6: restores `latest`, or saves checkpoint 0 with the fresh coins.
+
+    Returns:
+      `(manager, start_step)`.
+    """
+    checkpoint = tf.train.Checkpoint(
+        model=dp_model, optimizer=dp_model.optimizer, noise_generator=dp_model.noise_generator,
+        ledger=ledger,
+    )
+    # Every worker saves (saving may run collectives); only the chief's copy is kept.
+    manager = tf.train.CheckpointManager(
+        checkpoint, os.path.join(out_dir, CHECKPOINT_DIR), max_to_keep=2
+    )
+    if latest:
+        checkpoint.restore(latest).expect_partial()
+        logging.info("Resumed from %s.", latest)
+    start_step = int(dp_model.optimizer.iterations.numpy())
+    if int(ledger.steps.numpy()) != start_step:
+        raise ValueError(
+            f"The checkpoint's privacy ledger records {int(ledger.steps.numpy())} steps but its "
+            f"optimizer has taken {start_step}; the checkpoint is inconsistent. Use a fresh "
+            "workdir."
+        )
+    if not latest:
+        # A restart before the first interval then continues the same sample
+        # and noise streams instead of drawing new secret coins.
+        callbacks_lib.save_checkpoint(manager, ledger, 0)
+    return manager, start_step
+
+
+def _fit(dp_model, mechanism, manager, ledger, train_ds, eval_ds, out_dir, *, start_step,
+         checkpoint_every_steps, eval_every_steps, augtest, simulation, progress_bar):
+    """Stage 7: `fit` over checkpoint intervals, evaluating every eval_every_steps."""
+    if start_step >= mechanism.num_steps:
+        return
+    callbacks = [
+        callbacks_lib.EvaluationEpochsOnly(
+            evaluation.ExtraEvaluation(dp_model, eval_ds, augtest=augtest)),
+        callbacks_lib.PrivacyCallback(mechanism),
+        callbacks_lib.ProgressLog(mechanism.num_steps),
+        callbacks_lib.CheckpointCallback(manager, ledger),
+        callbacks_lib.MetricsJsonl(
+            os.path.join(out_dir, METRICS_FILE),
+            extra={"simulation": True} if simulation else None,
+        ),
+        callbacks_lib.OperativeConfigSaver(os.path.join(out_dir, OPERATIVE_CONFIG)),
+        callbacks_lib.tensorboard_callback(out_dir),
+    ]
+    # fit epochs are checkpoint intervals; only some of them evaluate.
+    epochs, initial_epoch, validation_freq = _fit_schedule(
+        mechanism.num_steps, start_step, checkpoint_every_steps, eval_every_steps)
+    dp_model.fit(
+        train_ds,
+        epochs=epochs,
+        initial_epoch=initial_epoch,
+        steps_per_epoch=checkpoint_every_steps,
+        validation_data=eval_ds,
+        validation_freq=validation_freq,
+        callbacks=callbacks,
+        verbose=1 if progress_bar else 0,
+    )
+
+
+def _export(report, dp_model, model, out_dir, *, features, image_shape):
+    """Stage 8: the report, then the SavedModel (EMA parameters when EMA is on).
+
+    The chief writes them once; other workers export too (the save may run
+    collectives) into their temp dir, which the caller deletes.
+    """
+    json_path, md_path = privacy_report.write_privacy_report(report, out_dir)
+    export_model = model
+    if features == "scatternet":
+        export_model = models.build_scatternet_classifier(model, image_shape)
+    with dp_model.use_ema_parameters():
+        saved_model.export_saved_model(
+            export_model, os.path.join(out_dir, EXPORT_DIR), image_shape=image_shape,
+            asset_paths=(json_path, md_path),
+        )
+
+
+def _features(train, test, features, data_normalization, workdir):
+    """Stage 4: replaces pixels by cached ScatterNet features, privately normalized if asked.
+
+    The private mean and variance are released once per run: they are saved,
+    with the sigma and bounds they were released under, to
     `workdir/data_normalization.json` and reused on resume, so a restarted run
-    never draws (and spends privacy on) a second noisy release.
+    never draws (and spends privacy on) a second noisy release. A saved
+    release under other settings is refused, never reused.
+
+    Args:
+      train, test: the `tfdp.data.Split`s.
+      features: None or "scatternet".
+      data_normalization: None, or the mechanism's `DataNormalization`.
+      workdir: where the release is kept.
 
     Returns:
       `(train, test, head_kwargs)`: the splits with `images` float32
@@ -387,7 +466,8 @@ def _features(train, test, features, data_normalization, workdir):
       pass the private feature mean and variance to the head builder.
 
     Raises:
-      ValueError: on an unknown `features`, or data normalization without them.
+      ValueError: on an unknown `features`, data normalization without them,
+        or a saved release whose settings differ from `data_normalization`.
     """
     if features is None:
         if data_normalization:
@@ -395,49 +475,54 @@ def _features(train, test, features, data_normalization, workdir):
         return train, test, {}
     if features != "scatternet":
         raise ValueError(f"Unknown features {features!r}; use None or 'scatternet'.")
+    path = os.path.join(workdir, DATA_NORMALIZATION_FILE)
+    released = None
+    if data_normalization and os.path.exists(path):
+        with open(path) as f:
+            released = json.load(f)
+        settings = dataclasses.asdict(data_normalization)
+        if released.get("released_with") != settings:
+            raise ValueError(
+                f"{path} holds a private normalization released with "
+                f"{released.get('released_with', 'unrecorded settings')}, but this run asks for "
+                f"{settings}. Reusing it would misstate the privacy cost, and releasing "
+                "another would spend privacy twice in one workdir: restore the original "
+                "settings, or use a new workdir.")
     logging.info("Computing ScatterNet features of %d + %d images once.",
                  len(train.labels), len(test.labels))
     train = train._replace(images=models.compute_scatternet_features(train.images))
     test = test._replace(images=models.compute_scatternet_features(test.images))
     if not data_normalization:
         return train, test, {}
-    path = os.path.join(workdir, DATA_NORMALIZATION_FILE)
-    if os.path.exists(path):
-        with open(path) as f:
-            released = json.load(f)
-    else:
+    if released is None:
         from tfdp.dp import data_normalization as data_norm  # pylint: disable=g-import-not-at-top
 
         mean, variance = data_norm.private_channel_mean_and_var(
             train.images,
-            l2_clip_norm_mean=data_normalization["l2_clip_norm_mean"],
-            l2_clip_norm_square=data_normalization["l2_clip_norm_square"],
-            noise_multiplier=data_normalization["noise_multiplier"],
-            threshold=data_normalization["threshold"],
+            l2_clip_norm_mean=data_normalization.l2_clip_norm_mean,
+            l2_clip_norm_square=data_normalization.l2_clip_norm_square,
+            noise_multiplier=data_normalization.noise_multiplier,
+            threshold=data_normalization.threshold,
         )
         released = {"feature_mean": mean.numpy().tolist(),
-                    "feature_variance": variance.numpy().tolist()}
+                    "feature_variance": variance.numpy().tolist(),
+                    "released_with": dataclasses.asdict(data_normalization)}
+        os.makedirs(workdir, exist_ok=True)
         with open(path, "w") as f:
             json.dump(released, f)
-    return train, test, {k: np.asarray(v, np.float32) for k, v in released.items()}
+    return train, test, {k: np.asarray(released[k], np.float32)
+                         for k in ("feature_mean", "feature_variance")}
 
 
-def _record_in_study(study_dir, workdir, plan, steps_done):
-    """Appends this run to the study ledger; returns the study's epsilon."""
-    from tfdp import accounting  # pylint: disable=g-import-not-at-top
-
-    extra = []
-    if plan.data_normalization_noise is not None:
-        extra = [{"kind": "gaussian", "noise_multiplier": plan.data_normalization_noise,
-                  "count": 2}]
+def _record_in_study(study_dir, workdir, mechanism, *, sampling_seed):
+    """Appends this run's mechanism to the study ledger; returns the study's epsilon."""
     accounting.append_run(
         study_dir, run_name=os.path.basename(os.path.normpath(workdir)),
-        noise_multiplier=plan.noise_multiplier, sampling_prob=plan.sampling_prob,
-        num_steps=steps_done, extra_events=extra,
+        mechanism=mechanism, sampling_seed=sampling_seed,
     )
-    epsilon, runs = accounting.study_epsilon(study_dir, delta=plan.delta,
-                                             accountant=plan.accountant)
-    return {"dir": str(study_dir), "epsilon": epsilon, "delta": plan.delta,
+    epsilon, runs = accounting.study_epsilon(study_dir, delta=mechanism.delta,
+                                             accountant=mechanism.accountant)
+    return {"dir": str(study_dir), "epsilon": epsilon, "delta": mechanism.delta,
             "runs": {name: eps for name, eps in runs}}
 
 
@@ -450,21 +535,24 @@ def _remove_finished_outputs(workdir):
     shutil.rmtree(os.path.join(workdir, EXPORT_DIR), ignore_errors=True)
 
 
-def _train_dataset(train, plan, *, seed, start_step, augment_fn, augmult,
+def _train_dataset(train, mechanism, *, seed, start_step, augment_fn, augment_seed, augmult,
                    static_batch_size=None, multiple=1):
     """Poisson (or shuffled) logical batches -> augmult views -> padded, one per update.
 
-    Batches are padded with a mask (`tfdp.data.pad_batches`) to the static
-    size, or else to a multiple of the replica count when there are several
-    replicas; one replica and no static size keep the plain variable batches.
+    `seed` is the secret sampling seed (`tfdp.dp.coins`); `augment_seed` the
+    public one of the augmentations. Batches are padded with a mask
+    (`tfdp.data.pad_batches`) to the static size, or else to a multiple of
+    the replica count when there are several replicas; one replica and no
+    static size keep the plain variable batches.
     """
     ds = data.make_train_batches(
-        train.images, train.labels, sampling=plan.sampling, batch_size=plan.batch_size,
-        num_steps=plan.num_steps, seed=seed, start_step=start_step,
+        train.images, train.labels, sampling=mechanism.sampling,
+        batch_size=mechanism.batch_size, num_steps=mechanism.num_steps, seed=seed,
+        start_step=start_step,
     )
     if augment_fn is not None:
         ds = augment.augment_dataset(
-            ds, augment_fn=augment_fn, augmult=augmult, seed=[seed, 1], start_step=start_step
+            ds, augment_fn=augment_fn, augmult=augmult, seed=augment_seed, start_step=start_step
         )
     if static_batch_size is not None or multiple > 1:
         ds = data.pad_batches(ds, static_batch_size=static_batch_size, multiple=multiple)
@@ -510,13 +598,13 @@ def _fit_schedule(num_steps, start_step, checkpoint_every_steps, eval_every_step
     return epochs, start_step // checkpoint_every_steps, validation_freq
 
 
-def _static_batch_size(static_batch_size, plan, strategy, accumulation_steps):
-    """Resolves `static_batch_size` and its truncation bound (`tfdp.data.padding`).
+def _truncation(static_batch_size, mechanism, strategy, accumulation_steps):
+    """Resolves `static_batch_size` into the mechanism's `Truncation` (`tfdp.data.padding`).
 
     Returns:
-      `(size, truncation)`: size None (variable batches) or the static logical
-      batch S; truncation None, or a dict with the cap and eta for the report
-      (`delta_with_truncation` is added once the final epsilon is known).
+      None (variable batches), or a `tfdp.accounting.Truncation` with the
+      static logical batch S and eta, the probability that any step's
+      Poisson batch exceeded it.
 
     Raises:
       ValueError: on an invalid value, None under a TPU strategy, an S that
@@ -531,18 +619,19 @@ def _static_batch_size(static_batch_size, plan, strategy, accumulation_steps):
                 "tfdp.train_and_evaluate.static_batch_size = 'auto' (or an int); the "
                 "truncation bound is then stated in the privacy report."
             )
-        return None, None
+        return None
     num_replicas = strategy.num_replicas_in_sync
     unit = num_replicas * int(accumulation_steps)
     # The accountant's final epsilon bounds every intermediate one.
-    epsilon = plan.epsilon(plan.num_steps)
-    max_eta = plan.delta / 10.0 / (1.0 + math.exp(min(epsilon, 700.0)))
+    epsilon = mechanism.epsilon()
+    max_eta = mechanism.delta / 10.0 / (1.0 + math.exp(min(epsilon, 700.0)))
     if static_batch_size == "auto":
-        if plan.sampling == "poisson":
+        if mechanism.sampling == "poisson":
             size = data.choose_static_batch_size(
-                plan.num_examples, plan.sampling_prob, plan.num_steps, max_eta, multiple=unit)
+                mechanism.num_examples, mechanism.sampling_prob, mechanism.num_steps, max_eta,
+                multiple=unit)
         else:
-            size = -(-plan.batch_size // unit) * unit
+            size = -(-mechanism.batch_size // unit) * unit
     elif isinstance(static_batch_size, int) and not isinstance(static_batch_size, bool):
         size = static_batch_size
     else:
@@ -550,51 +639,36 @@ def _static_batch_size(static_batch_size, plan, strategy, accumulation_steps):
             f"static_batch_size must be None, a positive int or 'auto', got {static_batch_size!r}."
         )
     per_replica = distribute.per_replica_batch_size(size, num_replicas, accumulation_steps)
-    if plan.sampling != "poisson":
-        if size < plan.batch_size:
+    if mechanism.sampling != "poisson":
+        if size < mechanism.batch_size:
             raise ValueError(
-                f"static_batch_size={size} is below the fixed batch size {plan.batch_size} of "
-                "shuffled batches; use 'auto' or at least the batch size."
+                f"static_batch_size={size} is below the fixed batch size "
+                f"{mechanism.batch_size} of shuffled batches; use 'auto' or at least the batch "
+                "size."
             )
         eta = 0.0
     else:
         eta = data.truncation_probability(
-            plan.num_examples, plan.sampling_prob, size, plan.num_steps)
+            mechanism.num_examples, mechanism.sampling_prob, size, mechanism.num_steps)
         added = data.delta_with_truncation(0.0, epsilon, eta)
-        if added > plan.delta:
+        if added > mechanism.delta:
             suggested = data.choose_static_batch_size(
-                plan.num_examples, plan.sampling_prob, plan.num_steps, max_eta, multiple=unit)
+                mechanism.num_examples, mechanism.sampling_prob, mechanism.num_steps, max_eta,
+                multiple=unit)
             raise ValueError(
                 f"static_batch_size={size} truncates Poisson batches (expected size "
-                f"{plan.batch_size}) too often: with probability <= {eta:.3g} over "
-                f"{plan.num_steps} steps, which would add (1 + e^epsilon) * {eta:.3g} = "
-                f"{added:.3g} to delta={plan.delta:g}. Use static_batch_size='auto' "
+                f"{mechanism.batch_size}) too often: with probability <= {eta:.3g} over "
+                f"{mechanism.num_steps} steps, which would add (1 + e^epsilon) * {eta:.3g} = "
+                f"{added:.3g} to delta={mechanism.delta:g}. Use static_batch_size='auto' "
                 f"({suggested} here) or at least that."
             )
-        if added > plan.delta / 10:
+        if added > mechanism.delta / 10:
             logging.warning("static_batch_size=%d adds %.3g to delta=%g (truncation).",
-                            size, added, plan.delta)
+                            size, added, mechanism.delta)
     logging.info("Static logical batch %d (%d per replica x %d replicas); truncation "
                  "probability <= %.3g.", size, per_replica, num_replicas, eta)
-    return size, {
-        "static_batch_size": size,
-        "per_replica_batch_size": per_replica,
-        "num_replicas": num_replicas,
-        "truncation_probability": eta,
-    }
-
-
-def _epsilon_without_amplification(plan):
-    """For shuffled batches: each example is used once per epoch, no amplification."""
-    if plan.sampling == "poisson":
-        return None
-    from tfdp import accounting  # pylint: disable=g-import-not-at-top
-
-    epochs = math.ceil(plan.num_steps * plan.batch_size / plan.num_examples)
-    return accounting.compute_epsilon(
-        noise_multiplier=plan.noise_multiplier, sampling_prob=1.0, num_steps=epochs,
-        delta=plan.delta, accountant=plan.accountant,
-    )
+    return accounting.Truncation(static_batch_size=size, per_replica_batch_size=per_replica,
+                                 num_replicas=num_replicas, truncation_probability=eta)
 
 
 def _hyperparameters(**kwargs):

@@ -218,12 +218,10 @@ def test_simulate(tmp_path):
 
 def test_ledger(tmp_path):
     study = tmp_path / "study"
-    accounting.append_run(
-        study, run_name="a", noise_multiplier=3.0, sampling_prob=0.08192, num_steps=1843
-    )
-    accounting.append_run(
-        study, run_name="b", noise_multiplier=5.0, sampling_prob=0.08192, num_steps=1593
-    )
+    for name, sigma, steps in (("a", 3.0, 1843), ("b", 5.0, 1593)):
+        accounting.append_run(study, run_name=name, mechanism=accounting.DPMechanism(
+            num_examples=50000, batch_size=4096, num_steps=steps, noise_multiplier=sigma,
+            l2_clip_norm=1.0, delta=1e-5))
     out, result = _json(["ledger", str(study), "--delta", "1e-5"], tmp_path)
     total, per_run = accounting.study_epsilon(study, delta=1e-5)
     assert out["epsilon"] == pytest.approx(total)

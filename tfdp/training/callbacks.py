@@ -9,7 +9,7 @@ import keras
 import tensorflow as tf
 from absl import logging
 
-from tfdp.training import privacy
+from tfdp import accounting
 
 
 class PrivacyCallback(keras.callbacks.Callback):
@@ -18,16 +18,17 @@ class PrivacyCallback(keras.callbacks.Callback):
     Place it BEFORE the progress bar and TensorBoard so they show `epsilon`.
     The step is the optimizer's update count (`optimizer.iterations`), i.e.
     logical batches, not micro-steps. On batches the logged value is
-    `privacy.epsilon_upper_bound` (epsilon at the next multiple of 10 steps);
-    at the end of each epoch it is exact.
+    `accounting.epsilon_upper_bound` (epsilon at the next multiple of 10
+    steps); at the end of each epoch it is exact, with the delta of the
+    whole guarantee (`DPMechanism.guarantee`, truncation included).
 
     Args:
-      plan: the run's `PrivacyPlan`.
+      mechanism: the run's `tfdp.accounting.DPMechanism`.
     """
 
-    def __init__(self, plan: privacy.PrivacyPlan):
+    def __init__(self, mechanism: accounting.DPMechanism):
         super().__init__()
-        self.plan = plan
+        self.mechanism = mechanism
 
     def _step(self):
         return int(self.model.optimizer.iterations.numpy())
@@ -35,16 +36,15 @@ class PrivacyCallback(keras.callbacks.Callback):
     def on_train_batch_end(self, batch, logs=None):
         step = self._step()
         if logs is not None:
-            logs["epsilon"] = privacy.epsilon_upper_bound(self.plan, step)
-        if step >= self.plan.num_steps:
+            logs["epsilon"] = accounting.epsilon_upper_bound(self.mechanism, step)
+        if step >= self.mechanism.num_steps:
             self.model.stop_training = True
 
     def on_epoch_end(self, epoch, logs=None):
         if logs is not None:
             step = self._step()
             logs["step"] = step
-            logs["epsilon"] = self.plan.epsilon(step)
-            logs["delta"] = self.plan.delta
+            logs["epsilon"], logs["delta"] = self.mechanism.guarantee(step)
 
 
 class MetricsJsonl(keras.callbacks.Callback):
@@ -143,81 +143,117 @@ class CheckpointCallback(keras.callbacks.Callback):
 
     Args:
       manager: the `tf.train.CheckpointManager` of the run.
-      ledger: None, or the `make_privacy_ledger` module held by the checkpoint.
-      plan: the run's `PrivacyPlan` (needed with `ledger`).
+      ledger: the `make_privacy_ledger` module held by the checkpoint.
     """
 
-    def __init__(self, manager: tf.train.CheckpointManager, ledger=None, plan=None):
+    def __init__(self, manager: tf.train.CheckpointManager, ledger):
         super().__init__()
-        if ledger is not None and plan is None:
-            raise ValueError("CheckpointCallback: a ledger needs the plan to fill it in.")
         self.manager = manager
         self.ledger = ledger
-        self.plan = plan
 
     def on_epoch_end(self, epoch, logs=None):
-        step = int(self.model.optimizer.iterations.numpy())
-        if self.ledger is not None:
-            self.ledger.steps.assign(step)
-            self.ledger.epsilon.assign(self.plan.epsilon(step))
-        self.manager.save(checkpoint_number=step)
+        save_checkpoint(self.manager, self.ledger, int(self.model.optimizer.iterations.numpy()))
 
 
-def make_privacy_ledger(plan: privacy.PrivacyPlan) -> tf.Module:
-    """Variables that put the run's privacy ledger into every checkpoint.
+def save_checkpoint(manager, ledger, step):
+    """Sets the ledger to `step` and its epsilon, then saves checkpoint number `step`."""
+    ledger.steps.assign(step)
+    ledger.epsilon.assign(ledger.mechanism.epsilon(step))
+    manager.save(checkpoint_number=step)
 
-    The module holds float64/int64 scalars `steps`, `epsilon`, `delta`,
-    `noise_multiplier`, `sampling_prob` and `l2_clip_norm` (read them from a
-    checkpoint with `tf.train.load_checkpoint(path).get_tensor(
-    "ledger/epsilon/.ATTRIBUTES/VARIABLE_VALUE")` when it is saved as `ledger`).
-    `CheckpointCallback` sets `steps` and `epsilon` before each save;
-    `check_privacy_ledger` compares a restored ledger with the new plan. Create
-    it outside any strategy scope (plain host variables).
+
+def make_privacy_ledger(mechanism: accounting.DPMechanism, *, sampling_seed: int,
+                        noise_seed=None) -> tf.Module:
+    """Variables that put the run's privacy ledger and secret coins into every checkpoint.
+
+    The module holds:
+    * `mechanism_json` (string): `mechanism.to_dict()` as JSON, the whole
+      mechanism the checkpoint's steps were taken under;
+    * `steps` (int64) and `epsilon` (float64), set before each save (read
+      them with `tf.train.load_checkpoint(path).get_tensor(
+      "ledger/epsilon/.ATTRIBUTES/VARIABLE_VALUE")`);
+    * `sampling_seed` (int64) and `noise_seed` (int64, -1 when drawn from
+      OS entropy): the secret coins. The checkpoint is the ONLY place they
+      are written (`tfdp.dp.coins`); the noise generator's state is saved
+      with the DPModel.
+
+    `check_privacy_ledger` compares a restored ledger with the new run.
+    Create it outside any strategy scope (plain host variables). The
+    mechanism itself stays a Python attribute (`ledger.mechanism`).
 
     Args:
-      plan: the run's `PrivacyPlan`.
+      mechanism: the run's `DPMechanism`.
+      sampling_seed: the run's sampling seed (secret, or fixed by the user).
+      noise_seed: the user's fixed noise seed, or None.
 
     Returns:
       A `tf.Module` to add to the `tf.train.Checkpoint`.
     """
     ledger = tf.Module(name="privacy_ledger")
+    ledger.mechanism = mechanism
     with tf.device("/CPU:0"):
+        ledger.mechanism_json = tf.Variable(
+            json.dumps(mechanism.to_dict(), sort_keys=True), trainable=False,
+            name="mechanism_json")
         ledger.steps = tf.Variable(0, dtype=tf.int64, trainable=False, name="steps")
         ledger.epsilon = tf.Variable(0.0, dtype=tf.float64, trainable=False, name="epsilon")
-        for name in ("delta", "noise_multiplier", "sampling_prob", "l2_clip_norm"):
-            setattr(ledger, name, tf.Variable(float(getattr(plan, name)), dtype=tf.float64,
-                                              trainable=False, name=name))
+        ledger.sampling_seed = tf.Variable(int(sampling_seed), dtype=tf.int64, trainable=False,
+                                           name="sampling_seed")
+        ledger.noise_seed = tf.Variable(-1 if noise_seed is None else int(noise_seed),
+                                        dtype=tf.int64, trainable=False, name="noise_seed")
     return ledger
 
 
-def check_privacy_ledger(ledger: tf.Module, plan: privacy.PrivacyPlan, step: int):
-    """Refuses to resume a checkpoint that was written under another privacy plan.
+_LEDGER_KEY = "ledger/{}/.ATTRIBUTES/VARIABLE_VALUE"
 
-    Resuming with a different noise_multiplier, sampling_prob, l2_clip_norm or
-    delta would silently compose two different mechanisms under one epsilon.
+
+def check_privacy_ledger(checkpoint_path: str, mechanism: accounting.DPMechanism, *,
+                         sampling_seed=None, noise_seed=None):
+    """Refuses to resume a checkpoint that was written under another mechanism.
+
+    Reads the checkpoint's ledger (`make_privacy_ledger`) from the file, so it
+    runs before anything is built, written or released. Resuming under a
+    different mechanism (another sigma, q, C, delta, sensitivity, sampling
+    scheme, truncation cap, data normalization or accountant) would compose
+    two mechanisms under one epsilon, or silently change the run's epsilon
+    series; fixing a seed that differs from the checkpoint's would be
+    silently ignored; a plan with fewer steps than the checkpoint holds
+    cannot be met.
 
     Args:
-      ledger: the restored `make_privacy_ledger` module.
-      plan: the new run's `PrivacyPlan`.
-      step: the restored optimizer step.
+      checkpoint_path: the workdir's latest checkpoint.
+      mechanism: the new run's `DPMechanism`.
+      sampling_seed, noise_seed: the seeds the user fixed now, or None.
 
     Raises:
-      ValueError: on any mismatch, naming the values and what to do.
+      ValueError: on any mismatch; the message names every differing field
+        (never a secret seed's value) and says what to do.
     """
-    restored_steps = int(ledger.steps.numpy())
-    if restored_steps != step:
+    reader = tf.train.load_checkpoint(checkpoint_path)
+    if not reader.has_tensor(_LEDGER_KEY.format("mechanism_json")):
         raise ValueError(
-            f"The checkpoint's privacy ledger records {restored_steps} steps but its optimizer "
-            f"has taken {step}; the checkpoint is inconsistent. Use a fresh workdir."
+            f"The checkpoint {checkpoint_path} was written by an older tfdp that did not "
+            "record the whole privacy mechanism, so resuming it cannot be checked. Use a new "
+            "workdir.")
+    saved = accounting.DPMechanism.from_dict(
+        json.loads(reader.get_tensor(_LEDGER_KEY.format("mechanism_json"))))
+    problems = [f"  {line} (checkpoint vs this run)" for line in saved.differences(mechanism)]
+    for name, fixed in (("sampling_seed", sampling_seed), ("noise_seed", noise_seed)):
+        if fixed is not None and int(reader.get_tensor(_LEDGER_KEY.format(name))) != int(fixed):
+            problems.append(f"  {name}: this run fixes another value than the checkpoint's")
+    if problems:
+        raise ValueError(
+            "The checkpoint in the workdir was written under another privacy mechanism:\n"
+            + "\n".join(problems)
+            + "\nResuming would mix two mechanisms under one epsilon. Restore the original "
+            "settings, or use a new workdir."
         )
-    for name in ("noise_multiplier", "sampling_prob", "l2_clip_norm", "delta"):
-        saved, planned = float(getattr(ledger, name).numpy()), float(getattr(plan, name))
-        if abs(saved - planned) > 1e-9 * max(1.0, abs(planned)):
-            raise ValueError(
-                f"The checkpoint in the workdir was written with {name}={saved!r} but this run "
-                f"plans {name}={planned!r}. Resuming would mix two mechanisms under one epsilon: "
-                "restore the original config, or use a new workdir."
-            )
+    steps = int(reader.get_tensor(_LEDGER_KEY.format("steps")))
+    if steps > mechanism.num_steps:
+        raise ValueError(
+            f"This workdir already holds {steps} steps, more than the {mechanism.num_steps} "
+            "planned now (NUM_STEPS, or the TARGET_EPSILON cap). Nothing was changed. Plan at "
+            f"least {steps} steps to resume it, or use a new workdir.")
 
 
 def ran_validation(logs):
