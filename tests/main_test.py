@@ -40,3 +40,39 @@ def test_cli_bad_privacy_parameter_exits_2_before_writing_anything(tmp_path):
     assert result.returncode == 2
     assert "delta" in result.stderr and "Traceback" not in result.stderr
     assert not os.path.exists(tmp_path / "wd" / "privacy_report.json")
+
+
+def test_a_misspelt_macro_is_refused_with_the_closest_name():
+    # Gin takes any `NAME = value` as a macro: a typo used to train with sigma calibrated
+    # from the config's TARGET_EPSILON, silently.
+    import gin  # pylint: disable=g-import-not-at-top
+
+    gin.clear_config()
+    try:
+        with pytest.raises(main.ConfigError,
+                           match=r"NOISE_MULTIPLYER \(did you mean NOISE_MULTIPLIER\?\)"):
+            main.parse_config(["fashion_mnist.gin"], ["NOISE_MULTIPLYER = 1.0"])
+    finally:
+        gin.clear_config()
+
+
+@pytest.mark.parametrize("config", sorted(
+    name for name in main.shipped_gin_configs() if not name.startswith("_")
+    and name != "smoke.gin"))
+def test_every_shipped_config_uses_every_macro_it_sets(config):
+    import gin  # pylint: disable=g-import-not-at-top
+
+    gin.clear_config()
+    try:
+        main.parse_config([config, "smoke.gin"], [])
+    finally:
+        gin.clear_config()
+
+
+def test_cli_error_is_printed_once_without_gin_s_location(tmp_path):
+    result = _run(tmp_path, "--gin_file=fashion_mnist.gin",
+                  "--gin_param=tfdp.train_and_evaluate.sampling='possion'")
+    assert result.returncode == 2
+    assert result.stderr.count("Unknown sampling scheme 'possion'") == 1
+    assert "In call to configurable" not in result.stderr and "Traceback" not in result.stderr
+    assert not os.path.exists(tmp_path / "wd")  # validated before the workdir is touched

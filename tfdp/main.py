@@ -12,8 +12,10 @@ folder, shipped as the package data `tfdp/gin_configs`), so
 work from any directory.
 """
 
+import difflib
 import importlib.resources
 import os
+import re
 import sys
 
 from absl import app
@@ -80,7 +82,61 @@ def parse_config(gin_files, gin_params):
         gin.parse_config_files_and_bindings(paths, gin_params)
     except (ValueError, KeyError, SyntaxError, ImportError) as e:
         raise ConfigError(f"Could not parse the gin config {paths} {gin_params}: {e}") from e
+    _check_macros_are_used()
     return paths
+
+
+def _check_macros_are_used():
+    """Refuses a gin macro that no binding uses, e.g. a misspelt `NOISE_MULTIPLYER = 1.0`.
+
+    Gin accepts any `NAME = value` as a macro, so a typo in a macro name would
+    otherwise train with the config's own value, silently. Macros and their
+    uses are read from the parsed config (`gin.config_str`, `gin.parse_value`).
+
+    Raises:
+      ConfigError: naming each unused macro and the closest used one.
+    """
+    import gin  # pylint: disable=g-import-not-at-top
+
+    defined, used = set(), set()
+    for line in gin.config_str(max_line_length=100_000).splitlines():  # one line a binding
+        if not line or line.startswith("#"):
+            continue
+        key, _, value = line.partition(" = ")
+        if "." not in key:  # `NAME = value` is a macro; bindings are `configurable.param`
+            defined.add(key)
+        for ref in _references(gin.config.parse_value(value)):
+            if ref.selector == "gin.macro":
+                used.add(ref.scoped_selector.rsplit("/", 1)[0])
+    unused = sorted(defined - used)
+    if unused:
+        hints = []
+        for name in unused:
+            close = difflib.get_close_matches(name, sorted(used), n=1)
+            hints.append(f"{name}" + (f" (did you mean {close[0]}?)" if close else ""))
+        raise ConfigError(
+            f"Gin macro(s) set but used by no binding: {', '.join(hints)}. A misspelt macro "
+            "would leave the config's own value in place. Valid macros here: "
+            f"{', '.join(sorted(used))}.")
+
+
+def _references(value):
+    """Every gin reference (`@name`, `%MACRO`) inside a parsed value."""
+    import gin  # pylint: disable=g-import-not-at-top
+
+    if isinstance(value, gin.config.ConfigurableReference):
+        yield value
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _references(item)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _references(item)
+
+
+def error_message(error: BaseException) -> str:
+    """The user-facing text of an error: gin's "In call to configurable" lines removed."""
+    return re.sub(r"\n\s*In call to configurable [^\n]*", "", str(error)).strip()
 
 
 def main(argv):
@@ -94,9 +150,8 @@ def main(argv):
 
         experiment.train_and_evaluate(workdir=FLAGS.workdir)
     except (ConfigError, ValueError, FileNotFoundError) as e:
-        # A clear one-paragraph error, no traceback from deep inside TF.
-        logging.error("%s: %s", type(e).__name__, e)
-        print(f"tfdp: error: {e}", file=sys.stderr)
+        # A clear error, printed once, with no traceback from deep inside TF.
+        print(f"tfdp: error: {error_message(e)}", file=sys.stderr)
         sys.exit(2)
 
 
