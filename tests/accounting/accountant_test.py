@@ -365,3 +365,15 @@ def test_sampling_prob_from():
         accounting.sampling_prob_from(0, 1000)
     with pytest.raises(ValueError, match="num_examples must be an integer"):
         accounting.sampling_prob_from(10, 0)
+
+
+def test_non_converging_rdp_orders_are_explained_once_not_warned_per_order(caplog):
+    # q = 0.25 makes dp_accounting's series diverge for several fractional orders; it used
+    # to log one warning per order and per call (26 lines in a 2-step smoke run).
+    import logging  # pylint: disable=g-import-not-at-top
+
+    with caplog.at_level(logging.INFO):
+        for steps in (2, 3):
+            accounting.compute_epsilon(noise_multiplier=1.16544, sampling_prob=0.25,
+                                       num_steps=steps, delta=1e-5)
+    assert not [r for r in caplog.records if "failed to converge" in r.getMessage()]

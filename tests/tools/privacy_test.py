@@ -309,6 +309,13 @@ def test_bad_value_subprocess_exits_2_without_traceback(tmp_path):
             "reference_noise_multiplier must be",
         ),
         (["ledger", "does_not_exist", "--delta", "1e-5"], "No ledger at"),
+        # A simulation at a LARGER batch used to print "NOT private at epsilon=3: its own
+        # epsilon is 2.77", contradicting itself.
+        (["simulate", *CIFAR, "--reference_batch_size", "2048", "--reference_noise_multiplier",
+          "1.93", "--steps", "10", "--batch_size", "4096"], "is not smaller than"),
+        # PLD over 10^9 steps used 12.8 GB and no answer in 90 s: refused at once.
+        (["epsilon", *CIFAR, "--batch_size", "2048", "--noise_multiplier", "1.93", "--steps",
+          "1000000000", "--accountant", "pld"], "Use the RDP accountant"),
     ],
 )
 def test_bad_values_return_2_with_one_line_message(capsys, args, message):

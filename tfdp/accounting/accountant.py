@@ -29,6 +29,7 @@ Two accountants are offered (`ACCOUNTANTS`):
 Nothing here imports TensorFlow, so epsilon can be computed without it.
 """
 
+import logging
 import math
 import numbers
 import warnings
@@ -38,11 +39,49 @@ import dp_accounting
 from dp_accounting import pld
 from dp_accounting import rdp
 
+class _ExcludedOrdersFilter(logging.Filter):
+    """Replaces dp_accounting's per-order convergence warnings by one explanation.
+
+    For large sampling probabilities the RDP accountant's series for some
+    fractional orders does not converge; it warns ("_compute_log_a_frac
+    failed to converge ... Excluding this order") once per order and per
+    composition, hundreds of lines in a short run. Excluding an order can
+    only make epsilon larger (epsilon is a minimum over the remaining
+    orders), so the result stays a valid upper bound. This filter drops those
+    lines and logs that explanation once per process.
+    """
+
+    _MESSAGE = "_compute_log_a_frac failed to converge"
+
+    def __init__(self):
+        super().__init__()
+        self.explained = False
+
+    def filter(self, record):
+        if self._MESSAGE not in record.getMessage():
+            return True
+        if not self.explained:
+            self.explained = True
+            logging.getLogger(__name__).info(
+                "RDP accountant: some fractional orders did not converge at this sampling "
+                "probability and were left out; that can only make epsilon larger, so it "
+                "stays a valid upper bound.")
+        return False
+
+
+logging.getLogger("absl").addFilter(_ExcludedOrdersFilter())
+
 ACCOUNTANTS = ("rdp", "pld")
 
 # Interval of the discretised privacy loss for the PLD accountant (see the
 # module docstring for the accuracy / runtime trade-off).
 PLD_VALUE_DISCRETIZATION_INTERVAL = 1e-3
+
+# The PLD accountant's memory and time grow with the number of composed
+# mechanisms (2026-11-23, 2-core CPU, q = 0.034, sigma = 1.93: 10^7 steps take
+# 3.4 s and 0.3 GB, 10^8 take 23 s and 1.9 GB, 10^9 ran out of time). No DP
+# training run comes near 10^7 steps; beyond, use RDP.
+PLD_MAX_COMPOSITIONS = 10**7
 
 # Search ranges of the calibration functions.
 _MAX_NOISE_MULTIPLIER = 1e4
@@ -164,13 +203,46 @@ def _validate_accountant(accountant: str) -> str:
 
 
 def _accountant_factory(accountant: str) -> Callable[[], dp_accounting.PrivacyAccountant]:
-    """Returns a callable that builds a fresh, empty accountant."""
+    """Returns a callable that builds a fresh, empty accountant.
+
+    The PLD accountant refuses events of more than PLD_MAX_COMPOSITIONS
+    mechanisms (`_BoundedPLDAccountant`).
+    """
     name = _validate_accountant(accountant)
     if name == "rdp":
         return rdp.RdpAccountant
-    return lambda: pld.PLDAccountant(
-        value_discretization_interval=PLD_VALUE_DISCRETIZATION_INTERVAL
-    )
+    return _BoundedPLDAccountant
+
+
+def compositions(event: dp_accounting.DpEvent) -> int:
+    """How many elementary mechanisms `event` composes (SelfComposed counts multiply)."""
+    if isinstance(event, dp_accounting.SelfComposedDpEvent):
+        return event.count * compositions(event.event)
+    if isinstance(event, dp_accounting.ComposedDpEvent):
+        return sum(compositions(e) for e in event.events)
+    return 1
+
+
+class _BoundedPLDAccountant(pld.PLDAccountant):
+    """`PLDAccountant` that refuses work it could not finish.
+
+    Raises:
+      ValueError: from `compose` when the event composes more than
+        PLD_MAX_COMPOSITIONS mechanisms; the message suggests RDP.
+    """
+
+    def __init__(self):
+        super().__init__(value_discretization_interval=PLD_VALUE_DISCRETIZATION_INTERVAL)
+
+    def compose(self, event, count=1):
+        total = compositions(event) * count
+        if total > PLD_MAX_COMPOSITIONS:
+            raise ValueError(
+                f"The PLD accountant would compose {total:,} mechanisms, more than its limit "
+                f"of {PLD_MAX_COMPOSITIONS:,} (its memory grows with the count: 10^8 steps "
+                "took 1.9 GB, 10^9 did not finish). Use the RDP accountant (--accountant rdp, "
+                "or accountant = 'rdp'), which costs the same for any step count.")
+        return super().compose(event, count)
 
 
 def dp_sgd_event(

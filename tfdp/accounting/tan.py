@@ -137,8 +137,9 @@ def simulate(
       noise_multiplier for batch_size (float, > 0).
 
     Raises:
-      ValueError: if a batch size is not > 0 or reference_noise_multiplier is
-        not > 0.
+      ValueError: if a batch size is not > 0, batch_size is not smaller than
+        reference_batch_size (then it is not a cheaper simulation), or
+        reference_noise_multiplier is not > 0.
     """
     for name, value in (("reference_batch_size", reference_batch_size), ("batch_size", batch_size)):
         if not (
@@ -148,6 +149,11 @@ def simulate(
             and value > 0
         ):
             raise ValueError(f"{name} must be a number > 0, got {value!r}.")
+    if batch_size >= reference_batch_size:
+        raise ValueError(
+            f"batch_size={batch_size} is not smaller than reference_batch_size="
+            f"{reference_batch_size}: a TAN simulation runs the reference at a SMALLER batch "
+            "(Sec. 3.4) to save compute. Pick a batch_size below the reference's.")
     try:
         accountant_lib.validate_privacy_params(noise_multiplier=reference_noise_multiplier)
     except ValueError as e:
