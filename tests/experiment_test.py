@@ -42,7 +42,7 @@ def test_smoke_run_writes_every_output(tmp_path, run_smoke):
         assert key in saved
     assert saved["num_examples"] == MOCK_EXAMPLES and saved["batch_size"] == 16
     loaded = tf.saved_model.load(str(tmp_path / "export"))
-    logits = loaded.serve(tf.zeros([3, 28, 28, 1], tf.uint8))
+    logits = loaded.serve(tf.zeros([3, 28, 28, 1], tf.uint8))["logits"]
     assert logits.shape == (3, 10)
     assert os.path.exists(tmp_path / "export" / "assets" / "privacy_report.json")
 

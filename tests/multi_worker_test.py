@@ -94,7 +94,7 @@ def test_two_workers_on_loopback_train_and_the_chief_writes_once(tmp_path):
     assert os.path.basename(tf.train.latest_checkpoint(str(workdir / "checkpoints"))) == (
         f"ckpt-{NUM_STEPS}")
     loaded = tf.saved_model.load(str(workdir / "export"))
-    assert loaded.serve(tf.zeros([2, 28, 28, 1], tf.uint8)).shape == (2, 10)
+    assert loaded.serve(tf.zeros([2, 28, 28, 1], tf.uint8))["logits"].shape == (2, 10)
     # Both workers sample with the chief's secret seed (each drew its own).
     seeds = [int((tmp_path / f"seed{index}").read_text()) for index in range(2)]
     reader = tf.train.load_checkpoint(tf.train.latest_checkpoint(str(workdir / "checkpoints")))
