@@ -30,3 +30,9 @@ def _run_smoke(workdir, gin_files, extra_params=()):
 def run_smoke():
     """`run_smoke(workdir, gin_files, extra_params=())`: a 2-step run on mock data."""
     return _run_smoke
+
+
+@pytest.fixture(scope="module")
+def run_smoke_module():
+    """`run_smoke` for module-scoped fixtures (one run shared by several tests)."""
+    return _run_smoke

@@ -243,8 +243,10 @@ def train_and_evaluate(
     # 3. An existing checkpoint must be of this very mechanism (read only).
     latest = tf.train.latest_checkpoint(os.path.join(workdir, CHECKPOINT_DIR))
     if latest:
-        callbacks_lib.check_privacy_ledger(latest, mechanism, sampling_seed=sampling_seed,
-                                           noise_seed=noise_seed)
+        finished = _check_workdir(workdir, latest, mechanism, sampling_seed=sampling_seed,
+                                  noise_seed=noise_seed)
+        if finished is not None:
+            return finished
 
     # 4. Features and the private data normalization (released once per workdir).
     train, test, head_kwargs = _features(train, test, features, mechanism.data_normalization,
@@ -259,7 +261,8 @@ def train_and_evaluate(
                            noise_seed=noise_seed, ema_decay=ema_decay)
         dp_model.compile(optimizer=optimizer_fn(), jit_compile=False)
     ledger = callbacks_lib.make_privacy_ledger(
-        mechanism, noise_seed=noise_seed, sampling_seed=distribute.broadcast_from_chief(
+        mechanism, noise_seed=noise_seed, config=gin.config_str(),
+        sampling_seed=distribute.broadcast_from_chief(
             dist, coins.secret_seed() if sampling_seed is None else sampling_seed))
 
     # 6. Restore, or write a first checkpoint that holds the secret coins.
@@ -267,8 +270,6 @@ def train_and_evaluate(
     out_dir = distribute.output_dir(workdir, dist)  # workdir, or a temp dir off the chief
     os.makedirs(out_dir, exist_ok=True)
     manager, start_step = _restore(dp_model, ledger, out_dir, latest)
-    if chief and start_step < mechanism.num_steps:
-        _remove_finished_outputs(workdir)
 
     # 7. Fit.
     augment_fn = None
@@ -362,6 +363,43 @@ def _load_data(dataset, train_split, test_split, *, data_dir, image_size, num_ex
             f"NUM_EXAMPLES = {len(train.labels)} (or change the split)."
         )
     return train, test
+
+
+def _check_workdir(workdir, latest, mechanism, *, sampling_seed, noise_seed):
+    """Stage 3: what an existing checkpoint allows; read only.
+
+    The checkpoint must hold this mechanism and no more steps than planned
+    (`check_privacy_ledger`). A finished run (all steps, report written) is
+    not redone: the same settings return its report untouched, other
+    settings are refused with the list of what changed, so that "Done" never
+    stands next to a report of another run. Resuming an unfinished run with
+    changed settings logs what changed.
+
+    Returns:
+      The finished run's report, or None when there is training left to do.
+
+    Raises:
+      ValueError: from `check_privacy_ledger`, or on a finished workdir rerun
+        with other settings.
+    """
+    steps, saved_config = callbacks_lib.check_privacy_ledger(
+        latest, mechanism, sampling_seed=sampling_seed, noise_seed=noise_seed)
+    changes = callbacks_lib.config_changes(saved_config, gin.config_str())
+    report_path = os.path.join(workdir, privacy_report.REPORT_JSON)
+    if steps == mechanism.num_steps and os.path.exists(report_path):
+        if changes:
+            raise ValueError(
+                f"{workdir} holds a finished run of {steps} steps with other settings; "
+                "nothing was changed. What differs (- that run, + this one):\n  "
+                + "\n  ".join(changes) + "\nUse a new workdir for the new settings.")
+        logging.info("%s already holds this finished run (%d steps); its report and export "
+                     "are unchanged.", workdir, steps)
+        with open(report_path) as f:
+            return json.load(f)
+    if changes:
+        logging.warning("Resuming %s at step %d with changed settings (- before, + now):\n  %s",
+                        workdir, steps, "\n  ".join(changes))
+    return None
 
 
 def _restore(dp_model, ledger, out_dir, latest):
@@ -524,15 +562,6 @@ def _record_in_study(study_dir, workdir, mechanism, *, sampling_seed):
                                              accountant=mechanism.accountant)
     return {"dir": str(study_dir), "epsilon": epsilon, "delta": mechanism.delta,
             "runs": {name: eps for name, eps in runs}}
-
-
-def _remove_finished_outputs(workdir):
-    """A run that is (re)starting does not keep outputs that mark a finished run."""
-    for name in (privacy_report.REPORT_JSON, privacy_report.REPORT_MD):
-        path = os.path.join(workdir, name)
-        if os.path.exists(path):
-            os.remove(path)
-    shutil.rmtree(os.path.join(workdir, EXPORT_DIR), ignore_errors=True)
 
 
 def _train_dataset(train, mechanism, *, seed, start_step, augment_fn, augment_seed, augmult,

@@ -282,18 +282,22 @@ def render_markdown(report: dict) -> str:
 
 
 def write_privacy_report(report: dict, directory) -> tuple[str, str]:
-    """Writes `privacy_report.json` and `privacy_report.md` into `directory`.
+    """Writes `privacy_report.json` and `privacy_report.md` into `directory`, atomically.
 
     Returns:
       The two paths.
     """
     json_path = os.path.join(directory, REPORT_JSON)
     md_path = os.path.join(directory, REPORT_MD)
-    with open(json_path, "w") as f:
+    # Each file is written next to its place and renamed in: a reader never
+    # sees half a report.
+    with open(json_path + ".tmp", "w") as f:
         json.dump(report, f, indent=2, sort_keys=True, default=_json_default)
         f.write("\n")
-    with open(md_path, "w") as f:
+    with open(md_path + ".tmp", "w") as f:
         f.write(render_markdown(report))
+    os.replace(md_path + ".tmp", md_path)
+    os.replace(json_path + ".tmp", json_path)
     return json_path, md_path
 
 

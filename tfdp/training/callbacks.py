@@ -163,7 +163,7 @@ def save_checkpoint(manager, ledger, step):
 
 
 def make_privacy_ledger(mechanism: accounting.DPMechanism, *, sampling_seed: int,
-                        noise_seed=None) -> tf.Module:
+                        noise_seed=None, config: str = "") -> tf.Module:
     """Variables that put the run's privacy ledger and secret coins into every checkpoint.
 
     The module holds:
@@ -175,7 +175,9 @@ def make_privacy_ledger(mechanism: accounting.DPMechanism, *, sampling_seed: int
     * `sampling_seed` (int64) and `noise_seed` (int64, -1 when drawn from
       OS entropy): the secret coins. The checkpoint is the ONLY place they
       are written (`tfdp.dp.coins`); the noise generator's state is saved
-      with the DPModel.
+      with the DPModel;
+    * `config` (string): the run's gin bindings (`gin.config_str()`), so a
+      rerun can say which settings changed.
 
     `check_privacy_ledger` compares a restored ledger with the new run.
     Create it outside any strategy scope (plain host variables). The
@@ -185,6 +187,7 @@ def make_privacy_ledger(mechanism: accounting.DPMechanism, *, sampling_seed: int
       mechanism: the run's `DPMechanism`.
       sampling_seed: the run's sampling seed (secret, or fixed by the user).
       noise_seed: the user's fixed noise seed, or None.
+      config: the run's gin bindings.
 
     Returns:
       A `tf.Module` to add to the `tf.train.Checkpoint`.
@@ -201,6 +204,7 @@ def make_privacy_ledger(mechanism: accounting.DPMechanism, *, sampling_seed: int
                                            name="sampling_seed")
         ledger.noise_seed = tf.Variable(-1 if noise_seed is None else int(noise_seed),
                                         dtype=tf.int64, trainable=False, name="noise_seed")
+        ledger.config = tf.Variable(config, trainable=False, name="config")
     return ledger
 
 
@@ -208,7 +212,7 @@ _LEDGER_KEY = "ledger/{}/.ATTRIBUTES/VARIABLE_VALUE"
 
 
 def check_privacy_ledger(checkpoint_path: str, mechanism: accounting.DPMechanism, *,
-                         sampling_seed=None, noise_seed=None):
+                         sampling_seed=None, noise_seed=None):  # -> (steps, config)
     """Refuses to resume a checkpoint that was written under another mechanism.
 
     Reads the checkpoint's ledger (`make_privacy_ledger`) from the file, so it
@@ -224,6 +228,10 @@ def check_privacy_ledger(checkpoint_path: str, mechanism: accounting.DPMechanism
       checkpoint_path: the workdir's latest checkpoint.
       mechanism: the new run's `DPMechanism`.
       sampling_seed, noise_seed: the seeds the user fixed now, or None.
+
+    Returns:
+      `(steps, config)`: the steps the checkpoint holds and the gin bindings
+      it was written under.
 
     Raises:
       ValueError: on any mismatch; the message names every differing field
@@ -254,6 +262,18 @@ def check_privacy_ledger(checkpoint_path: str, mechanism: accounting.DPMechanism
             f"This workdir already holds {steps} steps, more than the {mechanism.num_steps} "
             "planned now (NUM_STEPS, or the TARGET_EPSILON cap). Nothing was changed. Plan at "
             f"least {steps} steps to resume it, or use a new workdir.")
+    config = reader.get_tensor(_LEDGER_KEY.format("config")).decode()
+    return steps, config
+
+
+def config_changes(saved: str, current: str) -> list:
+    """The gin bindings that differ between two `gin.config_str()`s, as '-'/'+' lines."""
+    def bindings(config):
+        return {line for line in config.splitlines() if line and not line.startswith("#")}
+
+    old, new = bindings(saved), bindings(current)
+    return ([f"- {line}" for line in sorted(old - new)]
+            + [f"+ {line}" for line in sorted(new - old)])
 
 
 def ran_validation(logs):
