@@ -13,8 +13,9 @@ import tensorflow as tf
 MOCK_EXAMPLES = 64  # the N that conftest.py's run_smoke trains on
 
 
-def test_smoke_run_writes_every_output(tmp_path, run_smoke):
-    report = run_smoke(tmp_path, ["fashion_mnist.gin"])
+def test_smoke_run_writes_every_output(tmp_path, run_smoke, caplog):
+    with caplog.at_level("INFO"):
+        report = run_smoke(tmp_path, ["fashion_mnist.gin"])
     assert report["steps"] == 2
     assert 0 < report["epsilon"] <= 3.0
 
@@ -26,13 +27,17 @@ def test_smoke_run_writes_every_output(tmp_path, run_smoke):
     assert {"step", "epsilon", "delta", "test_accuracy"} <= set(records[-1])
     assert records[-1]["epsilon"] == pytest.approx(report["epsilon"])
 
-    tags = set()
+    steps = {}  # tag -> the steps it was logged at
     for path in glob.glob(str(tmp_path / "tensorboard" / "*" / "events.*")):
         for event in tf.compat.v1.train.summary_iterator(path):
-            tags.update(v.tag for v in event.summary.value)
-    assert any("epsilon" in t for t in tags), tags
-    assert any("accuracy" in t for t in tags), tags
+            for value in event.summary.value:
+                steps.setdefault(value.tag, set()).add(event.step)
+    assert steps["epsilon"] == {2} and steps["accuracy"] == {2}  # the optimizer step, not 0
     assert os.path.isdir(tmp_path / "tensorboard" / "validation")
+    # Progress: steps of the whole run and the exact epsilon, not "Epoch 1/1".
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step ")]
+    assert lines and lines[-1].startswith("step 2/2")
+    assert f"epsilon {report['epsilon']:.3f}" in lines[-1]
 
     assert tf.train.latest_checkpoint(str(tmp_path / "checkpoints"))
     saved = json.loads((tmp_path / "privacy_report.json").read_text())

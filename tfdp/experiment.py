@@ -171,7 +171,9 @@ def train_and_evaluate(
         checkpoint), or an int to reproduce the batches; the report then says
         the guarantee assumes it stays secret (`tfdp.dp.coins`).
       noise_seed: the same for the DP noise.
-      progress_bar: Keras progress bar per step (None: only on a terminal).
+      progress_bar: a progress bar over the run's steps (None: only on a
+        terminal); otherwise a log line at least every 10 s. Both show the
+        step out of num_steps, the loss and the exact epsilon spent.
       strategy: "default", "mirrored", "multi_worker_mirrored" (TF_CONFIG) or
         "tpu" (`tfdp.training.make_strategy`; its `tpu` address is a gin
         binding of that function). With R replicas each replica gets a
@@ -442,14 +444,14 @@ def _fit(dp_model, mechanism, manager, ledger, train_ds, eval_ds, out_dir, *, st
         callbacks_lib.EvaluationEpochsOnly(
             evaluation.ExtraEvaluation(dp_model, eval_ds, augtest=augtest)),
         callbacks_lib.PrivacyCallback(mechanism),
-        callbacks_lib.ProgressLog(mechanism.num_steps),
+        callbacks_lib.ProgressLog(mechanism, bar=progress_bar),
         callbacks_lib.CheckpointCallback(manager, ledger),
         callbacks_lib.MetricsJsonl(
             os.path.join(out_dir, METRICS_FILE),
             extra={"simulation": True} if simulation else None,
         ),
         callbacks_lib.OperativeConfigSaver(os.path.join(out_dir, OPERATIVE_CONFIG)),
-        callbacks_lib.tensorboard_callback(out_dir),
+        callbacks_lib.TensorBoardScalars(os.path.join(out_dir, "tensorboard")),
     ]
     # fit epochs are checkpoint intervals; only some of them evaluate.
     epochs, initial_epoch, validation_freq = _fit_schedule(
@@ -462,7 +464,7 @@ def _fit(dp_model, mechanism, manager, ledger, train_ds, eval_ds, out_dir, *, st
         validation_data=eval_ds,
         validation_freq=validation_freq,
         callbacks=callbacks,
-        verbose=1 if progress_bar else 0,
+        verbose=0,  # ProgressLog shows steps of the whole run, not fit's epochs
     )
 
 

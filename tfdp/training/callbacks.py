@@ -13,14 +13,12 @@ from tfdp import accounting
 
 
 class PrivacyCallback(keras.callbacks.Callback):
-    """Puts epsilon spent into the logs and stops at the planned step count.
+    """Puts the exact epsilon spent into each epoch's logs; stops at the planned step.
 
-    Place it BEFORE the progress bar and TensorBoard so they show `epsilon`.
+    Place it BEFORE the loggers so they record `step`, `epsilon` and `delta`.
     The step is the optimizer's update count (`optimizer.iterations`), i.e.
-    logical batches, not micro-steps. On batches the logged value is
-    `accounting.epsilon_upper_bound` (epsilon at the next multiple of 10
-    steps); at the end of each epoch it is exact, with the delta of the
-    whole guarantee (`DPMechanism.guarantee`, truncation included).
+    logical batches, not micro-steps; `delta` is the delta of the whole
+    guarantee (`DPMechanism.guarantee`, truncation included).
 
     Args:
       mechanism: the run's `tfdp.accounting.DPMechanism`.
@@ -34,10 +32,7 @@ class PrivacyCallback(keras.callbacks.Callback):
         return int(self.model.optimizer.iterations.numpy())
 
     def on_train_batch_end(self, batch, logs=None):
-        step = self._step()
-        if logs is not None:
-            logs["epsilon"] = accounting.epsilon_upper_bound(self.mechanism, step)
-        if step >= self.mechanism.num_steps:
+        if self._step() >= self.mechanism.num_steps:
             self.model.stop_training = True
 
     def on_epoch_end(self, epoch, logs=None):
@@ -85,32 +80,84 @@ class MetricsJsonl(keras.callbacks.Callback):
 
 
 class ProgressLog(keras.callbacks.Callback):
-    """An absl log line every `every` steps: step, loss, accuracy, epsilon."""
+    """Progress over the whole run: step of total, loss, accuracy and the exact epsilon.
 
-    def __init__(self, num_steps, every=50):
+    `fit`'s epochs are checkpoint intervals, so Keras' own bar ("Epoch 3/12")
+    says little; this shows optimizer steps out of `num_steps` instead, with
+    the epsilon spent so far computed exactly at that step (not a bound).
+    With `bar=True` (a terminal) it is a `keras.utils.Progbar` refreshed at
+    most once a second; otherwise one log line at least every
+    `every_seconds`, at the first step, at every evaluation and at the end.
+
+    Args:
+      mechanism: the run's `DPMechanism` (num_steps, epsilon).
+      bar: draw a progress bar instead of log lines.
+      every_seconds: the longest gap between two log lines.
+    """
+
+    def __init__(self, mechanism, *, bar=False, every_seconds=10.0):
         super().__init__()
-        self.num_steps = num_steps
-        self.every = every
+        self.mechanism = mechanism
+        self.bar = bar
+        self.every_seconds = every_seconds
+        self._progbar = None
+        self._last = 0.0
+        self._start = None
+        self._first_step = 0
+
+    def on_train_begin(self, logs=None):
+        self._start = time.time()
+        self._first_step = int(self.model.optimizer.iterations.numpy())
+        if self.bar:
+            self._progbar = keras.utils.Progbar(
+                self.mechanism.num_steps, unit_name="step",
+                stateful_metrics=["loss", "accuracy", "epsilon"])
 
     def on_train_batch_end(self, batch, logs=None):
         step = int(self.model.optimizer.iterations.numpy())
-        if logs and (step % self.every == 0 or step == self.num_steps):
-            logging.info(
-                "step %d/%d  loss %.4f  accuracy %.4f  grad_norm %.3f  clipped %.2f  epsilon %.3f",
-                step, self.num_steps, logs.get("loss", float("nan")),
-                logs.get("accuracy", float("nan")), logs.get("grad_norm", float("nan")),
-                logs.get("clipped_fraction", float("nan")), logs.get("epsilon", float("nan")),
-            )
+        now = time.time()
+        last = step >= self.mechanism.num_steps
+        due = now - self._last >= (1.0 if self.bar else self.every_seconds)
+        if not (last or due or step == self._first_step + 1):
+            return
+        self._last = now
+        logs = logs or {}
+        epsilon = self.mechanism.epsilon(step)
+        if self._progbar is not None:
+            self._progbar.update(step, values=[
+                ("loss", logs.get("loss", float("nan"))),
+                ("accuracy", logs.get("accuracy", float("nan"))), ("epsilon", epsilon)],
+                finalize=last)
+            return
+        rate = (step - self._first_step) / max(now - self._start, 1e-9)
+        remaining = (self.mechanism.num_steps - step) / max(rate, 1e-9)
+        logging.info(
+            "step %d/%d  loss %.4f  accuracy %.4f  grad_norm %.3f  clipped %.2f  "
+            "epsilon %.3f (delta %.3g)  %.2f steps/s  %s left",
+            step, self.mechanism.num_steps, logs.get("loss", float("nan")),
+            logs.get("accuracy", float("nan")), logs.get("grad_norm", float("nan")),
+            logs.get("clipped_fraction", float("nan")), epsilon, self.mechanism.delta,
+            rate, _duration(remaining),
+        )
 
     def on_epoch_end(self, epoch, logs=None):
         if not ran_validation(logs):
             return
         logs = logs or {}
-        logging.info(
-            "eval at step %d: test_accuracy %.4f  test_loss %.4f  epsilon %.3f",
-            logs.get("step", -1), logs.get("val_accuracy", float("nan")),
-            logs.get("val_loss", float("nan")), logs.get("epsilon", float("nan")),
-        )
+        message = (f"eval at step {logs.get('step', -1)}/{self.mechanism.num_steps}: "
+                   f"test_accuracy {logs.get('val_accuracy', float('nan')):.4f}  "
+                   f"test_loss {logs.get('val_loss', float('nan')):.4f}  "
+                   f"epsilon {logs.get('epsilon', float('nan')):.3f}")
+        if self._progbar is not None:
+            print(f"\n{message}")
+        else:
+            logging.info("%s", message)
+
+
+def _duration(seconds):
+    seconds = int(seconds)
+    return f"{seconds // 3600}h{seconds // 60 % 60:02d}m" if seconds >= 3600 else (
+        f"{seconds // 60}m{seconds % 60:02d}s")
 
 
 class OperativeConfigSaver(keras.callbacks.Callback):
@@ -309,14 +356,43 @@ class EvaluationEpochsOnly(keras.callbacks.Callback):
             self.callback.on_epoch_end(epoch, logs)
 
 
-def tensorboard_callback(workdir):
-    """Keras' TensorBoard callback: train/ and validation/ scalars per evaluation.
+class TensorBoardScalars(keras.callbacks.Callback):
+    """TensorBoard scalars at every evaluation, against the optimizer step.
 
-    Scalars (epsilon among them) are written once per evaluation interval,
-    with `update_freq="epoch"`: in Keras 3.15 an integer `update_freq` leaves
-    a `record_if` active at epoch end that drops the epoch summaries unless
-    the step is a multiple of it.
+    Keras' TensorBoard callback writes epoch summaries against the epoch
+    index, which here is a checkpoint interval. This writes `train/` (loss,
+    accuracy, grad_norm, clipped_fraction, epsilon, delta) and `validation/`
+    (loss, accuracy, ema_accuracy, augtest_accuracy) scalars with
+    `tf.summary.scalar(..., step=optimizer.iterations)`.
+
+    Args:
+      log_dir: the run's `tensorboard/` directory.
     """
-    return keras.callbacks.TensorBoard(
-        log_dir=os.path.join(workdir, "tensorboard"), update_freq="epoch", write_graph=False
-    )
+
+    def __init__(self, log_dir):
+        super().__init__()
+        self.log_dir = log_dir
+        self._writers = {}
+
+    def _writer(self, name):
+        if name not in self._writers:
+            self._writers[name] = tf.summary.create_file_writer(
+                os.path.join(self.log_dir, name))
+        return self._writers[name]
+
+    def on_epoch_end(self, epoch, logs=None):
+        if not ran_validation(logs):
+            return
+        step = int(self.model.optimizer.iterations.numpy())
+        for key, value in logs.items():
+            if key == "step":
+                continue
+            split = "validation" if key.startswith("val_") else "train"
+            with self._writer(split).as_default():
+                tf.summary.scalar(key.removeprefix("val_"), float(value), step=step)
+        for writer in self._writers.values():
+            writer.flush()
+
+    def on_train_end(self, logs=None):
+        for writer in self._writers.values():
+            writer.close()
