@@ -14,7 +14,7 @@ MOCK_EXAMPLES = 64  # the N that conftest.py's run_smoke trains on
 
 
 def test_smoke_run_writes_every_output(tmp_path, run_smoke, caplog):
-    with caplog.at_level("INFO"):
+    with caplog.at_level("INFO", logger="absl"):  # absl logs the progress lines
         report = run_smoke(tmp_path, ["fashion_mnist.gin"])
     assert report["steps"] == 2
     assert 0 < report["epsilon"] <= 3.0
