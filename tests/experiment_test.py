@@ -5,9 +5,12 @@ import json
 import os
 import shutil
 
+import gin
 import numpy as np
 import pytest
 import tensorflow as tf
+
+from tfdp import models
 
 
 MOCK_EXAMPLES = 64  # the N that conftest.py's run_smoke trains on
@@ -209,3 +212,25 @@ def test_a_normalization_released_under_other_settings_is_refused(tmp_path, run_
     shutil.rmtree(tmp_path / "checkpoints")  # even without a checkpoint to compare with
     with pytest.raises(ValueError, match="released with .*'noise_multiplier': 8.0"):
         run_smoke(tmp_path, ["fashion_mnist_scatternet_linear.gin"], [*params, norm % 4.0])
+
+
+@gin.configurable(module="tests")
+def five_logits(num_classes, input_shape):
+    """A builder that ignores num_classes: 5 logits whatever the dataset."""
+    del num_classes
+    return models.build_tramer_cnn(5, input_shape=input_shape)
+
+
+def test_a_model_narrower_than_the_classes_is_refused_before_training(tmp_path, run_smoke):
+    # 5 logits for Fashion-MNIST's 10 classes: labels 5-9 used to end in a 25 KB traceback
+    # from inside the loss.
+    with pytest.raises(ValueError, match=r"has 10 classes: the model must return logits "
+                                         r"\[batch, 10\]"):
+        run_smoke(tmp_path, ["fashion_mnist.gin"], [
+            "tfdp.train_and_evaluate.model_fn = @tests.five_logits"])
+    assert not os.path.exists(tmp_path / "checkpoints")
+
+
+def test_binding_what_the_trainer_sets_is_refused_not_ignored(tmp_path, run_smoke):
+    with pytest.raises(ValueError, match="num_classes is bound in the gin config"):
+        run_smoke(tmp_path, ["fashion_mnist.gin"], ["tfdp.models.build_tramer_cnn.num_classes = 5"])

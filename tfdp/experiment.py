@@ -255,10 +255,12 @@ def train_and_evaluate(
                                          workdir)
 
     # 5. Model and DP state, mirrored under the strategy.
+    _check_builder_bindings(model_fn)
     with dist.scope():
         model = model_fn(num_classes=train.num_classes,
                          input_shape=tuple(train.images.shape[1:]), **head_kwargs)
         models.validate_dp_model(model)
+        _check_output_width(model, train.num_classes, dataset)
         dp_model = DPModel(model, mechanism, accumulation_steps=accumulation_steps,
                            noise_seed=noise_seed, ema_decay=ema_decay)
         dp_model.compile(optimizer=optimizer_fn(), jit_compile=False)
@@ -402,6 +404,38 @@ def _check_workdir(workdir, latest, mechanism, *, sampling_seed, noise_seed):
         logging.warning("Resuming %s at step %d with changed settings (- before, + now):\n  %s",
                         workdir, steps, "\n  ".join(changes))
     return None
+
+
+def _check_builder_bindings(model_fn):
+    """Refuses gin bindings of what the trainer passes to `model_fn` itself.
+
+    The trainer calls `model_fn(num_classes=..., input_shape=...)` from the
+    data, and gin lets explicit arguments win over bindings silently, so a
+    binding such as `build_tramer_cnn.num_classes = 5` would be ignored.
+    """
+    try:
+        bound = sorted(set(gin.get_bindings(model_fn)) & {"num_classes", "input_shape"})
+    except (ValueError, TypeError):  # not a gin configurable: nothing can be bound
+        return
+    if bound:
+        raise ValueError(
+            f"model_fn's {', '.join(bound)} is bound in the gin config, but the trainer sets "
+            "it from the dataset (and gin would ignore the binding). Remove the binding; "
+            "change the dataset or image_size instead.")
+
+
+def _check_output_width(model, num_classes, dataset):
+    """Refuses a model whose logits do not cover the dataset's classes, before training.
+
+    Otherwise the first labels past the logits fail deep inside the loss, with
+    a long TF traceback.
+    """
+    width = model.output_shape[-1] if len(model.output_shape) == 2 else None
+    if width != num_classes:
+        raise ValueError(
+            f"model_fn built a model with output shape {model.output_shape}, but {dataset!r} "
+            f"has {num_classes} classes: the model must return logits [batch, {num_classes}]. "
+            "Check model_fn and its num_classes.")
 
 
 def _restore(dp_model, ledger, out_dir, latest):
