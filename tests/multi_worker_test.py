@@ -19,8 +19,8 @@ NUM_STEPS = 4
 
 _WRAPPER = r'''
 import sys
-import tensorflow_datasets as tfds
-with tfds.testing.mock_data(num_examples=64):
+from tfdp import data
+with data.mock_data(num_examples=64):
     from tfdp import main
     sys.argv = ["tfdp.main"] + sys.argv[1:]
     main.run()

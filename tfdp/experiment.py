@@ -204,13 +204,14 @@ def train_and_evaluate(
         sampling=sampling,
         data_normalization_noise=(data_normalization or {}).get("noise_multiplier"),
     )
-    train = data.load_split(dataset, train_split, data_dir=data_dir, image_size=image_size)
-    test = data.load_split(dataset, test_split, data_dir=data_dir, image_size=image_size)
-    if len(train.labels) != num_examples:
+    # Read by index from disk (ArrayRecord); no split is held in memory.
+    train = data.TFDSSource(dataset, train_split, data_dir=data_dir, image_size=image_size)
+    test = data.TFDSSource(dataset, test_split, data_dir=data_dir, image_size=image_size)
+    if train.num_examples != num_examples:
         raise ValueError(
             f"NUM_EXAMPLES={num_examples} but the {dataset!r} split {train_split!r} has "
-            f"{len(train.labels)} examples. The accountant must use the real N: set "
-            f"NUM_EXAMPLES = {len(train.labels)} (or change the split)."
+            f"{train.num_examples} examples. The accountant must use the real N: set "
+            f"NUM_EXAMPLES = {train.num_examples} (or change the split)."
         )
     os.makedirs(workdir, exist_ok=True)
     if data_normalization and strategy == "multi_worker_mirrored":
@@ -222,14 +223,14 @@ def train_and_evaluate(
     num_replicas = dist.num_replicas_in_sync
     chief = distribute.is_chief(dist)
     out_dir = distribute.output_dir(workdir, dist)  # workdir, or a temp dir off the chief
-    image_shape = tuple(train.images.shape[1:])
+    image_shape = train.image_shape
     train, test, head_kwargs = _features(train, test, features, data_normalization, workdir)
     static_size, truncation = _static_batch_size(
         static_batch_size, plan, dist, accumulation_steps
     )
     with dist.scope():  # model, DP state and optimizer are mirrored; datasets are not
         model = model_fn(
-            num_classes=train.num_classes, input_shape=tuple(train.images.shape[1:]),
+            num_classes=train.num_classes, input_shape=train.image_shape,
             **head_kwargs
         )
         models.validate_dp_model(model)
@@ -277,10 +278,7 @@ def train_and_evaluate(
     train_ds = distribute.distribute_logical_batches(
         dist, train_ds, per_replica_size=static_size // num_replicas if static_size else None
     )
-    n_eval = len(test.labels) if eval_examples is None else min(eval_examples, len(test.labels))
-    eval_ds = data.eval_batches(
-        test.images[:n_eval], test.labels[:n_eval], batch_size=eval_batch_size
-    )
+    eval_ds = data.eval_batches(test, batch_size=eval_batch_size, num_examples=eval_examples)
     if progress_bar is None:
         progress_bar = sys.stdout.isatty()
     augtest_spec = None
@@ -377,14 +375,20 @@ def train_and_evaluate(
 def _features(train, test, features, data_normalization, workdir):
     """Replaces pixels by cached ScatterNet features, privately normalized if asked.
 
+    The features of every image are computed once and held in memory
+    (`tfdp.data.ArraySource`): fine for the small datasets the ScatterNet
+    configs use (Fashion-MNIST, CIFAR-10: about 1 GB of float32 features),
+    not meant for ImageNet. Without features, the splits stay on disk.
+
     The private mean and variance are released once per run: they are saved to
     `workdir/data_normalization.json` and reused on resume, so a restarted run
     never draws (and spends privacy on) a second noisy release.
 
     Returns:
-      `(train, test, head_kwargs)`: the splits with `images` float32
-      `[N, h, w, K]` features (or unchanged), and the keyword arguments that
-      pass the private feature mean and variance to the head builder.
+      `(train, test, head_kwargs)`: the sources (`ArraySource`s of float32
+      `[N, h, w, K]` features, or the `TFDSSource`s unchanged), and the keyword
+      arguments that pass the private feature mean and variance to the head
+      builder.
 
     Raises:
       ValueError: on an unknown `features`, or data normalization without them.
@@ -396,11 +400,13 @@ def _features(train, test, features, data_normalization, workdir):
     if features != "scatternet":
         raise ValueError(f"Unknown features {features!r}; use None or 'scatternet'.")
     logging.info("Computing ScatterNet features of %d + %d images once.",
-                 len(train.labels), len(test.labels))
+                 train.num_examples, test.num_examples)
+    train, test = (data.read_split(source) for source in (train, test))
     train = train._replace(images=models.compute_scatternet_features(train.images))
     test = test._replace(images=models.compute_scatternet_features(test.images))
+    sources = data.ArraySource(*train), data.ArraySource(*test)
     if not data_normalization:
-        return train, test, {}
+        return (*sources, {})
     path = os.path.join(workdir, DATA_NORMALIZATION_FILE)
     if os.path.exists(path):
         with open(path) as f:
@@ -419,7 +425,7 @@ def _features(train, test, features, data_normalization, workdir):
                     "feature_variance": variance.numpy().tolist()}
         with open(path, "w") as f:
             json.dump(released, f)
-    return train, test, {k: np.asarray(v, np.float32) for k, v in released.items()}
+    return (*sources, {k: np.asarray(v, np.float32) for k, v in released.items()})
 
 
 def _record_in_study(study_dir, workdir, plan, steps_done):
@@ -454,12 +460,16 @@ def _train_dataset(train, plan, *, seed, start_step, augment_fn, augmult,
                    static_batch_size=None, multiple=1):
     """Poisson (or shuffled) logical batches -> augmult views -> padded, one per update.
 
+    `train` is the split's source (`tfdp.data.TFDSSource`, read from disk, or
+    `ArraySource` for cached features); batches are read and decoded in
+    parallel, ahead of the training step.
+
     Batches are padded with a mask (`tfdp.data.pad_batches`) to the static
     size, or else to a multiple of the replica count when there are several
     replicas; one replica and no static size keep the plain variable batches.
     """
-    ds = data.make_train_batches(
-        train.images, train.labels, sampling=plan.sampling, batch_size=plan.batch_size,
+    ds = data.train_batches(
+        train, sampling=plan.sampling, batch_size=plan.batch_size,
         num_steps=plan.num_steps, seed=seed, start_step=start_step,
     )
     if augment_fn is not None:
