@@ -31,8 +31,9 @@ from tfdp.data import errors
 from tfdp.data import fashion_mnist
 from tfdp.data import synthetic_imagenet
 
-# TFDS 4.9's `tfds` command line imports apache_beam at start-up but does not declare it.
-_TFDS_CLI_INSTALL = "pip install apache-beam"
+# TFDS 4.9's `tfds` command line imports apache_beam and mlcroissant at start-up but does
+# not declare them.
+_TFDS_CLI_INSTALL = "pip install apache-beam mlcroissant"
 # Images decoded concurrently inside one batch (tf.map_fn in the tf.data graph).
 DECODE_PARALLELISM = 16
 
@@ -154,6 +155,7 @@ class TFDSSource:
 
 def _open_data_source(builder, split):
     """`builder.as_data_source(split)` of serialized records, or a clear error."""
+    _restore_alternative_file_formats(builder.info)
     try:
         return builder.as_data_source(
             split=split, deserialize_method=tfds.decode.DeserializeMethod.RAW_BYTES)
@@ -164,6 +166,21 @@ def _open_data_source(builder, split):
         if isinstance(e, NotImplementedError):
             raise errors.DatasetNotFoundError(_no_array_record_message(builder)) from None
         raise
+
+
+def _restore_alternative_file_formats(info):
+    """Makes `info.available_file_formats()` list what dataset_info.json lists.
+
+    `tfds convert_format` adds ArrayRecord files next to TFRecord ones and
+    records them in dataset_info.json as `alternativeFileFormats`. TFDS 4.9.10
+    restores that field into the proto of a registered builder (imagenet2012,
+    cifar10, ...) but not into `available_file_formats()`, which
+    `as_data_source` checks, so a converted dataset would still look TFRecord
+    only. (Builders read from files alone are not affected.)
+    """
+    for value in list(info.as_proto.alternative_file_formats):
+        if tfds.core.file_adapters.FileFormat.from_value(value) not in info.available_file_formats():
+            info.add_alternative_file_format(value)
 
 
 def _supervised_keys(builder):
