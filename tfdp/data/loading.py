@@ -78,6 +78,10 @@ def read_split(source):
 
     Returns:
       Split(images, labels, num_classes), as `load_split`.
+
+    Raises:
+      tf.errors.OpError: a record cannot be read or decoded (e.g. a file
+        deleted after the source was opened).
     """
     images, labels = [], []
     for batch_images, batch_labels in pipeline.eval_batches(

@@ -147,7 +147,7 @@ def shuffled_indices(seed, step, *, num_examples, batch_size):
     """
     _check_seed_and_step(seed, step)
     num_examples = _check_num_examples(num_examples)
-    check_batch_size(batch_size, num_examples)
+    _check_batch_size(batch_size, num_examples)
     steps_per_epoch = num_examples // batch_size
     epoch, position = divmod(int(step), steps_per_epoch)
     permutation = _epoch_permutation(int(seed), epoch, num_examples)
@@ -203,8 +203,8 @@ def index_batches(*, sampling, num_examples, batch_size, num_steps, seed, start_
         raise ValueError(f"Unknown sampling scheme {sampling!r}; use one of {SAMPLING_SCHEMES}.")
     _check_seed_and_step(seed, 0)
     num_examples = _check_num_examples(num_examples)
-    check_batch_size(batch_size, num_examples)
-    check_steps(num_steps, start_step)
+    _check_batch_size(batch_size, num_examples)
+    _check_steps(num_steps, start_step)
     if sampling == "poisson":
         sampler = functools.partial(
             poisson_indices, num_examples=num_examples, sampling_prob=batch_size / num_examples)
@@ -221,7 +221,7 @@ def index_batches(*, sampling, num_examples, batch_size, num_steps, seed, start_
     return ds.map(indices_for_step, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
 
 
-def check_batch_size(batch_size, num_examples):
+def _check_batch_size(batch_size, num_examples):
     """Raises ValueError unless batch_size is an int in [1, num_examples]."""
     if (isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer))
             or not 1 <= batch_size <= num_examples):
@@ -231,7 +231,7 @@ def check_batch_size(batch_size, num_examples):
         )
 
 
-def check_steps(num_steps, start_step):
+def _check_steps(num_steps, start_step):
     """Raises ValueError unless num_steps >= 0 and 0 <= start_step <= num_steps (ints)."""
     if not isinstance(num_steps, (int, np.integer)) or num_steps < 0:
         raise ValueError(f"num_steps must be a non-negative int, got {num_steps!r}.")
