@@ -4,8 +4,8 @@ import os
 
 import gin
 import pytest
-import tensorflow_datasets as tfds
 
+from tfdp import data
 from tfdp import experiment
 from tfdp import main
 from tfdp import accounting
@@ -117,6 +117,10 @@ def _smoke_param(config):
     # and the others under `-m slow`, to keep CI under its 10-minute budget.
     if config.startswith("cifar10_wrn") and not config.endswith("_eps8.gin"):
         return pytest.param(config, marks=pytest.mark.slow)
+    # The ImageNet configs run 2 steps on real local files in the default suite
+    # (tests/imagenet_local_test.py); their mock-data run is slow-only.
+    if config.startswith("imagenet"):
+        return pytest.param(config, marks=pytest.mark.slow)
     return config
 
 
@@ -133,7 +137,7 @@ def test_config_runs_two_steps_on_mock_data(config, tmp_path):
         params.append("tfdp.models.build_nf_resnet.width = 1")
     main.parse_config([config, "smoke.gin"], params)
     try:
-        with tfds.testing.mock_data(num_examples=MOCK_EXAMPLES):
+        with data.mock_data(num_examples=MOCK_EXAMPLES):
             report = experiment.train_and_evaluate(workdir=str(tmp_path))
     finally:
         gin.clear_config()

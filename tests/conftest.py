@@ -1,26 +1,30 @@
-"""Fixtures shared by the end-to-end tests."""
+"""Fixtures shared by the end-to-end and data tests."""
+
+import contextlib
 
 import gin
 import pytest
-import tensorflow_datasets as tfds
 
+from tfdp import data
 from tfdp import experiment
 from tfdp import main
 
 MOCK_EXAMPLES = 64
 
 
-def _run_smoke(workdir, gin_files, extra_params=()):
-    """Parses `gin_files`, then smoke.gin (2 steps), and trains on TFDS mock data.
+def _run_smoke(workdir, gin_files, extra_params=(), mock=True):
+    """Parses `gin_files`, then smoke.gin (2 steps), and trains.
 
-    N = MOCK_EXAMPLES and B = 16 unless `extra_params` override them. Returns the
-    privacy report of `tfdp.experiment.train_and_evaluate`.
+    On TFDS mock data (`tfdp.data.mock_data`) with N = MOCK_EXAMPLES and B = 16
+    unless `extra_params` override them; with `mock=False`, on the dataset the
+    parameters name (real files). Returns the privacy report of
+    `tfdp.experiment.train_and_evaluate`.
     """
     gin.clear_config()
     params = [f"NUM_EXAMPLES = {MOCK_EXAMPLES}", "BATCH_SIZE = 16", *extra_params]
     main.parse_config([*gin_files, "smoke.gin"], params)
     try:
-        with tfds.testing.mock_data(num_examples=MOCK_EXAMPLES):
+        with data.mock_data(num_examples=MOCK_EXAMPLES) if mock else contextlib.nullcontext():
             return experiment.train_and_evaluate(workdir=str(workdir))
     finally:
         gin.clear_config()
@@ -28,7 +32,7 @@ def _run_smoke(workdir, gin_files, extra_params=()):
 
 @pytest.fixture
 def run_smoke():
-    """`run_smoke(workdir, gin_files, extra_params=())`: a 2-step run on mock data."""
+    """`run_smoke(workdir, gin_files, extra_params=(), mock=True)`: a 2-step run."""
     return _run_smoke
 
 
@@ -36,3 +40,14 @@ def run_smoke():
 def run_smoke_module():
     """`run_smoke` for module-scoped fixtures (one run shared by several tests)."""
     return _run_smoke
+
+
+# The local ImageNet-shaped dataset of the tests: JPEGs of varying sizes, as ImageNet's.
+SYNTHETIC_IMAGENET = {"num_train": 40, "num_validation": 12, "image_size": (40, 80)}
+
+
+@pytest.fixture(scope="session")
+def synthetic_imagenet_dir(tmp_path_factory):
+    """A TFDS data_dir holding a tiny `synthetic_imagenet` in ArrayRecord (about 1 s)."""
+    return data.prepare_synthetic_imagenet(
+        tmp_path_factory.mktemp("synthetic_imagenet"), **SYNTHETIC_IMAGENET)

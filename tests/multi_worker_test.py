@@ -19,7 +19,6 @@ NUM_STEPS = 4
 
 _WRAPPER = r'''
 import os, sys
-import tensorflow_datasets as tfds
 from tfdp.training import distribute
 original = distribute.broadcast_from_chief
 def broadcast_from_chief(strategy, value):  # record what this worker agreed on (test only)
@@ -28,7 +27,8 @@ def broadcast_from_chief(strategy, value):  # record what this worker agreed on 
         f.write(str(agreed))
     return agreed
 distribute.broadcast_from_chief = broadcast_from_chief
-with tfds.testing.mock_data(num_examples=64):
+from tfdp import data
+with data.mock_data(num_examples=64):
     from tfdp import main
     sys.argv = ["tfdp.main"] + sys.argv[1:]
     main.run()

@@ -39,8 +39,8 @@ if pause_at:  # stop (and wait to be killed) right after update `pause_at`
             open(os.environ["TFDP_TEST_PAUSED_FILE"], "w").close()
             time.sleep(600)
     callbacks.ProgressLog.on_train_batch_end = on_train_batch_end
-import tensorflow_datasets as tfds
-with tfds.testing.mock_data(num_examples=64):
+from tfdp import data
+with data.mock_data(num_examples=64):
     from tfdp import main
     sys.argv = ["tfdp.main"] + sys.argv[1:]
     main.run()

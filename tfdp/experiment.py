@@ -240,7 +240,7 @@ def train_and_evaluate(
     # 2. Data (read only).
     train, test = _load_data(dataset, train_split, test_split, data_dir=data_dir,
                              image_size=image_size, num_examples=mechanism.num_examples)
-    image_shape = tuple(train.images.shape[1:])
+    image_shape = train.image_shape
 
     # 3. An existing checkpoint must be of this very mechanism (read only).
     latest = tf.train.latest_checkpoint(os.path.join(workdir, CHECKPOINT_DIR))
@@ -257,8 +257,8 @@ def train_and_evaluate(
     # 5. Model and DP state, mirrored under the strategy.
     _check_builder_bindings(model_fn)
     with dist.scope():
-        model = model_fn(num_classes=train.num_classes,
-                         input_shape=tuple(train.images.shape[1:]), **head_kwargs)
+        model = model_fn(num_classes=train.num_classes, input_shape=train.image_shape,
+                         **head_kwargs)
         models.validate_dp_model(model)
         _check_output_width(model, train.num_classes, dataset)
         dp_model = DPModel(model, mechanism, accumulation_steps=accumulation_steps,
@@ -290,10 +290,7 @@ def train_and_evaluate(
     train_ds = distribute.distribute_logical_batches(
         dist, train_ds, per_replica_size=(
             mechanism.truncation and mechanism.truncation.per_replica_batch_size))
-    n_eval = len(test.labels) if eval_examples is None else min(eval_examples, len(test.labels))
-    eval_ds = data.eval_batches(
-        test.images[:n_eval], test.labels[:n_eval], batch_size=eval_batch_size
-    )
+    eval_ds = data.eval_batches(test, batch_size=eval_batch_size, num_examples=eval_examples)
     augtest_spec = (augment_fn, augmult, [seed, 2]) if augtest else None
     _fit(dp_model, mechanism, manager, ledger, train_ds, eval_ds, out_dir,
          start_step=start_step, checkpoint_every_steps=checkpoint_every_steps,
@@ -357,14 +354,18 @@ def _check_augmentation(features, augmentation, augmult, augtest):
 
 
 def _load_data(dataset, train_split, test_split, *, data_dir, image_size, num_examples):
-    """Stage 2: the two splits, the training split checked against NUM_EXAMPLES."""
-    train = data.load_split(dataset, train_split, data_dir=data_dir, image_size=image_size)
-    test = data.load_split(dataset, test_split, data_dir=data_dir, image_size=image_size)
-    if len(train.labels) != num_examples:
+    """Stage 2: the two splits, opened for reading by index (`tfdp.data.TFDSSource`).
+
+    No split is held in memory (ArrayRecord on disk). The training split's
+    size is checked against NUM_EXAMPLES, which the accountant uses.
+    """
+    train = data.TFDSSource(dataset, train_split, data_dir=data_dir, image_size=image_size)
+    test = data.TFDSSource(dataset, test_split, data_dir=data_dir, image_size=image_size)
+    if train.num_examples != num_examples:
         raise ValueError(
             f"NUM_EXAMPLES={num_examples} but the {dataset!r} split {train_split!r} has "
-            f"{len(train.labels)} examples. The accountant must use the real N: set "
-            f"NUM_EXAMPLES = {len(train.labels)} (or change the split)."
+            f"{train.num_examples} examples. The accountant must use the real N: set "
+            f"NUM_EXAMPLES = {train.num_examples} (or change the split)."
         )
     return train, test
 
@@ -522,6 +523,11 @@ def _export(report, dp_model, model, out_dir, *, features, image_shape):
 def _features(train, test, features, data_normalization, workdir):
     """Stage 4: replaces pixels by cached ScatterNet features, privately normalized if asked.
 
+    The features of every image are computed once and held in memory
+    (`tfdp.data.ArraySource`): fine for the small datasets the ScatterNet
+    configs use (Fashion-MNIST, CIFAR-10: about 1 GB of float32 features),
+    not meant for ImageNet. Without features, the splits stay on disk.
+
     The private mean and variance are released once per run: they are saved,
     with the sigma and bounds they were released under, to
     `workdir/data_normalization.json` and reused on resume, so a restarted run
@@ -529,15 +535,16 @@ def _features(train, test, features, data_normalization, workdir):
     release under other settings is refused, never reused.
 
     Args:
-      train, test: the `tfdp.data.Split`s.
+      train, test: the splits' sources (`tfdp.data.TFDSSource`).
       features: None or "scatternet".
       data_normalization: None, or the mechanism's `DataNormalization`.
       workdir: where the release is kept.
 
     Returns:
-      `(train, test, head_kwargs)`: the splits with `images` float32
-      `[N, h, w, K]` features (or unchanged), and the keyword arguments that
-      pass the private feature mean and variance to the head builder.
+      `(train, test, head_kwargs)`: the sources (`ArraySource`s of float32
+      `[N, h, w, K]` features, or the `TFDSSource`s unchanged), and the keyword
+      arguments that pass the private feature mean and variance to the head
+      builder.
 
     Raises:
       ValueError: on an unknown `features`, data normalization without them,
@@ -563,11 +570,13 @@ def _features(train, test, features, data_normalization, workdir):
                 "another would spend privacy twice in one workdir: restore the original "
                 "settings, or use a new workdir.")
     logging.info("Computing ScatterNet features of %d + %d images once.",
-                 len(train.labels), len(test.labels))
+                 train.num_examples, test.num_examples)
+    train, test = (data.read_split(source) for source in (train, test))
     train = train._replace(images=models.compute_scatternet_features(train.images))
     test = test._replace(images=models.compute_scatternet_features(test.images))
+    sources = data.ArraySource(*train), data.ArraySource(*test)
     if not data_normalization:
-        return train, test, {}
+        return (*sources, {})
     if released is None:
         from tfdp.dp import data_normalization as data_norm  # pylint: disable=g-import-not-at-top
 
@@ -584,8 +593,8 @@ def _features(train, test, features, data_normalization, workdir):
         os.makedirs(workdir, exist_ok=True)
         with open(path, "w") as f:
             json.dump(released, f)
-    return train, test, {k: np.asarray(released[k], np.float32)
-                         for k in ("feature_mean", "feature_variance")}
+    return (*sources, {k: np.asarray(released[k], np.float32)
+                       for k in ("feature_mean", "feature_variance")})
 
 
 def _record_in_study(study_dir, workdir, mechanism, *, sampling_seed):
@@ -604,16 +613,18 @@ def _train_dataset(train, mechanism, *, seed, start_step, augment_fn, augment_se
                    static_batch_size=None, multiple=1):
     """Poisson (or shuffled) logical batches -> augmult views -> padded, one per update.
 
-    `seed` is the secret sampling seed (`tfdp.dp.coins`); `augment_seed` the
-    public one of the augmentations. Batches are padded with a mask
+    `train` is the split's source (`tfdp.data.TFDSSource`, read from disk, or
+    `ArraySource` for cached features); batches are read and decoded in
+    parallel, ahead of the training step. `seed` is the secret sampling seed
+    (`tfdp.dp.coins`); `augment_seed` the public one of the augmentations.
+    Batches are padded with a mask
     (`tfdp.data.pad_batches`) to the static size, or else to a multiple of
     the replica count when there are several replicas; one replica and no
     static size keep the plain variable batches.
     """
-    ds = data.make_train_batches(
-        train.images, train.labels, sampling=mechanism.sampling,
-        batch_size=mechanism.batch_size, num_steps=mechanism.num_steps, seed=seed,
-        start_step=start_step,
+    ds = data.train_batches(
+        train, sampling=mechanism.sampling, batch_size=mechanism.batch_size,
+        num_steps=mechanism.num_steps, seed=seed, start_step=start_step,
     )
     if augment_fn is not None:
         ds = augment.augment_dataset(

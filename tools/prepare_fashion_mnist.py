@@ -5,9 +5,11 @@ Run once (about 20 s), from any directory:
   apt-get update && apt-get install dataset-fashion-mnist
   python tools/prepare_fashion_mnist.py --data_dir=/path/to/tensorflow_datasets
 
-Afterwards `tfds.load("fashion_mnist", data_dir=...)` and
-`tfdp.data.load_split("fashion_mnist", "train", data_dir=...)` read it.
-Does nothing if the dataset is already there.
+It is written in ArrayRecord, the format TFDS reads by index: afterwards
+`tfds.data_source("fashion_mnist", data_dir=...)` and
+`tfdp.data.TFDSSource("fashion_mnist", "train", data_dir=...)` read it.
+Does nothing if the dataset is already there (a TFRecord-only copy written by
+an older tfdp is rewritten as ArrayRecord).
 """
 
 from absl import app

@@ -69,10 +69,10 @@ def test_stock_builder_reads_the_converted_dataset(prepared):
   assert type(builder).__module__.startswith("tensorflow_datasets.")  # the stock class
   assert builder.info.splits["train"].num_examples == _NUM_TRAIN
   assert builder.info.splits["test"].num_examples == _NUM_TEST
-  images, labels = tfds.as_numpy(
-      tfds.load("fashion_mnist", split="test", data_dir=data_dir, download=False,
-                batch_size=-1, as_supervised=True)
-  )
+  # Random access, as tfdp reads it: the stock builder's own data source (ArrayRecord).
+  source = tfds.data_source("fashion_mnist", split="test", data_dir=data_dir, download=False)
+  images = np.stack([example["image"] for example in source])
+  labels = np.array([example["label"] for example in source])
   assert _as_sorted_pairs(images[..., 0], labels) == _as_sorted_pairs(*arrays["test"])
 
 
@@ -83,6 +83,19 @@ def test_prepare_is_idempotent_and_needs_no_source_once_prepared(prepared):
   again = fashion_mnist.prepare_fashion_mnist(source_dir="/nonexistent", data_dir=data_dir)
   assert again == pathlib.Path(data_dir)
   assert info_file.stat().st_mtime_ns == mtime  # nothing rewritten
+
+
+def test_a_tfrecord_only_copy_is_rewritten_as_array_record(tmp_path):
+  # An older tfdp wrote TFRecord, which cannot be read by index.
+  source_dir = tmp_path / "idx"
+  source_dir.mkdir()
+  arrays = _write_source_dir(source_dir, np.random.default_rng(5))
+  old = fashion_mnist._LocalFashionMNIST(source_dir=source_dir, data_dir=tmp_path / "tfds")
+  old.download_and_prepare()
+  assert [f.value for f in old.info.available_file_formats()] == ["tfrecord"]
+  data_dir = fashion_mnist.prepare_fashion_mnist(source_dir=source_dir, data_dir=tmp_path / "tfds")
+  got = loading.load_split("fashion_mnist", "train", data_dir=data_dir)
+  assert _as_sorted_pairs(got.images[..., 0], got.labels) == _as_sorted_pairs(*arrays["train"])
 
 
 def test_missing_source_file_says_what_to_run(tmp_path):

@@ -6,8 +6,10 @@ import numpy as np
 import pytest
 import tensorflow_datasets as tfds
 
+from tfdp import data
 from tfdp.data import errors
 from tfdp.data import loading
+from tfdp.data import tfds_source
 
 
 def test_missing_fashion_mnist_says_to_run_the_prepare_tool(tmp_path):
@@ -20,10 +22,11 @@ def test_missing_fashion_mnist_says_to_run_the_prepare_tool(tmp_path):
 
 
 def test_missing_cifar10_says_to_run_tfds_build(tmp_path):
-  command = f"tfds build cifar10 --data_dir={tmp_path}"
+  command = f"tfds build cifar10 --data_dir={tmp_path} --file_format=array_record"
   with pytest.raises(errors.DatasetNotFoundError, match=re.escape(command)) as error:
     loading.load_split("cifar10", "test", data_dir=tmp_path)
   assert "network" in str(error.value)
+  assert "pip install apache-beam" in str(error.value)  # the tfds command needs it
   assert "manual download" not in str(error.value)
 
 
@@ -58,7 +61,7 @@ def test_bad_image_size(image_size):
 def test_mock_data(tmp_path, name, image_size, shape, num_classes):
   # USE_CODE: examples are generated from the builder's code; the data_dir passed
   # to load_split is ignored (mock_data injects its own) and need not exist.
-  with tfds.testing.mock_data(num_examples=6, policy=tfds.testing.MockPolicy.USE_CODE):
+  with data.mock_data(num_examples=6, policy=tfds.testing.MockPolicy.USE_CODE):
     split = loading.load_split(name, "train", data_dir=tmp_path / "absent", image_size=image_size)
   assert split.images.dtype == np.uint8 and split.images.shape == shape
   assert split.labels.dtype == np.int32 and split.labels.shape == (6,)
@@ -69,7 +72,7 @@ def test_mock_data(tmp_path, name, image_size, shape, num_classes):
 
 
 def test_variable_size_images_need_image_size():
-  with tfds.testing.mock_data(num_examples=2, policy=tfds.testing.MockPolicy.USE_CODE):
+  with data.mock_data(num_examples=2, policy=tfds.testing.MockPolicy.USE_CODE):
     with pytest.raises(ValueError, match="varying sizes .* pass image_size=S"):
       loading.load_split("imagenet2012", "validation")
 
@@ -78,6 +81,6 @@ def test_resize_keeps_uint8_and_averages_boxes():
   # 4x4 image 10 * [[0, 1, 2, 3], [4, 5, 6, 7], ...] -> 2x2 area resize gives the
   # 2x2 block means: (0+10+40+50)/4 = 25, (20+30+60+70)/4 = 45, 105, 125.
   image = (10 * np.arange(16).reshape(4, 4)).astype(np.uint8)
-  resized = loading._resize_uint8(image[:, :, None], 2).numpy()
+  resized = tfds_source._resize_uint8(image[:, :, None], 2).numpy()
   assert resized.dtype == np.uint8
   np.testing.assert_array_equal(resized[:, :, 0], [[25, 45], [105, 125]])

@@ -1,22 +1,32 @@
-"""Data: TFDS loading, local Fashion-MNIST -> TFDS conversion, Poisson sampling.
+"""Data: TFDS sources read by index, Poisson sampling over indices, batches.
 
-Flow: `prepare_fashion_mnist` (once, Fashion-MNIST only) -> `load_split`
-(uint8 arrays in memory) -> `make_train_batches` (Poisson by default, the
-sampling the accountant assumes) -> `pad_batches` (static shapes with a mask,
-for XLA/TPU and replicas) / `eval_batches` (tf.data pipelines).
+Flow: a prepared TFDS split in ArrayRecord (`prepare_fashion_mnist`,
+`prepare_synthetic_imagenet`, or `tfds build --file_format=array_record`)
+-> `TFDSSource` (random access; nothing held in memory) -> `train_batches`
+(an index stream from `poisson_indices`, the sampling the accountant assumes,
+read and decoded in parallel) -> `pad_batches` (static shapes with a mask, for
+XLA/TPU and replicas); `eval_batches` streams the test split in order.
+`ArraySource` holds arrays in memory instead (cached ScatterNet features, from
+`load_split`). `mock_data` fakes any TFDS dataset for tests.
 """
 
+from tfdp.data.array_source import ArraySource
 from tfdp.data.errors import DatasetNotFoundError
 from tfdp.data.fashion_mnist import prepare_fashion_mnist
 from tfdp.data.loading import Split
 from tfdp.data.loading import load_split
-from tfdp.data.sampling import SAMPLING_SCHEMES
-from tfdp.data.sampling import eval_batches
-from tfdp.data.sampling import make_train_batches
-from tfdp.data.sampling import poisson_batches
-from tfdp.data.sampling import shuffled_batches
+from tfdp.data.loading import read_split
+from tfdp.data.mock import mock_data
 from tfdp.data.padding import choose_static_batch_size
 from tfdp.data.padding import delta_with_truncation
 from tfdp.data.padding import pad_batch
 from tfdp.data.padding import pad_batches
 from tfdp.data.padding import truncation_probability
+from tfdp.data.pipeline import eval_batches
+from tfdp.data.pipeline import train_batches
+from tfdp.data.sampling import SAMPLING_SCHEMES
+from tfdp.data.sampling import index_batches
+from tfdp.data.sampling import poisson_indices
+from tfdp.data.sampling import shuffled_indices
+from tfdp.data.synthetic_imagenet import prepare_synthetic_imagenet
+from tfdp.data.tfds_source import TFDSSource

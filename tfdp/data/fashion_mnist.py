@@ -3,9 +3,10 @@
 TFDS cannot download here, but Debian's `dataset-fashion-mnist` package installs
 the original IDX files. `prepare_fashion_mnist` converts them ONCE, with the
 stock TFDS builder's own reading and writing code, into `data_dir`, after which
-`tfds.load("fashion_mnist", data_dir=data_dir, download=False)` (and so
-`tfdp.data.load_split`) reads them like any other prepared TFDS dataset. CIFAR-10
-and ImageNet take the same reading path, prepared elsewhere with `tfds build`.
+`tfds.data_source("fashion_mnist", data_dir=data_dir, download=False)` (and so
+`tfdp.data.TFDSSource`) reads them like any other prepared TFDS dataset, in the
+ArrayRecord format. CIFAR-10 and ImageNet take the same reading path, prepared
+elsewhere with `tfds build --file_format=array_record`.
 
 How: `_LocalFashionMNIST` subclasses the stock
 `tensorflow_datasets.image_classification.mnist.FashionMNIST` under the same
@@ -21,15 +22,17 @@ import gzip
 import os
 import pathlib
 import posixpath
+import shutil
 import struct
 import tempfile
 import urllib.parse
 
+from absl import logging
 import tensorflow as tf
 import tensorflow_datasets as tfds
 from tensorflow_datasets.image_classification import mnist
 
-DATASET_NAME = "fashion_mnist"  # the stock TFDS name, read back by tfds.load
+DATASET_NAME = "fashion_mnist"  # the stock TFDS name, read back by tfds.data_source
 DEFAULT_SOURCE_DIR = pathlib.Path("/usr/share/datasets/fashion-mnist")
 INSTALL_COMMAND = "apt-get update && apt-get install dataset-fashion-mnist"
 
@@ -45,15 +48,21 @@ SOURCE_FILES = (TRAIN_IMAGES, TRAIN_LABELS, TEST_IMAGES, TEST_LABELS)
 _IDX_IMAGES_MAGIC = 0x00000803  # uint8, 3 dims: [num_examples, rows, cols]
 _IDX_LABELS_MAGIC = 0x00000801  # uint8, 1 dim: [num_examples]
 _IMAGE_SIZE = 28
+# Random access (tfdp.data.TFDSSource) needs ArrayRecord; TFDS's default is TFRecord.
+FILE_FORMAT = "array_record"
 
 
 def prepare_fashion_mnist(source_dir=DEFAULT_SOURCE_DIR, data_dir=None):
     """Converts the local Fashion-MNIST IDX files into the TFDS `fashion_mnist`.
 
-    Writes `<data_dir>/fashion_mnist/<version>/` (TFRecord shards and
-    `dataset_info.json`) exactly as `tfds build fashion_mnist` would, with the
-    splits `train` and `test`. Idempotent: if the dataset is already prepared in
-    `data_dir`, nothing is read or written (the source files are not needed).
+    Writes `<data_dir>/fashion_mnist/<version>/` (ArrayRecord shards and
+    `dataset_info.json`) exactly as `tfds build fashion_mnist
+    --file_format=array_record` would, with the splits `train` and `test`.
+    ArrayRecord is the format TFDS reads by index (`tfds.data_source`), which
+    is how tfdp reads every dataset. Idempotent: if the dataset is already
+    prepared in `data_dir` as ArrayRecord, nothing is read or written (the
+    source files are not needed); a copy prepared by an older tfdp as TFRecord
+    only is deleted and rewritten as ArrayRecord.
     The write is atomic (TFDS writes to a temporary folder and renames it), so an
     interrupted conversion leaves nothing half-written. Gunzipped copies of the
     IDX files go to a temporary folder that is deleted afterwards. The real
@@ -70,7 +79,7 @@ def prepare_fashion_mnist(source_dir=DEFAULT_SOURCE_DIR, data_dir=None):
 
     Returns:
       The TFDS data directory (pathlib.Path) holding the dataset: pass it as
-      `data_dir` to `tfds.load` / `tfdp.data.load_split`.
+      `data_dir` to `tfds.data_source` / `tfdp.data.TFDSSource`.
 
     Raises:
       FileNotFoundError: a source file is missing; the message names it and says
@@ -79,8 +88,8 @@ def prepare_fashion_mnist(source_dir=DEFAULT_SOURCE_DIR, data_dir=None):
       ValueError: a source file is not a valid Fashion-MNIST IDX file (wrong magic
         number, image size other than 28x28, or image and label counts differ).
     """
-    builder = _LocalFashionMNIST(source_dir=source_dir, data_dir=data_dir)
-    if builder.is_prepared():
+    builder = _LocalFashionMNIST(source_dir=source_dir, data_dir=data_dir)  # as on disk
+    if builder.is_prepared() and _has_array_record(builder):
         return pathlib.Path(builder.data_dir_root)
     source_dir = pathlib.Path(source_dir)
     missing = [name for name in SOURCE_FILES if not (source_dir / name).is_file()]
@@ -101,12 +110,22 @@ def prepare_fashion_mnist(source_dir=DEFAULT_SOURCE_DIR, data_dir=None):
                 "must come from the same Fashion-MNIST split. Reinstall with "
                 f"`{INSTALL_COMMAND}`."
             )
+    if builder.is_prepared():  # an older conversion, TFRecord only: rewrite it
+        logging.warning("Rewriting %s as ArrayRecord (tfdp reads examples by index).",
+                        builder.data_dir)
+        shutil.rmtree(builder.data_dir)
+    builder = _LocalFashionMNIST(source_dir=source_dir, data_dir=data_dir, file_format=FILE_FORMAT)
     with tempfile.TemporaryDirectory(prefix="tfdp_fashion_mnist_") as download_dir:
         builder.download_and_prepare(
             download_dir=download_dir,
             download_config=tfds.download.DownloadConfig(try_download_gcs=False),
         )
     return pathlib.Path(builder.data_dir_root)
+
+
+def _has_array_record(builder):
+    return tfds.core.file_adapters.FileFormat.ARRAY_RECORD in (
+        builder.info.available_file_formats())
 
 
 def _read_idx_num_examples(path, magic):

@@ -1,0 +1,41 @@
+"""imagenet.gin and imagenet_tan.gin, end to end on a local ImageNet-shaped dataset.
+
+Not mock data: `synthetic_imagenet` (conftest.py's fixture) is a real TFDS
+dataset in ArrayRecord with ImageNet's features, so these runs go through the
+data path a real ImageNet run takes: random access by index, Poisson sampling,
+JPEG decoding and resizing of images of varying sizes, augmult views, and the
+evaluation split streamed from disk. Only the sizes shrink: 2 steps
+(smoke.gin), N = 40, B = 8, and, to fit the default suite on 2 CPU cores,
+IMAGE_SIZE = 32, 2 views, 2 accumulation chunks and an NF-ResNet-50 of width 1
+(all 50 layers; the full-size step is measured in benchmarks/input_pipeline.py).
+"""
+
+import os
+
+import pytest
+
+from tfdp import data
+
+SMOKE_PARAMS = [
+    "tfdp.train_and_evaluate.dataset = 'synthetic_imagenet'",
+    "tfdp.train_and_evaluate.train_split = 'train'",
+    "tfdp.train_and_evaluate.test_split = 'validation'",
+    "BATCH_SIZE = 8",
+    "IMAGE_SIZE = 32",
+    "AUGMULT = 2",
+    "ACCUMULATION_STEPS = 2",
+    "tfdp.models.build_nf_resnet.width = 1",
+]
+
+
+@pytest.mark.parametrize("config", ["imagenet.gin", "imagenet_tan.gin"])
+def test_config_runs_two_steps_on_local_imagenet_shaped_data(
+        config, tmp_path, run_smoke, synthetic_imagenet_dir):
+    num_train = data.TFDSSource("synthetic_imagenet", "train", data_dir=synthetic_imagenet_dir,
+                                image_size=32).num_examples
+    report = run_smoke(tmp_path, [config], [
+        *SMOKE_PARAMS, f"DATA_DIR = '{synthetic_imagenet_dir}'",
+        f"NUM_EXAMPLES = {num_train}"], mock=False)
+    assert report["steps"] == 2
+    assert report["num_examples"] == num_train
+    assert os.path.isdir(tmp_path / "export")

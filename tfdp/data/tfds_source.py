@@ -1,0 +1,261 @@
+"""Random access to a prepared TFDS split: examples read by index from ArrayRecord.
+
+Every dataset (fashion_mnist, cifar10, imagenet2012, synthetic_imagenet, ...)
+goes through this one path. It is the random-access path TFDS documents
+(`builder.as_data_source`, what `tfds.data_source` returns): the split's
+ArrayRecord files are opened, and `read(indices)` fetches the serialized
+examples at any indices (`__getitems__`, which reads them in parallel), then
+decodes them (JPEG/PNG) inside the tf.data graph, in parallel. Nothing is
+loaded up front: memory depends on the batch size, not on the split's size, so
+ImageNet at 224 x 224 (about 190 GB of pixels) trains from disk.
+
+The datasets are prepared beforehand, in ArrayRecord (downloads are always
+off): Fashion-MNIST from local files with `tools/prepare_fashion_mnist.py`, the
+synthetic ImageNet-shaped set with `tools/make_synthetic_imagenet.py`, anything
+else with `tfds build NAME --file_format=array_record` on a machine with
+network. A dataset already prepared as TFRecord only is converted in place with
+`tfds convert_format` (the error message gives the command).
+
+Pixels stay uint8; scaling to floats happens in the model with fixed constants,
+so no statistic is ever computed from the private training set (Tramer & Boneh
+2021, App. B, on private data normalization).
+"""
+
+import textwrap
+
+import numpy as np
+import tensorflow as tf
+import tensorflow_datasets as tfds
+
+from tfdp.data import errors
+from tfdp.data import fashion_mnist
+from tfdp.data import synthetic_imagenet
+
+# TFDS 4.9's `tfds` command line imports apache_beam and mlcroissant at start-up but does
+# not declare them.
+_TFDS_CLI_INSTALL = "pip install apache-beam mlcroissant"
+# Images decoded concurrently inside one batch (tf.map_fn in the tf.data graph).
+DECODE_PARALLELISM = 16
+
+
+class TFDSSource:
+    """One split of a prepared TFDS dataset, read by index (nothing held in memory).
+
+    The source for `tfdp.data.train_batches` and `tfdp.data.eval_batches`.
+    Works under `tfdp.data.mock_data` (random examples, no files needed).
+
+    Attributes:
+      name: the TFDS name, as given.
+      split: the TFDS split string, as given.
+      data_dir: the TFDS data directory, as given (None: TFDS's default).
+      image_size: None, or S: images are resized to S x S when read.
+      num_examples: int, examples in the split.
+      num_classes: int, from the dataset's ClassLabel feature.
+      image_shape: (height, width, channels) of the images `read` returns.
+
+    Args:
+      name: TFDS dataset name, optionally with config/version
+        (e.g. "fashion_mnist", "cifar10", "imagenet2012", "synthetic_imagenet").
+      split: TFDS split string, e.g. "train", "test", "train[10000:]"
+        (TFDS slicing syntax).
+      data_dir: TFDS data directory; None means the TFDS default
+        (`$TFDS_DATA_DIR` or `~/tensorflow_datasets`).
+      image_size: None, or an int S: resize every image to S x S with area
+        (box) interpolation, rounded back to uint8 (De et al. 2022, App. C.2,
+        224 for ImageNet; 32 as in Chrabaszcz et al. 2017). Required when the
+        dataset's images have varying sizes (imagenet2012).
+
+    Raises:
+      DatasetNotFoundError: the dataset is not prepared in `data_dir`, or is
+        prepared without ArrayRecord files; the message says the command that
+        prepares (or converts) it.
+      ValueError: unknown dataset name; a dataset without (uint8 image, class
+        label) supervised keys; varying image sizes without `image_size`;
+        image_size not None or a positive int; an empty split. A bad split
+        string raises TFDS's own ValueError that lists the valid splits.
+    """
+
+    def __init__(self, name, split, *, data_dir=None, image_size=None):
+        if image_size is not None and (
+                isinstance(image_size, bool) or not isinstance(image_size, int)
+                or image_size < 1):
+            raise ValueError(f"image_size must be None or a positive int, got {image_size!r}.")
+        self.name = name
+        self.split = split
+        self.data_dir = data_dir
+        self.image_size = image_size
+        try:
+            builder = tfds.builder(name, data_dir=data_dir)
+        except tfds.core.DatasetNotFoundError:
+            raise ValueError(
+                f"Unknown TFDS dataset {name!r}. Use a TFDS name such as 'fashion_mnist', "
+                "'cifar10' or 'imagenet2012' (list: `tfds.list_builders()`)."
+            ) from None
+        self._image_key, self._label_key = _supervised_keys(builder)
+        self._features = builder.info.features
+        image_feature = self._features[self._image_key]
+        if image_size is None and None in image_feature.shape:
+            raise ValueError(
+                f"Images of {name!r} have varying sizes {image_feature.shape}; pass "
+                "image_size=S to resize them to S x S (e.g. 224 or 32 for ImageNet)."
+            )
+        if builder.is_prepared() and builder.info.splits[split].num_examples == 0:
+            # (ArrayRecord cannot open an empty slice.) A bad split name raises
+            # TFDS's ValueError here, which lists the valid splits.
+            raise ValueError(f"Split {split!r} of {name!r} is empty; check the split slice.")
+        self._source = _open_data_source(builder, split)
+        self.num_examples = len(self._source)
+        self.num_classes = int(self._features[self._label_key].num_classes)
+        channels = image_feature.shape[-1]
+        if image_size is None:
+            self.image_shape = tuple(int(d) for d in image_feature.shape)
+        else:
+            self.image_shape = (image_size, image_size, int(channels))
+
+    def __repr__(self):
+        return (f"TFDSSource(name={self.name!r}, split={self.split!r}, "
+                f"num_examples={self.num_examples}, image_shape={self.image_shape})")
+
+    def read(self, indices):
+        """The examples at `indices`, decoded; for use inside tf.data (or tf.function).
+
+        Args:
+          indices: int64 [n], any order, values in [0, num_examples).
+
+        Returns:
+          `(images, labels)`: images uint8 [n, height, width, channels]
+          (`image_shape`), labels int32 [n], in the order of `indices`.
+        """
+        records = tf.numpy_function(self._fetch, [indices], tf.string, stateful=False)
+        records = tf.ensure_shape(records, [None])
+        images, labels = tf.map_fn(
+            self._decode,
+            records,
+            fn_output_signature=(tf.TensorSpec(self.image_shape, tf.uint8),
+                                 tf.TensorSpec([], tf.int32)),
+            parallel_iterations=DECODE_PARALLELISM,
+        )
+        return images, labels
+
+    def _fetch(self, indices):
+        """int64 [n] -> the n serialized examples (object array of bytes)."""
+        records = self._source.__getitems__(indices.tolist())
+        return np.array(records, dtype=object).reshape([len(indices)])
+
+    def _decode(self, record):
+        example = self._features.deserialize_example(record)
+        image = example[self._image_key]
+        if self.image_size is not None:
+            size = self.image_size
+            already = tf.reduce_all(tf.equal(tf.shape(image)[:2], [size, size]))
+            # An area resize to the same size is the identity, but not free (~2x the decode).
+            image = tf.cond(already, lambda: image, lambda: _resize_uint8(image, size))
+        return tf.ensure_shape(image, self.image_shape), tf.cast(example[self._label_key], tf.int32)
+
+
+def _open_data_source(builder, split):
+    """`builder.as_data_source(split)` of serialized records, or a clear error."""
+    _restore_alternative_file_formats(builder.info)
+    try:
+        return builder.as_data_source(
+            split=split, deserialize_method=tfds.decode.DeserializeMethod.RAW_BYTES)
+    except (NotImplementedError, ValueError) as e:
+        # TFDS raises these when no random-access file format is available.
+        if not builder.is_prepared():
+            raise errors.DatasetNotFoundError(_not_prepared_message(builder)) from None
+        if isinstance(e, NotImplementedError):
+            raise errors.DatasetNotFoundError(_no_array_record_message(builder)) from None
+        raise
+
+
+def _restore_alternative_file_formats(info):
+    """Makes `info.available_file_formats()` list what dataset_info.json lists.
+
+    `tfds convert_format` adds ArrayRecord files next to TFRecord ones and
+    records them in dataset_info.json as `alternativeFileFormats`. TFDS 4.9.10
+    restores that field into the proto of a registered builder (imagenet2012,
+    cifar10, ...) but not into `available_file_formats()`, which
+    `as_data_source` checks, so a converted dataset would still look TFRecord
+    only. (Builders read from files alone are not affected.)
+    """
+    for value in list(info.as_proto.alternative_file_formats):
+        if tfds.core.file_adapters.FileFormat.from_value(value) not in info.available_file_formats():
+            info.add_alternative_file_format(value)
+
+
+def _supervised_keys(builder):
+    """Returns (image_key, label_key), checking they are uint8 Image and ClassLabel."""
+    keys = builder.info.supervised_keys
+    if not keys or len(keys) != 2 or not all(isinstance(k, str) for k in keys):
+        raise ValueError(
+            f"TFDS dataset {builder.name!r} has no (image, label) supervised keys "
+            f"(got {keys!r}); tfdp needs an image classification dataset."
+        )
+    image_key, label_key = keys
+    image_feature = builder.info.features[image_key]
+    if not isinstance(image_feature, tfds.features.Image) or image_feature.np_dtype != np.uint8:
+        raise ValueError(
+            f"Feature {image_key!r} of {builder.name!r} is not a uint8 image "
+            f"({image_feature!r}); tfdp needs uint8 images."
+        )
+    if not isinstance(builder.info.features[label_key], tfds.features.ClassLabel):
+        raise ValueError(
+            f"Feature {label_key!r} of {builder.name!r} is not a class label; tfdp "
+            "needs a classification dataset."
+        )
+    return image_key, label_key
+
+
+def _resize_uint8(image, image_size):
+    """Resizes uint8 [height, width, channels] to uint8 [image_size, image_size, channels]."""
+    image = tf.image.resize(image, [image_size, image_size], method=tf.image.ResizeMethod.AREA)
+    return tf.cast(tf.clip_by_value(tf.round(image), 0.0, 255.0), tf.uint8)
+
+
+def _not_prepared_message(builder):
+    """The message of DatasetNotFoundError: what is missing and the command to run."""
+    data_dir = builder.data_dir_root
+    header = (
+        f"TFDS dataset {builder.name!r} (version {builder.version}) is not prepared "
+        f"in {data_dir} (looked for {builder.data_dir}). tfdp never downloads "
+        "(TFDS downloads are off)."
+    )
+    if builder.name == fashion_mnist.DATASET_NAME:
+        return (
+            f"{header} Convert the local Fashion-MNIST files once:\n"
+            f"  {fashion_mnist.INSTALL_COMMAND}\n"
+            f"  python tools/prepare_fashion_mnist.py --data_dir={data_dir}"
+        )
+    if builder.name == synthetic_imagenet.DATASET_NAME:
+        return (
+            f"{header} Generate it once, e.g.:\n"
+            f"  python tools/make_synthetic_imagenet.py --data_dir={data_dir} "
+            "--num_train=5000"
+        )
+    message = (
+        f"{header} Prepare it, in ArrayRecord, on a machine with network access "
+        f"(the `tfds` command needs `{_TFDS_CLI_INSTALL}`, tensorflow/datasets#5463):\n"
+        f"  tfds build {builder.info.full_name.rsplit('/', 1)[0]} --data_dir={data_dir} "
+        "--file_format=array_record\n"
+        f"then copy its folder {builder.data_dir} to the same path on this machine."
+    )
+    instructions = getattr(builder, "MANUAL_DOWNLOAD_INSTRUCTIONS", None)
+    if instructions:
+        message += (
+            f"\n{builder.name!r} needs a manual download first, into "
+            f"{data_dir}/downloads/manual (or pass --manual_dir to `tfds build`):\n"
+            + textwrap.indent(textwrap.dedent(instructions).strip(), "  ")
+        )
+    return message
+
+
+def _no_array_record_message(builder):
+    formats = sorted(f.value for f in builder.info.available_file_formats())
+    return (
+        f"TFDS dataset {builder.name!r} is prepared in {builder.data_dir} as "
+        f"{', '.join(formats)} only. tfdp reads examples by index, which needs the "
+        "ArrayRecord format. Convert it once, in place (the existing files stay; the "
+        f"`tfds` command needs `{_TFDS_CLI_INSTALL}`, tensorflow/datasets#5463):\n"
+        f"  tfds convert_format --dataset_version_dir={builder.data_dir} "
+        "--out_file_format=array_record"
+    )

@@ -1,0 +1,46 @@
+"""Writes the ImageNet-shaped synthetic TFDS dataset `synthetic_imagenet` (ArrayRecord).
+
+Same features as TFDS's imagenet2012 (JPEG image, 1000-class label, file_name),
+smooth random 224 x 224 JPEGs (about 22 KB each); for testing and measuring the
+data path of `imagenet.gin` where ImageNet cannot be downloaded. Does nothing if
+the dataset is already in --data_dir.
+
+  python tools/make_synthetic_imagenet.py --data_dir=/tmp/synthetic/n5000 --num_train=5000
+
+Then train on it, e.g.
+  python -m tfdp.main --gin_file=imagenet.gin --gin_file=smoke.gin \
+    --gin_param="DATA_DIR='/tmp/synthetic/n5000'" \
+    --gin_param="tfdp.train_and_evaluate.dataset='synthetic_imagenet'" \
+    --gin_param="tfdp.train_and_evaluate.train_split='train'" \
+    --gin_param="NUM_EXAMPLES=5000" --gin_param="BATCH_SIZE=64" --workdir=/tmp/run
+"""
+
+from absl import app
+from absl import flags
+
+from tfdp.data import synthetic_imagenet
+
+_DATA_DIR = flags.DEFINE_string("data_dir", None, "TFDS data directory to write into.",
+                                required=True)
+_NUM_TRAIN = flags.DEFINE_integer("num_train", 5000, "Examples in the train split.")
+_NUM_VALIDATION = flags.DEFINE_integer("num_validation", 1000,
+                                       "Examples in the validation split.")
+_IMAGE_SIZE = flags.DEFINE_integer("image_size", 224, "Height and width of every image.")
+_SEED = flags.DEFINE_integer("seed", 0, "Seed of the images and labels.")
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+    try:
+        data_dir = synthetic_imagenet.prepare_synthetic_imagenet(
+            _DATA_DIR.value, num_train=_NUM_TRAIN.value, num_validation=_NUM_VALIDATION.value,
+            image_size=_IMAGE_SIZE.value, seed=_SEED.value,
+        )
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+    print(f"{synthetic_imagenet.DATASET_NAME} is in {data_dir}; use --data_dir={data_dir}.")
+
+
+if __name__ == "__main__":
+    app.run(main)
