@@ -1,1 +1,19 @@
-"""tfdp: differentially private image classification for TensorFlow 2 / Keras 3."""
+"""tfdp: differentially private image classification for TensorFlow 2 / Keras 3.
+
+`tfdp.make_private(model, data, ...)` trains your Keras classifier with
+DP-SGD; `python -m tfdp.main --gin_file=NAME.gin` runs the shipped configs.
+The privacy facts of a run live in `tfdp.accounting.DPMechanism`.
+
+`make_private` and `PrivateTraining` are imported on first use, so that
+`import tfdp.accounting` (and `tools/privacy.py`) never imports TensorFlow.
+"""
+
+__all__ = ["PrivateTraining", "make_private"]
+
+
+def __getattr__(name):
+    if name in __all__:
+        from tfdp import private_training  # pylint: disable=g-import-not-at-top
+
+        return getattr(private_training, name)
+    raise AttributeError(f"module 'tfdp' has no attribute {name!r}")

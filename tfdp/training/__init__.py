@@ -1,0 +1,12 @@
+"""Training: DPModel (the DP-SGD train_step), EMA, callbacks, tf.distribute strategies.
+
+The one place where the data, the model, the DP gradient and the accounting
+meet (see `tfdp.training.DPModel`).
+"""
+
+from tfdp.training.distribute import make_strategy
+from tfdp.training.dp_model import DPModel
+from tfdp.training.ema import ema_decay
+from tfdp.training.optimizers import build_optimizer
+
+__all__ = ["DPModel", "build_optimizer", "ema_decay", "make_strategy"]

@@ -6,6 +6,7 @@ import keras
 import tensorflow as tf
 
 from tfdp import accounting
+from tfdp import models
 from tfdp.dp import clipping
 from tfdp.dp import coins
 from tfdp.dp import noise
@@ -91,7 +92,12 @@ class DPModel(keras.Model):
     invariant Keras relies on for its own weights and slots. Tested with 2 and
     4 replicas in `tests/training/distribute_test.py`.
 
-    Inputs to `fit`: `(images, labels)` or `(images, labels, mask)` where
+    Inputs to `fit`: a `tf.data.Dataset` (or a distributed one) of logical
+    batches drawn with the sampler the mechanism assumes (Poisson:
+    `tfdp.data.train_batches`; `tfdp.make_private` wires it). Arrays are
+    refused: `fit(x, y, batch_size=100)` would train on fixed-size shuffled
+    batches, which the accountant's epsilon does not cover. Each element is
+    `(images, labels)` or `(images, labels, mask)` where
     `images` is float32 or uint8 `[batch, height, width, channels]` (one view) or
     `[batch, augmult, height, width, channels]` (K views), `labels` is int
     `[batch]` and `mask` float32 `[batch]` is 1 for real examples and 0 for
@@ -115,7 +121,8 @@ class DPModel(keras.Model):
       ema_decay: None (no EMA) or the asymptotic EMA decay in [0, 1).
 
     Raises:
-      ValueError: on a `mechanism` that is not a DPMechanism, an
+      ValueError: on a model that mixes examples (`tfdp.models.validate_dp_model`:
+        BatchNorm), a `mechanism` that is not a DPMechanism, an
         `accumulation_steps` < 1, or an `ema_decay` outside [0, 1).
 
     Reference:
@@ -139,6 +146,7 @@ class DPModel(keras.Model):
                 f"tfdp.accounting.plan_mechanism), got {type(mechanism).__name__}.")
         if int(accumulation_steps) < 1:
             raise ValueError(f"accumulation_steps must be >= 1, got {accumulation_steps}.")
+        models.validate_dp_model(model)
         if ema_decay is not None and not 0.0 <= ema_decay < 1.0:
             raise ValueError(f"ema_decay must be in [0, 1) or None, got {ema_decay}.")
         self.model = model
@@ -172,6 +180,21 @@ class DPModel(keras.Model):
 
     def call(self, inputs, training=False):
         return self.model(inputs, training=training)
+
+    def fit(self, x=None, *args, **kwargs):
+        """`keras.Model.fit` on a `tf.data.Dataset` of logical batches (see the class doc).
+
+        Raises:
+          ValueError: if `x` is not a (distributed) `tf.data.Dataset`.
+        """
+        if not isinstance(x, (tf.data.Dataset, tf.distribute.DistributedDataset)):
+            raise ValueError(
+                f"DPModel.fit takes a tf.data.Dataset of Poisson batches, got "
+                f"{type(x).__name__}. fit(x, y, batch_size=...) would train on fixed-size "
+                "shuffled batches, which the accountant's epsilon (Poisson sampling, "
+                "q = batch_size / N) does not cover. Use tfdp.make_private(model, (x, y), "
+                "...), or tfdp.data.train_batches.")
+        return super().fit(x, *args, **kwargs)
 
     def compile(self, optimizer, **kwargs):
         """Compiles with `optimizer` and creates the DP state.

@@ -1,0 +1,77 @@
+"""README's `make_private` example runs as written, and trains privately."""
+
+import json
+import os
+import re
+
+import numpy as np
+import pytest
+
+README = os.path.join(os.path.dirname(__file__), "..", "README.md")
+
+
+def _example():
+    text = open(README, encoding="utf-8").read()
+    section = text.split("## Your own model and data", 1)[1]
+    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
+
+
+def test_readme_example_trains_to_the_target_and_exports(tmp_path, monkeypatch, capsys):
+    code = _example()
+    assert len(code.strip().splitlines()) <= 20
+    monkeypatch.chdir(tmp_path)
+    scope = {}
+    exec(compile(code, "README.md", "exec"), scope)  # pylint: disable=exec-used
+    printed = float(capsys.readouterr().out.strip().splitlines()[-1])
+    private = scope["private"]
+    assert printed == pytest.approx(private.epsilon()[0]) and 2.5 < printed <= 3.0
+    assert private.steps == 30  # 3 epochs of 2,000 at an expected 200
+    accuracy = private.evaluate((scope["images"], scope["labels"]))["accuracy"]
+    assert accuracy > 0.9
+    report = json.loads((tmp_path / "my_private_model" / "assets" /
+                         "privacy_report.json").read_text())
+    assert report["epsilon"] == pytest.approx(printed)
+    assert report["sampling"]["scheme"] == "poisson"
+
+
+def test_make_private_refuses_what_would_be_wrong():
+    import keras  # pylint: disable=g-import-not-at-top
+
+    import tfdp  # pylint: disable=g-import-not-at-top
+
+    images = np.zeros((100, 8, 8, 1), np.uint8)
+    labels = np.arange(100) % 3
+    plain = keras.Sequential([keras.Input((8, 8, 1)), keras.layers.Flatten(),
+                              keras.layers.Dense(2)])
+    common = dict(target_epsilon=3.0, target_delta=1e-5, batch_size=10, epochs=1,
+                  l2_clip_norm=1.0, optimizer="sgd")
+    with pytest.raises(ValueError, match=r"labels must be in \[0, 2\)"):
+        tfdp.make_private(plain, (images, labels), **common)
+    with pytest.raises(ValueError, match="images must be uint8"):
+        tfdp.make_private(plain, (images.astype(np.float32), labels % 2), **common)
+    batchnorm = keras.Sequential([keras.Input((8, 8, 1)), keras.layers.BatchNormalization(),
+                                  keras.layers.Flatten(), keras.layers.Dense(2)])
+    with pytest.raises(ValueError, match="BatchNorm"):
+        tfdp.make_private(batchnorm, (images, labels % 2), **common)
+    private = tfdp.make_private(plain, (images, labels % 2), **common)
+    with pytest.raises(ValueError, match="fixed-size shuffled batches"):
+        private.model.fit(images, labels % 2, batch_size=10)
+
+
+def test_a_tf_data_dataset_of_pairs_is_accepted():
+    import keras  # pylint: disable=g-import-not-at-top
+    import tensorflow as tf  # pylint: disable=g-import-not-at-top
+
+    import tfdp  # pylint: disable=g-import-not-at-top
+
+    images = np.zeros((50, 8, 8, 1), np.uint8)
+    labels = np.arange(50) % 2
+    model = keras.Sequential([keras.Input((8, 8, 1)), keras.layers.Flatten(),
+                              keras.layers.Dense(2)])
+    dataset = tf.data.Dataset.from_tensor_slices((images, labels))
+    private = tfdp.make_private(model, dataset, noise_multiplier=1.0, target_delta=1e-5,
+                                batch_size=10, num_steps=2, l2_clip_norm=1.0, optimizer="sgd")
+    assert private.source.num_examples == 50 and private.mechanism.sampling_prob == 0.2
+    with pytest.raises(ValueError, match="single .* pairs, not batches"):
+        tfdp.make_private(model, dataset.batch(5), noise_multiplier=1.0, target_delta=1e-5,
+                          batch_size=10, num_steps=2, l2_clip_norm=1.0, optimizer="sgd")

@@ -1,0 +1,233 @@
+"""make_private: DP-SGD for your own Keras model and data, in a few lines.
+
+The Python counterpart of `python -m tfdp.main` (which trains the shipped
+configs from gin): it takes a Keras classifier and a dataset, and wires the
+same pieces the trainer uses. The model is checked by the DP validator (no
+BatchNorm), the data is read by index with the Poisson sampler the accountant
+assumes (secret coins from OS entropy), and one `tfdp.accounting.DPMechanism`
+gives the noise, epsilon, the privacy report and the export.
+
+    private = tfdp.make_private(model, (images, labels), target_epsilon=3.0,
+                                target_delta=1e-5, batch_size=256, epochs=10,
+                                l2_clip_norm=1.0, optimizer=keras.optimizers.SGD(0.5))
+    private.fit()
+    print(private.privacy_report()["epsilon"])
+    private.export("my_model")
+
+Reference: Abadi et al. 2016 (DP-SGD); De et al. 2022, App. A.1, Algorithm 1;
+How to DP-fy ML (Ponomareva et al. 2023), Sec. 5.3.3 for the report.
+"""
+
+import math
+import os
+import tempfile
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tfdp import accounting
+from tfdp import data
+from tfdp import models
+from tfdp.dp import coins
+from tfdp.export import privacy_report
+from tfdp.export import saved_model
+from tfdp.training import callbacks as callbacks_lib
+from tfdp.training.dp_model import DPModel
+
+
+class PrivateTraining:
+    """A Keras classifier wired for DP-SGD on one dataset; made by `make_private`.
+
+    Attributes:
+      model: the `tfdp.training.DPModel` (compiled) around your model.
+      mechanism: the run's `tfdp.accounting.DPMechanism`.
+      source: the training data, read by index (`tfdp.data.ArraySource` or
+        `tfdp.data.TFDSSource`).
+    """
+
+    def __init__(self, model, mechanism, source, *, sampling_seed):
+        self.model = model
+        self.mechanism = mechanism
+        self.source = source
+        self._sampling_seed = sampling_seed
+
+    @property
+    def steps(self):
+        """Optimizer updates taken so far."""
+        return int(self.model.optimizer.iterations.numpy())
+
+    def fit(self, *, verbose=True):
+        """Trains the remaining steps on Poisson batches; returns the Keras `History`.
+
+        Every example joins each step's batch independently with probability
+        q = batch_size / N (the sampling the accountant assumes), with a
+        secret seed drawn once per `PrivateTraining`; calling `fit` again
+        continues the same stream after the steps already taken.
+
+        Args:
+          verbose: log progress (steps of the total, loss, exact epsilon).
+        """
+        remaining = self.mechanism.num_steps - self.steps
+        if remaining <= 0:
+            return None
+        batches = data.train_batches(
+            self.source, sampling="poisson", batch_size=self.mechanism.batch_size,
+            num_steps=self.mechanism.num_steps, seed=self._sampling_seed,
+            start_step=self.steps)
+        progress = [callbacks_lib.ProgressLog(self.mechanism)] if verbose else []
+        return self.model.fit(
+            batches, epochs=1, steps_per_epoch=remaining, verbose=0,
+            callbacks=[callbacks_lib.PrivacyCallback(self.mechanism), *progress])
+
+    def evaluate(self, test_data, *, batch_size=1000):
+        """`{"loss": ..., "accuracy": ...}` on data in any form `make_private` takes."""
+        source = _source(test_data, num_classes=self.source.num_classes)
+        result = self.model.evaluate(data.eval_batches(source, batch_size=batch_size),
+                                     verbose=0, return_dict=True)
+        return {key: float(value) for key, value in result.items()}
+
+    def epsilon(self):
+        """(epsilon, delta) of the steps taken so far (`DPMechanism.guarantee`)."""
+        return self.mechanism.guarantee(self.steps)
+
+    def privacy_report(self):
+        """The privacy report of the steps taken so far (`tfdp.export.privacy_report`)."""
+        return privacy_report.build_privacy_report(
+            self.mechanism, steps_completed=self.steps,
+            hyperparameters={"optimizer": keras.optimizers.serialize(
+                self.model.optimizer)["config"]},
+            exported_parameters="ema" if self.model.ema_variables else "last")
+
+    def export(self, export_dir):
+        """Writes a SavedModel serving uint8 images, with the privacy report in `assets/`.
+
+        Returns:
+          `export_dir`.
+        """
+        report = self.privacy_report()
+        with tempfile.TemporaryDirectory() as tmp:
+            paths = privacy_report.write_privacy_report(report, tmp)
+            with self.model.use_ema_parameters():
+                return saved_model.export_saved_model(
+                    self.model.model, os.fspath(export_dir),
+                    image_shape=self.source.image_shape, asset_paths=paths)
+
+
+def make_private(
+    model,
+    train_data,
+    *,
+    target_delta,
+    l2_clip_norm,
+    batch_size,
+    optimizer,
+    target_epsilon=None,
+    noise_multiplier=None,
+    epochs=None,
+    num_steps=None,
+    accountant="rdp",
+    normalize_update=False,
+    accumulation_steps=1,
+    ema_decay=None,
+    data_dir=None,
+):
+    """Wraps your Keras classifier for DP-SGD on your data, with a matching sampler.
+
+    Args:
+      model: a built `keras.Model` mapping float32 images `[batch, height,
+        width, channels]` with pixel values in [0, 255] to logits `[batch,
+        num_classes]`. It must treat examples independently (no BatchNorm;
+        use GroupNorm, De et al. 2022, App. C.1).
+      train_data: your training set, held privately, in one of three forms:
+        `(images, labels)` arrays (uint8 `[N, H, W, C]`, integer `[N]`); a
+        `tf.data.Dataset` of single `(image uint8 [H, W, C], label)` pairs
+        (read once into memory); or the name of a prepared TFDS dataset (its
+        "train" split, read by index from ArrayRecord files in `data_dir`).
+      target_delta: delta; keep it well below 1/N.
+      l2_clip_norm: C, the per-example gradient bound.
+      batch_size: B, the EXPECTED batch size: each example joins a step's
+        batch with probability B / N (Poisson sampling).
+      optimizer: a `keras.optimizers.Optimizer` (or its name); it sees only
+        the noisy clipped gradient.
+      target_epsilon: the budget: sigma is calibrated to it (or, with
+        `noise_multiplier`, the steps are capped at it).
+      noise_multiplier: sigma (noise std / sensitivity), or None to calibrate.
+      epochs: training length in passes over N (steps = ceil(epochs N / B));
+        or give `num_steps`.
+      num_steps: training length in optimizer updates.
+      accountant: "rdp" or "pld".
+      normalize_update: De et al. 2022, eq. (3).
+      accumulation_steps: chunks each batch is processed in (memory).
+      ema_decay: None or the EMA decay of the exported parameters.
+      data_dir: TFDS data_dir, for a dataset name.
+
+    Returns:
+      A `PrivateTraining`: `.fit()`, `.evaluate(test_data)`, `.epsilon()`,
+      `.privacy_report()`, `.export(dir)`.
+
+    Raises:
+      ValueError: on a model that mixes examples, logits that do not cover
+        the labels, data in another form or shape, invalid privacy
+        parameters, or not exactly one of epochs and num_steps.
+    """
+    if (epochs is None) == (num_steps is None):
+        raise ValueError("Give exactly one of epochs (passes over the data) and num_steps "
+                         f"(optimizer updates); got epochs={epochs}, num_steps={num_steps}.")
+    models.validate_dp_model(model)
+    num_classes = _output_width(model)
+    source = _source(train_data, num_classes=num_classes, data_dir=data_dir)
+    if epochs is not None:
+        if not (isinstance(epochs, (int, float)) and epochs > 0):
+            raise ValueError(f"epochs must be a number > 0, got {epochs!r}.")
+        num_steps = math.ceil(epochs * source.num_examples / batch_size)
+    mechanism = accounting.plan_mechanism(
+        num_examples=source.num_examples, batch_size=batch_size, num_steps=num_steps,
+        l2_clip_norm=l2_clip_norm, target_delta=target_delta,
+        noise_multiplier=noise_multiplier, target_epsilon=target_epsilon,
+        accountant=accountant, normalize_update=normalize_update)
+    dp_model = DPModel(model, mechanism, accumulation_steps=accumulation_steps,
+                       ema_decay=ema_decay)
+    dp_model.compile(optimizer=keras.optimizers.get(optimizer))
+    return PrivateTraining(dp_model, mechanism, source, sampling_seed=coins.secret_seed())
+
+
+def _output_width(model):
+    shape = getattr(model, "output_shape", None)
+    if not shape or len(shape) != 2 or shape[-1] is None:
+        raise ValueError(f"The model must return logits [batch, num_classes]; its output "
+                         f"shape is {shape}.")
+    return int(shape[-1])
+
+
+def _source(train_data, *, num_classes, data_dir=None):
+    """A source read by index, from arrays, a tf.data dataset or a TFDS name."""
+    if isinstance(train_data, str):
+        source = data.TFDSSource(train_data, "train", data_dir=data_dir)
+        if source.num_classes != num_classes:
+            raise ValueError(
+                f"The model returns {num_classes} logits, but {train_data!r} has "
+                f"{source.num_classes} classes.")
+        return source
+    if isinstance(train_data, tf.data.Dataset):
+        spec = train_data.element_spec
+        if not (isinstance(spec, tuple) and len(spec) == 2 and spec[0].shape.rank == 3):
+            raise ValueError(
+                "A tf.data.Dataset must yield single (image [H, W, C], label) pairs, not "
+                f"batches; got {spec}. Use dataset.unbatch(), or pass arrays.")
+        images, labels = zip(*train_data.as_numpy_iterator())
+        train_data = np.stack(images), np.asarray(labels)
+    if not (isinstance(train_data, tuple) and len(train_data) == 2):
+        raise ValueError(
+            "train_data must be (images, labels) arrays, a tf.data.Dataset of (image, label) "
+            f"or a TFDS dataset name; got {type(train_data).__name__}.")
+    images, labels = (np.asarray(a) for a in train_data)
+    if images.dtype != np.uint8:
+        raise ValueError(
+            f"images must be uint8 pixels [N, height, width, channels], got {images.dtype} "
+            f"{list(images.shape)}: the model scales pixels itself, so pass them unscaled.")
+    if labels.size and (labels.min() < 0 or labels.max() >= num_classes):
+        raise ValueError(
+            f"labels must be in [0, {num_classes}) (the model's logits), got values from "
+            f"{labels.min()} to {labels.max()}.")
+    return data.ArraySource(images, labels, num_classes)
