@@ -152,3 +152,21 @@ def test_a_dataset_converted_in_place_is_read_from_its_array_record_files(tmp_pa
                                 image_size=16)
     np.testing.assert_array_equal(data.read_split(source).images,
                                   data.read_split(reference).images)
+
+
+def test_a_half_prepared_folder_names_the_missing_file_and_the_command(
+        synthetic_imagenet_dir, tmp_path):
+    # A preparation cut short (or a copy missing a shard) used to open fine and fail on
+    # the first batch deep inside training, after the workdir was written.
+    copy = tmp_path / "data"
+    shutil.copytree(synthetic_imagenet_dir, copy)
+    shard = next((copy / synthetic_imagenet.DATASET_NAME).rglob("*train.array_record*"))
+    shard.unlink()
+    with pytest.raises(data.DatasetNotFoundError,
+                       match=rf"only partly prepared: split 'train' needs {shard.name}, which "
+                             r"is missing.*\n.*make_synthetic_imagenet.py"):
+        data.TFDSSource(synthetic_imagenet.DATASET_NAME, "train", data_dir=str(copy),
+                        image_size=32)
+    # The other split is whole and still opens.
+    data.TFDSSource(synthetic_imagenet.DATASET_NAME, "validation", data_dir=str(copy),
+                    image_size=32)

@@ -21,6 +21,7 @@ so no statistic is ever computed from the private training set (Tramer & Boneh
 2021, App. B, on private data normalization).
 """
 
+import os
 import textwrap
 
 import numpy as np
@@ -104,6 +105,7 @@ class TFDSSource:
             # TFDS's ValueError here, which lists the valid splits.
             raise ValueError(f"Split {split!r} of {name!r} is empty; check the split slice.")
         self._source = _open_data_source(builder, split)
+        _check_files(builder, split)
         self.num_examples = len(self._source)
         self.num_classes = int(self._features[self._label_key].num_classes)
         channels = image_feature.shape[-1]
@@ -166,6 +168,28 @@ def _open_data_source(builder, split):
         if isinstance(e, NotImplementedError):
             raise errors.DatasetNotFoundError(_no_array_record_message(builder)) from None
         raise
+
+
+def _check_files(builder, split):
+    """Refuses a half-prepared folder: every file the split reads must exist.
+
+    A preparation that was interrupted, or a copy that missed a shard, would
+    otherwise open fine and fail on the first batch that reads the missing
+    file, deep inside training.
+
+    Raises:
+      DatasetNotFoundError: naming the folder, the missing files and the
+        command that prepares the dataset again.
+    """
+    missing = sorted({os.path.basename(instruction.filename)
+                      for instruction in builder.info.splits[split].file_instructions
+                      if not tf.io.gfile.exists(instruction.filename)})
+    if missing:
+        command = _not_prepared_message(builder).split("\n", 1)[1]
+        raise errors.DatasetNotFoundError(
+            f"TFDS folder {builder.data_dir} is only partly prepared: split {split!r} needs "
+            f"{', '.join(missing)}, which is missing. Delete the folder and prepare it again:"
+            f"\n{command}")
 
 
 def _restore_alternative_file_formats(info):
