@@ -69,10 +69,15 @@ def test_every_shipped_config_uses_every_macro_it_sets(config):
         gin.clear_config()
 
 
-def test_cli_error_is_printed_once_without_gin_s_location(tmp_path):
-    result = _run(tmp_path, "--gin_file=fashion_mnist.gin",
-                  "--gin_param=tfdp.train_and_evaluate.sampling='possion'")
+@pytest.mark.parametrize("param, message", [
+    ("tfdp.train_and_evaluate.sampling='possion'", "Unknown sampling scheme 'possion'"),
+    ("tfdp.train_and_evaluate.accountant='rpd'", "Unknown accountant 'rpd'"),
+])
+def test_cli_error_is_printed_once_without_gin_s_location(tmp_path, param, message):
+    # Unknown names used to surface after data loading and compilation, leaving a
+    # tensorboard/ stub, and every CLI error was printed twice.
+    result = _run(tmp_path, "--gin_file=fashion_mnist.gin", f"--gin_param={param}")
     assert result.returncode == 2
-    assert result.stderr.count("Unknown sampling scheme 'possion'") == 1
+    assert result.stderr.count(message) == 1
     assert "In call to configurable" not in result.stderr and "Traceback" not in result.stderr
     assert not os.path.exists(tmp_path / "wd")  # validated before the workdir is touched
