@@ -627,8 +627,10 @@ def _train_dataset(train, mechanism, *, seed, start_step, augment_fn, augment_se
         num_steps=mechanism.num_steps, seed=seed, start_step=start_step,
     )
     if augment_fn is not None:
+        # Views stay uint8 pixels: 4x less host and device memory than float32.
         ds = augment.augment_dataset(
-            ds, augment_fn=augment_fn, augmult=augmult, seed=augment_seed, start_step=start_step
+            ds, augment_fn=augment_fn, augmult=augmult, seed=augment_seed,
+            start_step=start_step, as_uint8=True,
         )
     if static_batch_size is not None or multiple > 1:
         ds = data.pad_batches(ds, static_batch_size=static_batch_size, multiple=multiple)

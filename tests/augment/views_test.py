@@ -164,3 +164,17 @@ def test_errors():
         augment.augment_dataset(
             _labelled_dataset(), augment_fn=fn, augmult=1, seed=0, start_step=-1
         )
+
+
+def test_uint8_views_are_the_float_views_rounded():
+    # The trainer keeps views as uint8 (4x less memory): each is the float view rounded,
+    # also through a resize whose output is not whole pixel values.
+    one_batch = _labelled_dataset(num_examples=4).take(1)
+    for name in ("cifar_crop_flip", "imagenet_resize_crop"):
+        fn = augment.get_augmentation(name, **({"image_size": 8} if "imagenet" in name else {}))
+        kw = dict(augment_fn=fn, augmult=3, seed=[1, 2])
+        (floats, _), = augment.augment_dataset(one_batch, **kw).as_numpy_iterator()
+        (pixels, _), = augment.augment_dataset(one_batch, as_uint8=True, **kw).as_numpy_iterator()
+        assert floats.dtype == np.float32 and pixels.dtype == np.uint8
+        np.testing.assert_array_equal(pixels, np.clip(np.round(floats), 0, 255))
+        assert np.abs(pixels - floats).max() <= 0.5

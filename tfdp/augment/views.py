@@ -199,6 +199,7 @@ def augment_dataset(
     seed: Seed,
     start_step: int = 0,
     num_parallel_calls: int | None = tf.data.AUTOTUNE,
+    as_uint8: bool = False,
 ) -> tf.data.Dataset:
     """Maps a dataset of (images, labels) batches to (views, labels).
 
@@ -215,10 +216,15 @@ def augment_dataset(
       seed: base seed: int, pair of ints, or int tensor [2].
       start_step: index of the first element (>= 0), used for its seed.
       num_parallel_calls: passed to `Dataset.map`.
+      as_uint8: round the views to uint8 pixels (clipped to [0, 255]): 4x
+        less memory than float32 on the host, in the transfer and on the
+        device, for a rounding error below half a pixel level (the inputs
+        are uint8 pixels; the model casts to float32). For `imagenet.gin`'s
+        logical batch of 16384 x 4 views of 224 x 224 x 3: 9.9 GB, not 39 GB.
 
     Returns:
-      `tf.data.Dataset` of `(views: float32 [batch, max(augmult, 1), H', W', C],
-      labels: [batch])`.
+      `tf.data.Dataset` of `(views: float32 (or uint8) [batch, max(augmult, 1),
+      H', W', C], labels: [batch])`.
 
     Raises:
       ValueError: if `start_step < 0`, or as `make_augmult_map_fn`.
@@ -228,6 +234,13 @@ def augment_dataset(
             f"augment_dataset: start_step must be an int >= 0, got {start_step!r}."
         )
     map_fn = make_augmult_map_fn(augment_fn=augment_fn, augmult=augmult, seed=seed)
+    if as_uint8:
+        float_map_fn = map_fn
+
+        def map_fn(step, batch):  # pylint: disable=function-redefined
+            views, labels = float_map_fn(step, batch)
+            return tf.cast(tf.clip_by_value(tf.round(views), 0.0, 255.0), tf.uint8), labels
+
     return dataset.enumerate(start=start_step).map(
         map_fn, num_parallel_calls=num_parallel_calls, deterministic=True
     )
