@@ -194,6 +194,9 @@ class DPModel(keras.Model):
                 "shuffled batches, which the accountant's epsilon (Poisson sampling, "
                 "q = batch_size / N) does not cover. Use tfdp.make_private(model, (x, y), "
                 "...), or tfdp.data.train_batches.")
+        # The batches' order is the sampler's: Keras' default shuffle=True would
+        # only warn that it is ignored for a Dataset.
+        kwargs.setdefault("shuffle", False)
         return super().fit(x, *args, **kwargs)
 
     def compile(self, optimizer, **kwargs):
