@@ -41,7 +41,7 @@ CHECKPOINT_DIR = "checkpoints"
 DATA_NORMALIZATION_FILE = "data_normalization.json"
 
 
-@gin.configurable(module="tfdp", denylist=["workdir"])
+@gin.configurable(module="tfdp", denylist=["workdir", "audit"])
 def train_and_evaluate(
     workdir,
     *,
@@ -84,6 +84,7 @@ def train_and_evaluate(
     static_batch_size=None,
     checkpoint_every_steps=None,
     deterministic=False,
+    audit=None,
 ):
     """Trains a classifier with DP-SGD, evaluates it, exports it with its report.
 
@@ -194,6 +195,12 @@ def train_and_evaluate(
         there.
       deterministic: call `tf.config.experimental.enable_op_determinism()`
         (process-wide; slower) so that fixed seeds give identical weights.
+      audit: None, or an empirical privacy audit hook (`tfdp.audit`, run by
+        `tools/audit.py`; not a gin value): `audit.prepare_train(split)` may
+        put canaries into the training split (before NUM_EXAMPLES is
+        checked), `audit.build_dp_model(model, mechanism, **kwargs)` builds
+        the DPModel, and `audit.result(dp_model, mechanism)` becomes the
+        report's "audit" section. It needs a workdir without a checkpoint.
 
     Returns:
       The privacy report dict.
@@ -237,11 +244,15 @@ def train_and_evaluate(
 
     # 2. Data (read only).
     train, test = _load_data(dataset, train_split, test_split, data_dir=data_dir,
-                             image_size=image_size, num_examples=mechanism.num_examples)
+                             image_size=image_size, num_examples=mechanism.num_examples,
+                             prepare_train=audit and audit.prepare_train)
     image_shape = tuple(train.images.shape[1:])
 
     # 3. An existing checkpoint must be of this very mechanism (read only).
     latest = tf.train.latest_checkpoint(os.path.join(workdir, CHECKPOINT_DIR))
+    if latest and audit is not None:
+        raise ValueError(f"An audit draws new canaries, so it cannot resume {latest}: use a "
+                         "fresh workdir.")
     if latest:
         callbacks_lib.check_privacy_ledger(latest, mechanism, sampling_seed=sampling_seed,
                                            noise_seed=noise_seed)
@@ -255,8 +266,9 @@ def train_and_evaluate(
         model = model_fn(num_classes=train.num_classes,
                          input_shape=tuple(train.images.shape[1:]), **head_kwargs)
         models.validate_dp_model(model)
-        dp_model = DPModel(model, mechanism, accumulation_steps=accumulation_steps,
-                           noise_seed=noise_seed, ema_decay=ema_decay)
+        build_dp_model = DPModel if audit is None else audit.build_dp_model
+        dp_model = build_dp_model(model, mechanism, accumulation_steps=accumulation_steps,
+                                  noise_seed=noise_seed, ema_decay=ema_decay)
         dp_model.compile(optimizer=optimizer_fn(), jit_compile=False)
     ledger = callbacks_lib.make_privacy_ledger(
         mechanism, noise_seed=noise_seed, sampling_seed=distribute.broadcast_from_chief(
@@ -322,6 +334,8 @@ def train_and_evaluate(
         simulation=simulation,
         study=study,
     )
+    if audit is not None:
+        report["audit"] = audit.result(dp_model, mechanism)
     _export(report, dp_model, model, out_dir, features=features, image_shape=image_shape)
     if out_dir != workdir:
         shutil.rmtree(out_dir, ignore_errors=True)
@@ -351,9 +365,15 @@ def _check_augmentation(features, augmentation, augmult, augtest):
         raise ValueError("augtest needs an augmentation and augmult >= 1 (the K views).")
 
 
-def _load_data(dataset, train_split, test_split, *, data_dir, image_size, num_examples):
-    """Stage 2: the two splits, the training split checked against NUM_EXAMPLES."""
+def _load_data(dataset, train_split, test_split, *, data_dir, image_size, num_examples,
+               prepare_train=None):
+    """Stage 2: the two splits, the training split checked against NUM_EXAMPLES.
+
+    `prepare_train` (an audit's canaries) may change the training split first.
+    """
     train = data.load_split(dataset, train_split, data_dir=data_dir, image_size=image_size)
+    if prepare_train is not None:
+        train = prepare_train(train)
     test = data.load_split(dataset, test_split, data_dir=data_dir, image_size=image_size)
     if len(train.labels) != num_examples:
         raise ValueError(

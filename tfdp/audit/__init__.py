@@ -13,3 +13,5 @@ package puts canaries into a run:
 """
 
 from tfdp.audit.gradient_canary_dp_model import GradientCanaryDPModel
+from tfdp.audit.gradient_canary_audit import GradientCanaryAudit
+from tfdp.audit.input_canary_audit import InputCanaryAudit
