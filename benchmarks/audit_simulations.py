@@ -25,7 +25,6 @@ import argparse
 import logging
 import os
 import sys
-import warnings
 
 _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _REPO_ROOT not in sys.path:
@@ -34,7 +33,6 @@ if _REPO_ROOT not in sys.path:
 import numpy as np  # noqa: E402
 from scipy import special, stats  # noqa: E402
 
-from tfdp import accounting  # noqa: E402
 from tfdp.accounting import audit  # noqa: E402
 
 DELTA = 1e-5
@@ -46,27 +44,16 @@ GUESSES = (0.005, 0.01, 0.02, 0.05, 0.1)
 
 
 def plan(target_epsilon, sampling_prob, num_steps):
-    """The DPMechanism with sigma calibrated (PLD) to target_epsilon at DELTA."""
-    num_examples = 10**9
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # delta >= 1/N for this fictitious N
-        return accounting.plan_mechanism(
-            num_examples=num_examples, batch_size=round(sampling_prob * num_examples),
-            num_steps=num_steps, l2_clip_norm=1.0, target_delta=DELTA,
-            target_epsilon=target_epsilon, accountant="pld")
+    """The mechanism with sigma calibrated (PLD) to target_epsilon at DELTA."""
+    return audit.simulated_mechanism(sampling_prob=sampling_prob, num_steps=num_steps,
+                                     delta=DELTA, target_epsilon=target_epsilon)
 
 
 def audits(mechanism, num_canaries, repeats, rng, **bug):
-    guesses = audit.symmetric_guesses(num_canaries, GUESSES)
-    bounds = []
-    for _ in range(repeats):
-        included = audit.draw_inclusion(num_canaries, rng)
-        scores = audit.simulate_gradient_canary_scores(
-            included, noise_multiplier=mechanism.noise_multiplier,
-            sampling_prob=mechanism.sampling_prob, num_steps=mechanism.num_steps, rng=rng, **bug)
-        bounds.append(audit.audit(scores, included, delta=DELTA, beta=BETA,
-                                  guesses=guesses).epsilon_lower_bound)
-    return np.array(bounds)
+    results = audit.simulate_audits(
+        mechanism, num_canaries=num_canaries, repeats=repeats, rng=rng, beta=BETA,
+        guesses=audit.symmetric_guesses(num_canaries, GUESSES), **bug)
+    return np.array([r.epsilon_lower_bound for r in results])
 
 
 def randomized_response_rate(num_guesses, epsilon, delta):

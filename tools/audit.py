@@ -30,7 +30,6 @@ import logging
 import os
 import shlex
 import sys
-import warnings
 
 # Runnable as `python tools/audit.py` from any directory, installed or not.
 _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -75,27 +74,14 @@ def _bound(args):
 
 
 def _simulate(args):
-    # The claim: the mechanism's own epsilon (N only sets q = B / N here).
-    num_examples = 10**9
-    with warnings.catch_warnings():  # on delta >= 1/N, for this fictitious N
-        warnings.simplefilter("ignore", UserWarning)
-        mechanism = accounting.DPMechanism(
-            num_examples=num_examples,
-            batch_size=max(1, round(args.sampling_prob * num_examples)), num_steps=args.steps,
-            noise_multiplier=args.noise_multiplier, l2_clip_norm=1.0, delta=args.delta,
-            accountant=args.accountant)
+    mechanism = audit_lib.simulated_mechanism(
+        sampling_prob=args.sampling_prob, num_steps=args.steps, delta=args.delta,
+        noise_multiplier=args.noise_multiplier, accountant=args.accountant)
     claimed = mechanism.epsilon()
-    rng = np.random.default_rng(args.seed)
-    guesses = _guesses(args, args.num_canaries)
-    results = []
-    for _ in range(args.repeats):
-        included = audit_lib.draw_inclusion(args.num_canaries, rng)
-        scores = audit_lib.simulate_gradient_canary_scores(
-            included, noise_multiplier=mechanism.noise_multiplier,
-            sampling_prob=mechanism.sampling_prob, num_steps=mechanism.num_steps, rng=rng,
-            **BUGS[args.bug])
-        results.append(audit_lib.audit(scores, included, delta=args.delta, beta=args.beta,
-                                       guesses=guesses))
+    results = audit_lib.simulate_audits(
+        mechanism, num_canaries=args.num_canaries, repeats=args.repeats,
+        rng=np.random.default_rng(args.seed), beta=args.beta,
+        guesses=_guesses(args, args.num_canaries), **BUGS[args.bug])
     bounds = [r.epsilon_lower_bound for r in results]
     exceed = sum(b > claimed for b in bounds)
     _emit(args, [

@@ -6,13 +6,11 @@ larger tables are in benchmarks/audit_simulations.py and BUILD.md.
 """
 
 import doctest
-import warnings
 
 import numpy as np
 import pytest
 from scipy import optimize, special, stats
 
-from tfdp import accounting
 from tfdp.accounting import audit
 
 DELTA = 1e-5
@@ -20,28 +18,15 @@ BETA = 0.05
 
 
 def _plan(target_epsilon, sampling_prob, num_steps):
-    """The mechanism with sigma calibrated (PLD) to the target; N only sets q."""
-    num_examples = 10**9
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # delta >= 1/N for this fictitious N
-        return accounting.plan_mechanism(
-            num_examples=num_examples, batch_size=round(sampling_prob * num_examples),
-            num_steps=num_steps, l2_clip_norm=1.0, target_delta=DELTA,
-            target_epsilon=target_epsilon, accountant="pld")
+    return audit.simulated_mechanism(sampling_prob=sampling_prob, num_steps=num_steps,
+                                     delta=DELTA, target_epsilon=target_epsilon)
 
 
 def _audits(mechanism, num_canaries, repeats, seed, fractions, **bug):
-    rng = np.random.default_rng(seed)
-    guesses = audit.symmetric_guesses(num_canaries, fractions)
-    bounds = []
-    for _ in range(repeats):
-        included = audit.draw_inclusion(num_canaries, rng)
-        scores = audit.simulate_gradient_canary_scores(
-            included, noise_multiplier=mechanism.noise_multiplier,
-            sampling_prob=mechanism.sampling_prob, num_steps=mechanism.num_steps, rng=rng, **bug)
-        bounds.append(audit.audit(scores, included, delta=DELTA, beta=BETA,
-                                  guesses=guesses).epsilon_lower_bound)
-    return np.array(bounds)
+    results = audit.simulate_audits(
+        mechanism, num_canaries=num_canaries, repeats=repeats, rng=np.random.default_rng(seed),
+        beta=BETA, guesses=audit.symmetric_guesses(num_canaries, fractions), **bug)
+    return np.array([r.epsilon_lower_bound for r in results])
 
 
 # -- The bound ----------------------------------------------------------------

@@ -60,11 +60,14 @@ Pure Python over numpy and scipy: no TensorFlow import.
 import dataclasses
 import math
 import numbers
-from typing import Any, Dict, Optional, Sequence, Tuple
+import warnings
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 from scipy import special
 from scipy import stats
+
+from tfdp.accounting import mechanism as mechanism_lib
 
 # Bisection stops when the bracket is this narrow (in epsilon).
 _EPSILON_TOLERANCE = 1e-9
@@ -379,6 +382,54 @@ def simulate_gradient_canary_scores(included, *, noise_multiplier: float,
     participations = rng.binomial(steps, sampling_prob, size=included.shape)
     noise = rng.normal(0.0, noise_scale * noise_multiplier * math.sqrt(steps), included.shape)
     return canary_norm * participations * included + noise
+
+
+def simulated_mechanism(*, sampling_prob: float, num_steps: int, delta: float,
+                        noise_multiplier: Optional[float] = None,
+                        target_epsilon: Optional[float] = None,
+                        accountant: str = "pld") -> mechanism_lib.DPMechanism:
+    """A `DPMechanism` with sampling probability q, for simulated audits.
+
+    The audit only needs q, T, sigma and delta; N is a fictitious 10^9 (so
+    B = q N), and the usual warning on delta >= 1/N is not raised for it.
+    Exactly one of `noise_multiplier` and `target_epsilon` (then sigma is
+    calibrated to it, `tfdp.accounting.plan_mechanism`) is given.
+
+    Raises:
+      ValueError: on invalid values (as `plan_mechanism`).
+    """
+    num_examples = 10**9
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        mechanism = mechanism_lib.plan_mechanism(
+            num_examples=num_examples, batch_size=max(1, round(sampling_prob * num_examples)),
+            num_steps=num_steps, l2_clip_norm=1.0, target_delta=delta,
+            noise_multiplier=noise_multiplier, target_epsilon=target_epsilon,
+            accountant=accountant)
+        mechanism.epsilon()  # cached, so later calls do not warn either
+    return mechanism
+
+
+def simulate_audits(mechanism: mechanism_lib.DPMechanism, *, num_canaries: int, repeats: int,
+                    rng: np.random.Generator, beta: float = 0.05,
+                    guesses: Optional[Sequence[Tuple[int, int]]] = None,
+                    canary_norm: float = 1.0, noise_scale: float = 1.0) -> List[AuditResult]:
+    """`repeats` audits of `mechanism` with simulated Dirac gradient canaries.
+
+    Each draws fresh coins and scores (`simulate_gradient_canary_scores`,
+    with the planted bugs `canary_norm` and `noise_scale`) and audits the
+    claim at `mechanism.delta` (`audit`).
+    """
+    results = []
+    for _ in range(_count("repeats", repeats, minimum=1)):
+        included = draw_inclusion(num_canaries, rng)
+        scores = simulate_gradient_canary_scores(
+            included, noise_multiplier=mechanism.noise_multiplier,
+            sampling_prob=mechanism.sampling_prob, num_steps=mechanism.num_steps, rng=rng,
+            canary_norm=canary_norm, noise_scale=noise_scale)
+        results.append(audit(scores, included, delta=mechanism.delta, beta=beta,
+                             guesses=guesses))
+    return results
 
 
 def gaussian_audit_at_expected_counts(noise_multiplier: float, num_canaries: int, *,
