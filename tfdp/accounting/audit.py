@@ -1,7 +1,7 @@
 """Empirical privacy auditing in one training run: an epsilon LOWER bound.
 
 Steinke, Nasr & Jagielski 2023, "Privacy Auditing with One (1) Training Run"
-(NeurIPS 2023, arXiv:2305.08846). The auditor
+(NeurIPS 2023; sections as numbered in arXiv:2305.08846v1). The auditor
 
 1. draws m canaries, each included in the training run independently with
    probability 1/2 (`draw_inclusion`);
@@ -445,8 +445,7 @@ def gaussian_audit_at_expected_counts(noise_multiplier: float, num_canaries: int
     guesses of which v = m Q((t - 1/2) / sigma) are correct (Q the normal
     tail). This returns the best bound over a grid of t (an oracle choice:
     it shows what the bound can reach, not a valid audit), to compare with
-    the mechanism's analytic epsilon as m grows (the paper's Sec. 6 asks the
-    same of its Gaussian examples).
+    the mechanism's analytic epsilon as m grows.
 
     Args:
       noise_multiplier: sigma > 0.

@@ -9,21 +9,27 @@ from tfdp.training.dp_model import DPModel
 class GradientCanaryDPModel(DPModel):
     """A `DPModel` whose clipped sum also holds Dirac gradient canaries.
 
-    White-box auditing in one run (Steinke, Nasr & Jagielski 2023, Sec. 7,
-    gradient canaries): canary i owns one coordinate of the parameters. At
-    every step, each INCLUDED canary joins the logical batch independently
-    with the run's sampling probability q (Poisson, as an example would) and
-    adds a vector of norm `canary_norm()` - one clipped example's worth, the
-    mechanism's sensitivity C (1 with the normalized update) - at its
-    coordinate to the clipped sum, before `add_noise`. The auditor sees the
-    mechanism's output (every noisy gradient, as the privacy report states):
-    after the noise, the noisy sum at each canary's coordinate is added to
-    `canary_scores`, so a canary's score is the sum over steps of its
-    observed coordinate (`tfdp.accounting.audit` turns scores into the
-    epsilon lower bound).
+    White-box auditing in one run (Steinke, Nasr & Jagielski 2023, with
+    Dirac gradient canaries as in their DP-SGD experiments, Sec. 7): canary
+    i owns one coordinate of the parameters. At every step, each INCLUDED
+    canary joins the logical batch independently with the run's sampling
+    probability q (Poisson, as an example would) and adds a vector of norm
+    `canary_norm()` - one clipped example's worth, the mechanism's
+    sensitivity C (1 with the normalized update) - at its coordinate to the
+    clipped sum, before `add_noise`. The auditor sees the mechanism's output
+    (every noisy gradient, as the privacy report states): after the noise,
+    the noisy sum at each canary's coordinate is added to `canary_scores`, so
+    a canary's score is the sum over steps of its observed coordinate
+    (`tfdp.accounting.audit` turns scores into the epsilon lower bound).
 
     What this audits: the noise actually added (`DPModel.add_noise`, its std
-    and generator) against the claimed sensitivity and sampling rate. Two
+    and generator) against the claimed sensitivity and sampling rate, i.e.
+    whether noise_multiplier * sensitivity hides one example's contribution
+    as well as the accountant assumes. What it does not: the canaries' norm
+    and sampling are this class's (from the mechanism), not the data path's,
+    so a bug in per-example clipping or in the data sampler is not seen here
+    (input canaries see it, weakly; `tests/dp` and `tests/data` check it).
+    A planted "sensitivity 2C treated as C" overrides `canary_norm`. Two
     kinds of coordinates:
 
     * `canary_coordinates=None` (dedicated): the clipped sum gets `m` extra
