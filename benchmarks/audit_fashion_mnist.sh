@@ -36,6 +36,3 @@ run gradient_eps20 gradient --gin_file=fashion_mnist.gin --gin_param=TARGET_EPSI
   --num_canaries=10000
 # Black box: 1000 mislabelled training images, scored by their loss under the final model.
 run input_eps3 input --gin_file=fashion_mnist.gin --num_canaries=1000
-# White box on the model's own parameters: the training data's gradients interfere.
-run gradient_model_eps20 gradient --gin_file=fashion_mnist.gin \
-  --gin_param=TARGET_EPSILON=20.0 --num_canaries=5000 --coordinates=model

@@ -4,7 +4,7 @@
 The numbers behind BUILD.md's "Empirical privacy audit" tables (the CI tests
 in tests/accounting/audit_test.py check smaller versions of each):
 
-  python benchmarks/audit_simulations.py            # about 10 minutes on 2 cores
+  python benchmarks/audit_simulations.py   # 35 minutes on the shared 2-core machine
 
 1. Soundness, exact: the worst case of the bound is (epsilon, delta)
    randomized response, where each guess is right with probability
