@@ -41,7 +41,7 @@ CHECKPOINT_DIR = "checkpoints"
 DATA_NORMALIZATION_FILE = "data_normalization.json"
 
 
-@gin.configurable(module="tfdp", denylist=["workdir"])
+@gin.configurable(module="tfdp", denylist=["workdir", "audit"])
 def train_and_evaluate(
     workdir,
     *,
@@ -84,6 +84,7 @@ def train_and_evaluate(
     static_batch_size=None,
     checkpoint_every_steps=None,
     deterministic=False,
+    audit=None,
 ):
     """Trains a classifier with DP-SGD, evaluates it, exports it with its report.
 
@@ -196,6 +197,12 @@ def train_and_evaluate(
         there.
       deterministic: call `tf.config.experimental.enable_op_determinism()`
         (process-wide; slower) so that fixed seeds give identical weights.
+      audit: None, or an empirical privacy audit hook (`tfdp.audit`, run by
+        `tools/audit.py`; not a gin value): `audit.prepare_train(split)` may
+        put canaries into the training split (before NUM_EXAMPLES is
+        checked), `audit.build_dp_model(model, mechanism, **kwargs)` builds
+        the DPModel, and `audit.result(dp_model, mechanism)` becomes the
+        report's "audit" section. It needs a workdir without a checkpoint.
 
     Returns:
       The privacy report dict.
@@ -239,11 +246,15 @@ def train_and_evaluate(
 
     # 2. Data (read only).
     train, test = _load_data(dataset, train_split, test_split, data_dir=data_dir,
-                             image_size=image_size, num_examples=mechanism.num_examples)
+                             image_size=image_size, num_examples=mechanism.num_examples,
+                             prepare_train=audit and audit.prepare_train)
     image_shape = train.image_shape
 
     # 3. An existing checkpoint must be of this very mechanism (read only).
     latest = tf.train.latest_checkpoint(os.path.join(workdir, CHECKPOINT_DIR))
+    if latest and audit is not None:
+        raise ValueError(f"An audit draws new canaries, so it cannot resume {latest}: use a "
+                         "fresh workdir.")
     if latest:
         finished = _check_workdir(workdir, latest, mechanism, sampling_seed=sampling_seed,
                                   noise_seed=noise_seed)
@@ -261,8 +272,9 @@ def train_and_evaluate(
                          **head_kwargs)
         models.validate_dp_model(model)
         _check_output_width(model, train.num_classes, dataset)
-        dp_model = DPModel(model, mechanism, accumulation_steps=accumulation_steps,
-                           noise_seed=noise_seed, ema_decay=ema_decay)
+        build_dp_model = DPModel if audit is None else audit.build_dp_model
+        dp_model = build_dp_model(model, mechanism, accumulation_steps=accumulation_steps,
+                                  noise_seed=noise_seed, ema_decay=ema_decay)
         dp_model.compile(optimizer=optimizer_fn(), jit_compile=False)
     ledger = callbacks_lib.make_privacy_ledger(
         mechanism, noise_seed=noise_seed, config=gin.config_str(),
@@ -324,6 +336,8 @@ def train_and_evaluate(
         simulation=simulation,
         study=study,
     )
+    if audit is not None:
+        report["audit"] = audit.result(dp_model, mechanism)
     _export(report, dp_model, model, out_dir, features=features, image_shape=image_shape)
     if out_dir != workdir:
         shutil.rmtree(out_dir, ignore_errors=True)
@@ -353,13 +367,18 @@ def _check_augmentation(features, augmentation, augmult, augtest):
         raise ValueError("augtest needs an augmentation and augmult >= 1 (the K views).")
 
 
-def _load_data(dataset, train_split, test_split, *, data_dir, image_size, num_examples):
+def _load_data(dataset, train_split, test_split, *, data_dir, image_size, num_examples,
+               prepare_train=None):
     """Stage 2: the two splits, opened for reading by index (`tfdp.data.TFDSSource`).
 
-    No split is held in memory (ArrayRecord on disk). The training split's
-    size is checked against NUM_EXAMPLES, which the accountant uses.
+    No split is held in memory (ArrayRecord on disk). `prepare_train` (an
+    audit's canaries) may change the training split first. The training
+    split's size is then checked against NUM_EXAMPLES, which the accountant
+    uses.
     """
     train = data.TFDSSource(dataset, train_split, data_dir=data_dir, image_size=image_size)
+    if prepare_train is not None:
+        train = prepare_train(train)
     test = data.TFDSSource(dataset, test_split, data_dir=data_dir, image_size=image_size)
     if train.num_examples != num_examples:
         raise ValueError(

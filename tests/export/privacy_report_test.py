@@ -96,3 +96,26 @@ def test_fixed_seeds_are_stated_as_an_assumption():
 @pytest.mark.parametrize("epsilon, tier", [(0.5, "Tier 1"), (8.0, "Tier 2"), (12.0, "Tier 3")])
 def test_epsilon_tiers(epsilon, tier):
     assert privacy_report.epsilon_tier(epsilon, 1e-6, 60000).startswith(tier)
+
+
+@pytest.mark.parametrize("bound, verdict", [(1.2, "as a correct implementation gives"),
+                                            (4.5, "NOT as private as claimed")])
+def test_an_audit_gets_its_own_section_with_the_verdict_and_the_command(tmp_path, bound, verdict):
+    from tfdp.accounting import audit  # pylint: disable=g-import-not-at-top
+
+    report = _report()
+    assert "Empirical audit" not in privacy_report.render_markdown(report)
+    result = audit.AuditResult(
+        epsilon_lower_bound=bound, num_canaries=1000, num_guesses=100, num_correct=95,
+        num_guesses_in=50, num_guesses_out=50, num_candidates=4, delta=report["delta"],
+        beta=0.05)
+    report["audit"] = audit.report_section(
+        result, canaries="gradient", score="sum", num_included=503,
+        claimed_epsilon=report["epsilon"], command="python tools/audit.py gradient ...")
+    assert report["audit"]["exceeds_claim"] is (bound > report["epsilon"])
+    _, md_path = privacy_report.write_privacy_report(report, tmp_path)
+    card = open(md_path).read()
+    assert "## Empirical audit" in card and verdict in card
+    assert f"epsilon >= **{bound:.3f}** at 95% confidence" in card
+    assert "1000 (503 included" in card and "95 correct of 100" in card
+    assert "`python tools/audit.py gradient ...`" in card

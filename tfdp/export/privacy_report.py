@@ -271,14 +271,50 @@ def render_markdown(report: dict) -> str:
     if report.get("study"):
         lines.append(f"| tuning study | {report['study']} |")
     if report.get("audit"):
-        lines.append(f"| empirical audit | {report['audit']} |")
+        audit = report["audit"]
+        lines.append(f"| empirical audit | epsilon >= {audit['epsilon_lower_bound']:.3g} at "
+                     f"{audit['confidence']:.0%} confidence (see below) |")
     lines += ["", "## What the guarantee assumes", ""]
     lines += [f"- {a}" for a in report["assumptions"]]
+    if report.get("audit"):
+        lines += ["", *render_audit(report["audit"])]
     lines += ["", "## Hyper-parameters", ""]
     lines += [f"- `{k}`: {v}" for k, v in sorted(report["hyperparameters"].items())]
     lines += ["", "## Software", ""]
     lines += [f"- {k} {v}" for k, v in sorted(report["software"].items())]
     return "\n".join(lines) + "\n"
+
+
+def render_audit(audit: dict) -> list:
+    """Markdown lines of the optional "Empirical audit" section (`report["audit"]`).
+
+    `audit` is `tfdp.accounting.audit.report_section`'s dict.
+    """
+    verdict = (
+        "**The bound exceeds the claimed epsilon: at this confidence the run is NOT as "
+        "private as claimed (an implementation or accounting bug).**"
+        if audit["exceeds_claim"] else
+        "The bound is below the claimed epsilon, as a correct implementation gives. It is a "
+        "lower bound: it does not show that the run is more private than claimed.")
+    lines = [
+        "## Empirical audit",
+        "",
+        f"epsilon >= **{audit['epsilon_lower_bound']:.3f}** at {audit['confidence']:.0%} "
+        f"confidence (beta = {audit['beta']:g}) and delta = {audit['delta']:.3g}, against the "
+        f"claimed epsilon {audit['claimed_epsilon']:.3f} (ratio {audit['ratio']:.2f}). "
+        + verdict,
+        "",
+        "| item | value |",
+        "|---|---|",
+        f"| canaries | {audit['num_canaries']} ({audit['num_included']} included, each with "
+        f"probability 1/2): {audit['canaries']} |",
+        f"| score | {audit['score']} |",
+        f"| guesses | {audit['num_correct']} correct of {audit['num_guesses']} |",
+        f"| method | {audit['method']} |",
+    ]
+    if audit.get("command"):
+        lines.append(f"| command | `{audit['command']}` |")
+    return lines
 
 
 def write_privacy_report(report: dict, directory) -> tuple[str, str]:

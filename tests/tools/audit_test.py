@@ -1,0 +1,116 @@
+"""Tests of tools/audit.py.
+
+`bound` runs once as a subprocess (another cwd, --json last line); the rest
+call main(argv) in-process. The `gradient` and `input` subcommands train
+fashion_mnist.gin under smoke.gin on TFDS mock data and must leave the audit
+in the privacy report.
+"""
+
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+
+import gin
+import pytest
+
+from tfdp import data
+from tfdp.accounting import audit
+
+SCRIPT = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+    "tools", "audit.py")
+
+_spec = importlib.util.spec_from_file_location("audit_cli", SCRIPT)
+audit_cli = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(audit_cli)
+
+SMOKE = ["--gin_file=fashion_mnist.gin", "--gin_file=smoke.gin",
+         "--gin_param=NUM_EXAMPLES = 64", "--gin_param=BATCH_SIZE = 16"]
+
+
+def _main(args, capsys):
+    status = audit_cli.main(args)
+    captured = capsys.readouterr()
+    return status, captured.out, captured.err
+
+
+def test_bound_subprocess_prints_json_last(tmp_path):
+    result = subprocess.run(
+        [sys.executable, SCRIPT, "bound", "--num_canaries", "1000", "--num_guesses", "100",
+         "--num_correct", "75", "--delta", "1e-4", "--json"],
+        capture_output=True, text=True, check=False, cwd=tmp_path, timeout=300)
+    assert result.returncode == 0, result.stderr
+    payload = json.loads(result.stdout.strip().splitlines()[-1])
+    assert payload["epsilon_lower_bound"] == pytest.approx(0.673, abs=1e-3)  # App. D
+    assert "epsilon >= 0.6730 at 95% confidence" in result.stdout
+
+
+def test_simulate_reports_the_claim_and_each_audit(capsys):
+    status, out, err = _main(
+        ["simulate", "--noise_multiplier", "1.391", "--sampling_prob", "1", "--steps", "1",
+         "--num_canaries", "2000", "--delta", "1e-5", "--repeats", "2", "--seed", "0",
+         "--bug", "noise_halved", "--json"], capsys)
+    assert status == 0, err
+    payload = json.loads(out.strip().splitlines()[-1])
+    assert payload["claimed_epsilon"] == pytest.approx(3.0, abs=0.01)  # PLD, sigma 1.391
+    assert len(payload["epsilon_lower_bounds"]) == 2 and payload["bug"] == "noise_halved"
+    assert payload["results"][0]["num_canaries"] == 2000
+
+
+@pytest.mark.parametrize("args, message", [
+    (["bound", "--num_canaries", "10", "--num_guesses", "20", "--num_correct", "5",
+      "--delta", "1e-5"], "num_correct <= num_guesses <= num_canaries"),
+    (["bound", "--num_canaries", "10", "--num_guesses", "5", "--num_correct", "5",
+      "--delta", "1e-5", "--beta", "1"], r"beta must be in \(0, 1\)"),
+])
+def test_bad_values_exit_2_with_one_line(args, message, capsys):
+    status, out, err = _main(args, capsys)
+    assert status == 2 and "Traceback" not in err
+    assert err.startswith("audit.py bound: error:") and len(err.strip().splitlines()) == 1
+    assert re.search(message, err)
+
+
+def test_a_used_workdir_is_refused_before_training(tmp_path, capsys):
+    (tmp_path / "metrics.jsonl").write_text("{}\n")
+    status, _, err = _main(["gradient", *SMOKE, "--workdir", str(tmp_path)], capsys)
+    assert status == 2 and "is not empty" in err
+    assert sorted(os.listdir(tmp_path)) == ["metrics.jsonl"]
+
+
+def _audit_run(kind, workdir, extra, capsys):
+    gin.clear_config()
+    try:
+        with data.mock_data(num_examples=64):
+            status, out, err = _main(
+                [kind, *SMOKE, "--workdir", str(workdir), "--seed", "0", "--json", *extra],
+                capsys)
+    finally:
+        gin.clear_config()
+    assert status == 0, err
+    payload = json.loads(out.strip().splitlines()[-1])
+    report = json.loads((workdir / "privacy_report.json").read_text())
+    card = (workdir / "privacy_report.md").read_text()
+    assert report["audit"] == payload
+    assert "## Empirical audit" in card and f"tools/audit.py {kind}" in card
+    assert payload["claimed_epsilon"] == pytest.approx(report["epsilon"])
+    assert payload["delta"] == report["delta"] and payload["beta"] == 0.05
+    assert 0 <= payload["num_correct"] <= payload["num_guesses"] <= payload["num_canaries"]
+    assert payload["epsilon_lower_bound"] == audit.epsilon_lower_bound(
+        payload["num_canaries"], payload["num_guesses"], payload["num_correct"],
+        delta=payload["delta"], beta=payload["beta"] / payload["num_candidates"])
+    return payload, report
+
+
+def test_gradient_audit_of_a_smoke_run_fills_the_report(tmp_path, capsys):
+    payload, _ = _audit_run("gradient", tmp_path, ["--num_canaries", "50"], capsys)
+    assert payload["num_canaries"] == 50 and "dedicated" in payload["canaries"]
+
+
+def test_input_audit_trains_on_the_included_canaries(tmp_path, capsys):
+    payload, report = _audit_run("input", tmp_path, ["--num_canaries", "20"], capsys)
+    # N' = 64 - 20 canary originals + the included canaries, and the report says so.
+    assert report["num_examples"] == 64 - 20 + payload["num_included"]
+    assert "mislabelled" in payload["canaries"]
