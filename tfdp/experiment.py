@@ -32,7 +32,7 @@ from tfdp.training import callbacks as callbacks_lib
 from tfdp.training import distribute
 from tfdp.training import evaluation
 from tfdp.training import optimizers  # noqa: F401  (registers build_optimizer)
-from tfdp.training.dp_model import DPModel
+from tfdp.training.dp_model import CLIPPING_PATHS, DPModel
 
 METRICS_FILE = "metrics.jsonl"
 OPERATIVE_CONFIG = "operative_config.gin"
@@ -84,6 +84,8 @@ def train_and_evaluate(
     static_batch_size=None,
     checkpoint_every_steps=None,
     deterministic=False,
+    clipping="auto",
+    jit_compile=False,
 ):
     """Trains a classifier with DP-SGD, evaluates it, exports it with its report.
 
@@ -194,6 +196,13 @@ def train_and_evaluate(
         there.
       deterministic: call `tf.config.experimental.enable_op_determinism()`
         (process-wide; slower) so that fixed seeds give identical weights.
+      clipping: how the clipped sum of per-example gradients is computed:
+        "auto" (ghost norms when every trainable layer has a rule, else
+        vectorized), "ghost" or "vectorized" (`tfdp.training.DPModel`). The
+        sum, and so the privacy guarantee, is the same.
+      jit_compile: compile the training step with XLA (as TPUs require; use
+        with `static_batch_size`, or every new Poisson batch size compiles
+        anew). Off by default: on the 2-core CPU XLA made the step slower.
 
     Returns:
       The privacy report dict.
@@ -204,7 +213,8 @@ def train_and_evaluate(
         static_batch_size that does not split evenly or truncates too often,
         a checkpoint_every_steps that does not divide eval_every_steps, a
         checkpoint written under another mechanism or with more steps than
-        planned, or augmentation asked together with precomputed `features`.
+        planned, augmentation asked together with precomputed `features`, or
+        an unknown `clipping` or non-bool `jit_compile`.
       tfdp.data.DatasetNotFoundError: if the dataset is not prepared; the
         message says what to run.
     """
@@ -216,6 +226,10 @@ def train_and_evaluate(
     # 1. The mechanism and every other setting, before any I/O.
     checkpoint_every_steps = _checkpoint_interval(checkpoint_every_steps, eval_every_steps)
     _check_augmentation(features, augmentation, augmult, augtest)
+    if clipping not in CLIPPING_PATHS or not isinstance(jit_compile, bool):
+        raise ValueError(
+            f"clipping={clipping!r} and jit_compile={jit_compile!r}: clipping must be one of "
+            f"{CLIPPING_PATHS} and jit_compile True or False.")
     if data_normalization and strategy == "multi_worker_mirrored":
         raise ValueError(
             "data_normalization is not supported under multi_worker_mirrored: every worker "
@@ -256,8 +270,8 @@ def train_and_evaluate(
                          input_shape=tuple(train.images.shape[1:]), **head_kwargs)
         models.validate_dp_model(model)
         dp_model = DPModel(model, mechanism, accumulation_steps=accumulation_steps,
-                           noise_seed=noise_seed, ema_decay=ema_decay)
-        dp_model.compile(optimizer=optimizer_fn(), jit_compile=False)
+                           noise_seed=noise_seed, ema_decay=ema_decay, clipping=clipping)
+        dp_model.compile(optimizer=optimizer_fn(), jit_compile=jit_compile)
     ledger = callbacks_lib.make_privacy_ledger(
         mechanism, noise_seed=noise_seed, sampling_seed=distribute.broadcast_from_chief(
             dist, coins.secret_seed() if sampling_seed is None else sampling_seed))

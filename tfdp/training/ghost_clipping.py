@@ -33,7 +33,8 @@ subclass may change the forward pass, so it needs a rule of its own.
 """
 
 import dataclasses
-from typing import Any, Callable, List, Sequence, Tuple
+import threading
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import keras
 import tensorflow as tf
@@ -74,12 +75,59 @@ class Site:
     layer_name: str
 
 
+class _Backward:
+    """One `clipped_sum` call's sites, whose norms the backward pass computes.
+
+    Every site's output passes through an identity whose gradient function
+    computes the site's norms from its inputs and output gradient, keeps
+    them here, and passes the gradient on only once they are computed. So
+    the backward pass cannot run ahead of the norms: a layer's output
+    gradient and activations are used as soon as they exist and are then
+    freed (or kept only as the site's weighted sum needs), instead of piling
+    up while the norms of later layers are computed.
+    """
+
+    def __init__(self, num_views):
+        self.num_views = num_views
+        self.outputs: List[tf.Tensor] = []  # every site's output, in creation order
+        self.results: List[Optional[tuple]] = []  # (output_grad, (squares, weighted_sum))
+
+    def tap(self, spec, inputs, output):
+        index = len(self.outputs)
+        self.outputs.append(output)
+        self.results.append(None)
+
+        @tf.custom_gradient
+        def identity(z):
+            def grad(dz):
+                # Without the dependency TensorFlow would build the norms' patches as
+                # soon as the activations exist, in the forward pass, and hold all of
+                # them (150 MB per WRN-16-4 stage-1 conv at B = 64).
+                with tf.control_dependencies([dz]):
+                    computed = spec.norms(inputs, z, dz, self.num_views)
+                self.results[index] = (dz, computed)
+                with tf.control_dependencies([computed[0]]):
+                    return tf.identity(dz)
+
+            return tf.identity(z), grad
+
+        return identity(output)
+
+    def result(self, index, spec, inputs):
+        """`(output_grad, (squares, weighted_sum))` of site `index`."""
+        if self.results[index] is None:  # the loss does not depend on this site
+            grad = tf.zeros_like(self.outputs[index])
+            return grad, spec.norms(inputs, self.outputs[index], grad, self.num_views)
+        return self.results[index]
+
+
 class _Recorder:
     """Collects the sites of one tapped call and the layers left to the fallback."""
 
-    def __init__(self):
+    def __init__(self, backward=None):
         self.sites: List[Tuple[Site, List[tf.Tensor], tf.Tensor]] = []
         self.uncovered: List[Tuple[str, str]] = []
+        self.backward = backward
 
     def call(self, layer, inputs):
         """Calls `layer` on `inputs`, through its rule if it has trainable variables."""
@@ -107,6 +155,8 @@ class _Recorder:
             norms = _as_list(norms)
         spec = Site(tuple(variables), forward, norms, len(inputs), layer.name)
         self.sites.append((spec, list(inputs), output))
+        if self.backward is not None:
+            return self.backward.tap(spec, list(inputs), output)
         return output
 
 
@@ -133,13 +183,14 @@ class _Record:
 class TappedLayer(keras.layers.Layer):
     """Calls one layer through its rule; returns `[output, *site inputs and outputs]`."""
 
-    def __init__(self, layer, **kwargs):
-        super().__init__(name=f"tapped_{layer.name}", **kwargs)
+    def __init__(self, layer, context, **kwargs):
+        super().__init__(**kwargs)
         self.layer = layer
         self.record = _Record()
+        self.context = context  # threading.local: `.backward` of the current clipped_sum
 
     def call(self, inputs):
-        recorder = _Recorder()
+        recorder = _Recorder(getattr(self.context, "backward", None))
         output = recorder.call(self.layer, inputs)
         self.record.sites = [spec for spec, _, _ in recorder.sites]
         self.record.uncovered = recorder.uncovered
@@ -323,6 +374,7 @@ class GhostClipping:
         self.variables = list(variables)
         self.input_rank = len(_single_input(model).shape)
         inputs = keras.Input(batch_shape=_single_input(model).shape, dtype="float32")
+        self._context = threading.local()  # per replica thread
         self._tapped: List[Tuple[TappedLayer, list]] = []
         self._uncovered: List[Tuple[str, str]] = []
         logits = self._inline(model, inputs)
@@ -386,7 +438,7 @@ class GhostClipping:
                 "training"}:
             self._uncovered.append((layer.name, f"no rule for {type(layer).__name__}"))
             return layer(*args, **kwargs)
-        tapped = TappedLayer(layer)
+        tapped = TappedLayer(layer, self._context, name=f"tapped_{len(self._tapped)}_{layer.name}")
         outputs = tapped(args[0])
         self._tapped.append((tapped, outputs))
         return outputs[0]
@@ -417,17 +469,27 @@ class GhostClipping:
         if images.shape.rank == self.input_rank + 1:
             num_views = images.shape[1]
             views = tf.reshape(views, [-1, *images.shape[2:]])
-        with tf.GradientTape() as tape:
-            outputs = self.tapped_model(views, training=True)
-            logits = outputs[0]
-            losses = tf.reduce_mean(tf.reshape(
-                loss_fn(tf.repeat(tf.cast(labels, tf.int32), num_views), logits),
-                [-1, num_views]), axis=1)
-            total = tf.reduce_sum(losses)
-        sites = self._split(outputs[1:])
-        output_grads = tape.gradient(total, [out for _, _, out in sites],
-                                     unconnected_gradients=tf.UnconnectedGradients.ZERO)
-        computed = _norms_one_site_at_a_time(sites, output_grads, num_views)
+        backward = _Backward(num_views)
+        self._context.backward = backward
+        try:
+            with tf.GradientTape() as tape:
+                outputs = self.tapped_model(views, training=True)
+                logits = outputs[0]
+                losses = tf.reduce_mean(tf.reshape(
+                    loss_fn(tf.repeat(tf.cast(labels, tf.int32), num_views), logits),
+                    [-1, num_views]), axis=1)
+                total = tf.reduce_sum(losses)
+        finally:
+            self._context.backward = None
+        # The backward pass; its gradient functions compute every site's norms.
+        tape.gradient(total, backward.outputs, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+        sites, output_grads, computed = [], [], []
+        for index, (site, inputs, keep) in enumerate(self._sites_with_inputs(outputs[1:])):
+            if keep:
+                grad, result = backward.result(index, site, inputs)
+                sites.append((site, inputs, None))
+                output_grads.append(grad)
+                computed.append(result)
         squares = [tf.maximum(sq, 0.0) for sq, _ in computed]
         fallback = []
         if self.fallback_variables:
@@ -451,36 +513,12 @@ class GhostClipping:
         mean_logits = tf.reduce_mean(tf.reshape(logits, [-1, num_views, logits.shape[-1]]), 1)
         return [summed[id(v)] for v in self.variables], norms, clipped, losses, mean_logits
 
-    def _split(self, tensors):
-        """The kept sites as (site, inputs, output), from the tapped model's flat outputs."""
-        sites, position = [], 0
+    def _sites_with_inputs(self, tensors):
+        """(site, inputs, keep) of every site, from the tapped model's flat outputs."""
+        position = 0
         for site, keep in zip(self.sites, self._keep):
-            inputs = list(tensors[position:position + site.num_inputs])
-            output = tensors[position + site.num_inputs]
+            yield site, list(tensors[position:position + site.num_inputs]), keep
             position += site.num_inputs + 1
-            if keep:
-                sites.append((site, inputs, output))
-        return sites
-
-
-def _norms_one_site_at_a_time(sites, output_grads, num_views):
-    """Every site's `norms`, computed one after another from the last layer back.
-
-    Without the control dependencies TensorFlow would build a layer's
-    patches as soon as its activations exist, during the forward pass, and
-    hold every layer's patches (150 MB for one WRN-16-4 stage-1 conv at
-    B = 64) until the backward pass reaches it. Here a site starts once its
-    output gradient exists and the previous site is done, so at most one
-    site's temporaries are alive.
-    """
-    computed = [None] * len(sites)
-    previous = []
-    for index in reversed(range(len(sites))):
-        (site, inputs, output), grad = sites[index], output_grads[index]
-        with tf.control_dependencies([grad, *previous]):
-            computed[index] = site.norms(inputs, output, grad, num_views)
-        previous = [computed[index][0]]
-    return computed
 
 
 def _weighted_vjp(site, inputs, output_grad, row_factors):
