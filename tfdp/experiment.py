@@ -32,7 +32,7 @@ from tfdp.training import callbacks as callbacks_lib
 from tfdp.training import distribute
 from tfdp.training import evaluation
 from tfdp.training import optimizers  # noqa: F401  (registers build_optimizer)
-from tfdp.training.dp_model import DPModel
+from tfdp.training.dp_model import CLIPPING_PATHS, DPModel
 
 METRICS_FILE = "metrics.jsonl"
 OPERATIVE_CONFIG = "operative_config.gin"
@@ -84,6 +84,8 @@ def train_and_evaluate(
     static_batch_size=None,
     checkpoint_every_steps=None,
     deterministic=False,
+    clipping="auto",
+    jit_compile=False,
     audit=None,
 ):
     """Trains a classifier with DP-SGD, evaluates it, exports it with its report.
@@ -197,6 +199,13 @@ def train_and_evaluate(
         there.
       deterministic: call `tf.config.experimental.enable_op_determinism()`
         (process-wide; slower) so that fixed seeds give identical weights.
+      clipping: how the clipped sum of per-example gradients is computed:
+        "auto" (ghost norms when every trainable layer has a rule, else
+        vectorized), "ghost" or "vectorized" (`tfdp.training.DPModel`). The
+        sum, and so the privacy guarantee, is the same.
+      jit_compile: compile the training step with XLA (as TPUs require; use
+        with `static_batch_size`, or every new Poisson batch size compiles
+        anew). Off by default: on the 2-core CPU XLA made the step slower.
       audit: None, or an empirical privacy audit hook (`tfdp.audit`, run by
         `tools/audit.py`; not a gin value): `audit.prepare_train(split)` may
         put canaries into the training split (before NUM_EXAMPLES is
@@ -213,7 +222,8 @@ def train_and_evaluate(
         static_batch_size that does not split evenly or truncates too often,
         a checkpoint_every_steps that does not divide eval_every_steps, a
         checkpoint written under another mechanism or with more steps than
-        planned, or augmentation asked together with precomputed `features`.
+        planned, augmentation asked together with precomputed `features`, or
+        an unknown `clipping` or non-bool `jit_compile`.
       tfdp.data.DatasetNotFoundError: if the dataset is not prepared; the
         message says what to run.
     """
@@ -225,6 +235,10 @@ def train_and_evaluate(
     # 1. The mechanism and every other setting, before any I/O.
     checkpoint_every_steps = _checkpoint_interval(checkpoint_every_steps, eval_every_steps)
     _check_augmentation(features, augmentation, augmult, augtest)
+    if clipping not in CLIPPING_PATHS or not isinstance(jit_compile, bool):
+        raise ValueError(
+            f"clipping={clipping!r} and jit_compile={jit_compile!r}: clipping must be one of "
+            f"{CLIPPING_PATHS} and jit_compile True or False.")
     if data_normalization and strategy == "multi_worker_mirrored":
         raise ValueError(
             "data_normalization is not supported under multi_worker_mirrored: every worker "
@@ -274,8 +288,9 @@ def train_and_evaluate(
         _check_output_width(model, train.num_classes, dataset)
         build_dp_model = DPModel if audit is None else audit.build_dp_model
         dp_model = build_dp_model(model, mechanism, accumulation_steps=accumulation_steps,
-                                  noise_seed=noise_seed, ema_decay=ema_decay)
-        dp_model.compile(optimizer=optimizer_fn(), jit_compile=False)
+                                  noise_seed=noise_seed, ema_decay=ema_decay,
+                                  clipping=clipping)
+        dp_model.compile(optimizer=optimizer_fn(), jit_compile=jit_compile)
     ledger = callbacks_lib.make_privacy_ledger(
         mechanism, noise_seed=noise_seed, config=gin.config_str(),
         sampling_seed=distribute.broadcast_from_chief(

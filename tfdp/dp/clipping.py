@@ -136,11 +136,19 @@ def clipped_sum(
         mask = tf.cast(mask, factors.dtype)
         factors = factors * mask
         clipped = clipped * mask
-    summed = [_weighted_sum(factors, g) for g in gradients]
+    summed = [weighted_sum(factors, g) for g in gradients]
     return summed, norms, clipped
 
 
-def _weighted_sum(factors: tf.Tensor, g: tf.Tensor) -> tf.Tensor:
-    """sum_b factors[b] * g[b], where a zero factor zeroes even inf/nan rows."""
+def weighted_sum(factors: tf.Tensor, g: tf.Tensor) -> tf.Tensor:
+    """`sum_b factors[b] * g[b]`, where a zero factor zeroes even inf/nan rows.
+
+    Args:
+      factors: float32 `[batch]`, e.g. from `clip_factors` times a mask.
+      g: float32 `[batch, ...]` per-example gradients of one variable.
+
+    Returns:
+      float32 `g.shape[1:]`.
+    """
     shape = tf.concat([tf.shape(factors), tf.ones([tf.rank(g) - 1], tf.int32)], 0)
     return tf.reduce_sum(tf.math.multiply_no_nan(g, tf.reshape(factors, shape)), axis=0)

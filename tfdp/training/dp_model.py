@@ -4,6 +4,7 @@ import contextlib
 
 import keras
 import tensorflow as tf
+from absl import logging
 
 from tfdp import accounting
 from tfdp import models
@@ -11,6 +12,9 @@ from tfdp.dp import clipping
 from tfdp.dp import coins
 from tfdp.dp import noise
 from tfdp.training import ema
+from tfdp.training import ghost_clipping
+
+CLIPPING_PATHS = ("auto", "vectorized", "ghost")
 
 
 class DPModel(keras.Model):
@@ -26,12 +30,23 @@ class DPModel(keras.Model):
     `optimizer.apply_gradients`, metrics. The gradient is made in three named
     steps (as Opacus' `DPOptimizer.pre_step`), each overridable:
 
-    1. `clip_and_accumulate`: per-example gradients with `tf.vectorized_map`
-       (with augmentation multiplicity the loss of one example is the mean
-       over its K views, so its gradient is the mean of the K view gradients,
-       De et al. 2022, eq. (4)); each example's gradient is clipped to global
-       L2 norm <= C (and divided by C with `normalize_update`, eq. (3)); the
-       clipped gradients are summed. One call of `train_step` is one LOGICAL
+    1. `clip_and_accumulate`: each example's gradient is clipped to global
+       L2 norm <= C (and divided by C with `normalize_update`, eq. (3)) and
+       the clipped gradients are summed. With augmentation multiplicity the
+       loss of one example is the mean over its K views, so its gradient is
+       the mean of the K view gradients (De et al. 2022, eq. (4)). Two paths
+       give the same sum (`clipping`):
+       - "ghost" (`tfdp.training.GhostClipping`): per-example NORMS from each
+         layer's activations and output gradients, then one batched
+         backward pass weighted by the clip factors; the per-example
+         gradients of conv and dense kernels are never built. A layer
+         without a rule keeps the vectorized path for its variables.
+       - "vectorized": per-example gradients with `tf.vectorized_map`
+         (`tfdp.dp.clipping`); TensorFlow runs conv kernel gradients in it
+         as a sequential loop of batch-1 ops.
+       "auto" takes "ghost" when every trainable layer has a rule, else
+       "vectorized". Microbatches always clip per-example gradient MEANS
+       on the vectorized path. One call of `train_step` is one LOGICAL
        batch and one optimizer update. With `accumulation_steps` = a > 1
        (virtual batching) the batch is cut into a chunks processed one after
        another in a `tf.while_loop`, so only one chunk's per-example
@@ -119,14 +134,19 @@ class DPModel(keras.Model):
       noise_seed: None (default: secret, from OS entropy), or an int to
         reproduce a run. Not returned by `get_config` (a secret).
       ema_decay: None (no EMA) or the asymptotic EMA decay in [0, 1).
+      clipping: "auto" (default), "ghost" or "vectorized": how the clipped
+        sum of per-example gradients is computed (step 1 above). The sum,
+        and so the mechanism, is the same; only speed and memory differ.
 
     Raises:
       ValueError: on a model that mixes examples (`tfdp.models.validate_dp_model`:
         BatchNorm), a `mechanism` that is not a DPMechanism, an
-        `accumulation_steps` < 1, or an `ema_decay` outside [0, 1).
+        `accumulation_steps` < 1, an `ema_decay` outside [0, 1), or an
+        unknown `clipping`.
 
     Reference:
-      Abadi et al. 2016, Algorithm 1; De et al. 2022, Sec. 2 and App. A.1.
+      Abadi et al. 2016, Algorithm 1; De et al. 2022, Sec. 2 and App. A.1;
+      ghost clipping: Li et al. 2022, Sec. 4; Bu et al. 2022.
     """
 
     def __init__(
@@ -137,6 +157,7 @@ class DPModel(keras.Model):
         accumulation_steps=1,
         noise_seed=None,
         ema_decay=None,
+        clipping="auto",
         **kwargs,
     ):
         super().__init__(**kwargs)
@@ -149,7 +170,11 @@ class DPModel(keras.Model):
         models.validate_dp_model(model)
         if ema_decay is not None and not 0.0 <= ema_decay < 1.0:
             raise ValueError(f"ema_decay must be in [0, 1) or None, got {ema_decay}.")
+        if clipping not in CLIPPING_PATHS:
+            raise ValueError(f"clipping must be one of {CLIPPING_PATHS}, got {clipping!r}.")
         self.model = model
+        self.clipping = clipping
+        self._ghost = None  # the GhostClipping chosen in compile(), or None
         self.mechanism = mechanism
         self.accumulation_steps = int(accumulation_steps)
         self.ema_decay = None if ema_decay is None else float(ema_decay)
@@ -176,6 +201,7 @@ class DPModel(keras.Model):
             "mechanism": self.mechanism.to_dict(),
             "accumulation_steps": self.accumulation_steps,
             "ema_decay": self.ema_decay,
+            "clipping": self.clipping,
         }
 
     def call(self, inputs, training=False):
@@ -217,6 +243,7 @@ class DPModel(keras.Model):
         super().compile(optimizer=optimizer, **kwargs)
         # Build the optimizer (and the EMA) now, outside any tf.function.
         self.optimizer.build(self.trainable_variables)
+        self._ghost = self._plan_clipping()
         self.ema_variables = None
         if self.ema_decay is not None:
             self.ema_variables = [
@@ -233,6 +260,34 @@ class DPModel(keras.Model):
             # checkpoint of this model (as `ema_state/variables_list/<i>`).
             self.ema_state = tf.Module(name="ema_state")
             self.ema_state.variables_list = list(self.ema_variables)
+
+    def _plan_clipping(self):
+        """The GhostClipping that `clipping` asks for, or None for the vectorized path."""
+        if self.clipping == "vectorized":
+            return None
+        if self.mechanism.num_microbatches:
+            logging.info("Microbatches clip per-example gradient means: the vectorized path.")
+            return None
+        try:
+            ghost = ghost_clipping.GhostClipping(self.model, self.trainable_variables)
+        except ghost_clipping.UnsupportedModel as error:
+            logging.warning("Ghost clipping is not possible (%s); every variable keeps "
+                            "tf.vectorized_map per-example gradients.", error)
+            return None
+        if self.clipping == "auto" and ghost.fallback_variables:
+            logging.warning(
+                "clipping='auto': layers without a ghost-norm rule (%s), so the whole model "
+                "uses tf.vectorized_map per-example gradients; clipping='ghost' would keep "
+                "them only for those layers.",
+                "; ".join(f"{name}: {why}" for name, why in ghost.uncovered_layers))
+            return None
+        ghost_clipping.log_plan(ghost)
+        return ghost
+
+    @property
+    def clipping_path(self):
+        """"ghost" or "vectorized": the path `compile` chose for per-example clipping."""
+        return "vectorized" if self._ghost is None else "ghost"
 
     @contextlib.contextmanager
     def use_ema_parameters(self):
@@ -323,13 +378,19 @@ class DPModel(keras.Model):
 
     def _clipped_chunk(self, images, labels, mask):
         """Clipped gradient sum of one chunk (per-example clipping) and its metric sums."""
-        grads, (losses, logits) = clipping.per_example_gradients(
-            self._example_loss, self.trainable_variables, (images, labels)
-        )
-        summed, norms, clipped = clipping.clipped_sum(
-            grads, self.mechanism.l2_clip_norm, normalize=self.mechanism.normalize_update,
-            mask=mask,
-        )
+        if self._ghost is not None:
+            summed, norms, clipped, losses, logits = self._ghost.clipped_sum(
+                images, labels, mask, l2_clip_norm=self.mechanism.l2_clip_norm,
+                normalize=self.mechanism.normalize_update, loss_fn=self._loss_fn,
+                example_loss_fn=self._example_loss)
+        else:
+            grads, (losses, logits) = clipping.per_example_gradients(
+                self._example_loss, self.trainable_variables, (images, labels)
+            )
+            summed, norms, clipped = clipping.clipped_sum(
+                grads, self.mechanism.l2_clip_norm, normalize=self.mechanism.normalize_update,
+                mask=mask,
+            )
         stats = (
             tf.reduce_sum(losses * mask),
             tf.reduce_sum(_hits(logits, labels) * mask),

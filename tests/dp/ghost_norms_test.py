@@ -1,0 +1,250 @@
+"""Tests for tfdp.dp.ghost_norms: each rule against per-example gradients taken one by one."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tfdp.dp import ghost_norms
+
+RNG = np.random.default_rng(0)
+
+
+def _normal(*shape, scale=1.0):
+    return tf.constant(RNG.normal(size=shape) * scale, tf.float32)
+
+
+@pytest.fixture(params=[ghost_norms.DIRECT, ghost_norms.GRAM])
+def form(request, monkeypatch):
+    """Runs a test once per kernel form, whatever the shapes would choose."""
+    monkeypatch.setattr(ghost_norms, "choose_form", lambda *_: request.param)
+    return request.param
+
+
+def _per_example(loss_of_example, variable, batch):
+    """Gradient of `loss_of_example(i)` wrt `variable`, for each i, by an explicit loop."""
+    grads = []
+    for i in range(batch):
+        with tf.GradientTape() as tape:
+            loss = loss_of_example(i)
+        grads.append(tape.gradient(loss, variable).numpy())
+    return np.stack(grads)
+
+
+def _check(result, per_example, factors):
+    """`(squares, weighted_sum)` against the explicit per-example gradients."""
+    squares, weighted_sum = result
+    expected = np.sum(per_example.reshape(len(per_example), -1) ** 2, axis=1)
+    np.testing.assert_allclose(squares.numpy(), expected, rtol=1e-5)
+    if weighted_sum is not None:
+        summed = weighted_sum(tf.constant(factors, tf.float32))
+        np.testing.assert_allclose(summed.numpy(), np.tensordot(factors, per_example, 1),
+                                   rtol=1e-5, atol=1e-6)
+
+
+# -- Patches ---------------------------------------------------------------------
+
+PATCH_CASES = [
+    # (input shape, kernel, strides, dilation, padding)
+    ((2, 28, 28, 3), (8, 8), (2, 2), (1, 1), "valid"),  # Tramer CNN: space-to-depth blocks
+    ((2, 12, 12, 4), (4, 4), (2, 2), (1, 1), "same"),
+    ((2, 9, 9, 3), (3, 3), (2, 2), (1, 1), "same"),  # stride 2, kernel 3: per-offset slices
+    ((2, 8, 8, 3), (1, 1), (2, 2), (1, 1), "same"),  # 1x1 strided shortcut
+    ((2, 10, 11, 2), (3, 2), (1, 2), (2, 1), "same"),  # unequal strides: extract_patches
+    ((2, 9, 9, 2), (3, 3), (1, 1), (2, 2), "valid"),  # dilation
+    ((2, 7, 7, 2), (2, 2), (2, 2), (1, 1), "same"),  # odd size, padded to the stride
+    ((2, 32, 32, 64), (3, 3), (1, 1), (1, 1), "same"),  # large: one block per kernel row
+]
+
+
+@pytest.mark.parametrize("shape, kernel, strides, dilation, padding", PATCH_CASES)
+def test_patches_equal_extract_patches(shape, kernel, strides, dilation, padding):
+    x = _normal(*shape)
+    rows = ghost_norms.conv2d_patches(x, kernel_size=kernel, strides=strides,
+                                      dilation_rate=dilation, padding=padding)
+    patches = tf.concat([block() for block in rows.blocks], axis=-1)
+    if rows.order is not None:
+        patches = tf.gather(patches, np.argsort(rows.order), axis=-1)
+    expected = tf.image.extract_patches(x, [1, *kernel, 1], [1, *strides, 1],
+                                        [1, *dilation, 1], padding.upper())
+    np.testing.assert_array_equal(patches.numpy(), expected.numpy())
+    assert rows.fan_in == kernel[0] * kernel[1] * shape[-1]
+
+
+def test_large_patches_come_in_one_block_per_kernel_row():
+    # 32 * 32 positions * 576 entries > 2**16 floats per example: 3 rows of 3 offsets.
+    rows = ghost_norms.conv2d_patches(_normal(1, 32, 32, 64), kernel_size=(3, 3),
+                                      strides=(1, 1), dilation_rate=(1, 1), padding="same")
+    assert [block().shape[-1] for block in rows.blocks] == [192, 192, 192]
+
+
+# -- Kernels ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("num_views", [1, 3])
+def test_dense_kernel_with_positions_and_views(form, num_views):
+    # Example i's rows are its K views x 4 positions; its gradient is their sum.
+    batch, fan_in, fan_out = 3, 5, 4
+    a = _normal(batch * num_views, 4, fan_in)
+    g = _normal(batch * num_views, 4, fan_out)
+    kernel = tf.Variable(_normal(fan_in, fan_out))
+
+    def loss(i):  # sum over the example's rows of z . g, z = a @ W: dL/dz = g
+        rows = slice(i * num_views, (i + 1) * num_views)
+        return tf.reduce_sum(tf.matmul(a[rows], kernel) * g[rows])
+
+    result = ghost_norms.kernel_sq_norms(ghost_norms.Rows.of(a), g, num_views=num_views)
+    assert (result[1] is None) == (form == ghost_norms.GRAM)
+    _check(result, _per_example(loss, kernel, batch), factors=[0.5, 0.0, 2.0])
+
+
+CONV_CASES = [  # (kernel, strides, padding, input size)
+    ((3, 3), (1, 1), "same", 6),
+    ((4, 4), (2, 2), "same", 8),  # space-to-depth patch order
+    ((3, 3), (2, 2), "same", 7),
+    ((1, 1), (2, 2), "valid", 6),
+]
+
+
+@pytest.mark.parametrize("kernel_size, strides, padding, size", CONV_CASES)
+@pytest.mark.parametrize("num_views", [1, 2])
+def test_conv2d_kernel(form, kernel_size, strides, padding, size, num_views):
+    batch, channels, filters = 3, 3, 5
+    x = _normal(batch * num_views, size, size, channels)
+    kernel = tf.Variable(_normal(*kernel_size, channels, filters))
+    out = tf.nn.conv2d(x, kernel, [1, *strides, 1], padding.upper())
+    g = _normal(*out.shape)
+
+    def loss(i):
+        rows = slice(i * num_views, (i + 1) * num_views)
+        return tf.reduce_sum(tf.nn.conv2d(x[rows], kernel, [1, *strides, 1], padding.upper())
+                             * g[rows])
+
+    result = ghost_norms.conv2d_kernel_sq_norms(x, g, kernel_size=kernel_size, strides=strides,
+                                                dilation_rate=(1, 1), padding=padding,
+                                                num_views=num_views)
+    _check(result, _per_example(loss, kernel, batch), factors=[1.0, 0.25, 0.0])
+
+
+def _standardize(kernel, epsilon):
+    """tfdp.models.WSConv2D.standardize_kernel, written out for the test."""
+    fan_in = int(np.prod(kernel.shape[:-1]))
+    mean = tf.reduce_mean(kernel, axis=(0, 1, 2), keepdims=True)
+    var = tf.math.reduce_variance(kernel, axis=(0, 1, 2), keepdims=True)
+    return (kernel - mean) * tf.math.rsqrt(tf.maximum(var * fan_in, epsilon))
+
+
+@pytest.mark.parametrize("kernel_size, strides, padding, size", CONV_CASES[:3])
+@pytest.mark.parametrize("num_views", [1, 2])
+def test_ws_kernel_chains_through_the_standardization(form, kernel_size, strides, padding, size,
+                                                      num_views):
+    # The gradient wrt the VARIABLE W, not wrt the standardized kernel U = WS(W).
+    batch, channels, filters, epsilon = 3, 3, 4, 1e-4
+    x = _normal(batch * num_views, size, size, channels)
+    kernel = tf.Variable(_normal(*kernel_size, channels, filters))
+
+    def conv(inputs):
+        return tf.nn.conv2d(inputs, _standardize(kernel, epsilon), [1, *strides, 1],
+                            padding.upper())
+
+    out = conv(x)
+    g = _normal(*out.shape)
+
+    def loss(i):
+        rows = slice(i * num_views, (i + 1) * num_views)
+        return tf.reduce_sum(conv(x[rows]) * g[rows])
+
+    rows = ghost_norms.conv2d_patches(x, kernel_size=kernel_size, strides=strides,
+                                      dilation_rate=(1, 1), padding=padding)
+    result = ghost_norms.ws_kernel_sq_norms(rows, out, g, kernel, epsilon=epsilon,
+                                            num_views=num_views)
+    per_example = _per_example(loss, kernel, batch)
+    _check(result, per_example, factors=[0.3, 1.0, 0.0])
+    # Not the norm of the gradient wrt U (that would differ by the projection and 1/s).
+    u_norms = ghost_norms.conv2d_kernel_sq_norms(
+        x, g, kernel_size=kernel_size, strides=strides, dilation_rate=(1, 1), padding=padding,
+        num_views=num_views)[0]
+    assert not np.allclose(u_norms.numpy(), result[0].numpy(), rtol=1e-2)
+
+
+def test_ws_kernel_below_epsilon_has_no_sphere_term(form):
+    # Output channel 0 is nearly constant (|c_0|^2 < epsilon), channel 1 is not: the
+    # first has scale epsilon^-1/2 and no u-term, the second the full projection.
+    epsilon = 1e-2
+    kernel = tf.Variable(tf.stack([1.0 + 1e-3 * _normal(3, 3, 2), _normal(3, 3, 2)], axis=-1))
+    x = _normal(2, 5, 5, 2)
+
+    def conv(inputs):
+        return tf.nn.conv2d(inputs, _standardize(kernel, epsilon), 1, "SAME")
+
+    out = conv(x)
+    g = _normal(*out.shape)
+    rows = ghost_norms.conv2d_patches(x, kernel_size=(3, 3), strides=(1, 1),
+                                      dilation_rate=(1, 1), padding="same")
+    result = ghost_norms.ws_kernel_sq_norms(rows, out, g, kernel, epsilon=epsilon)
+    per_example = _per_example(lambda i: tf.reduce_sum(conv(x[i:i + 1]) * g[i:i + 1]),
+                               kernel, 2)
+    _check(result, per_example, factors=[1.0, 0.5])
+
+
+# -- Broadcast parameters ------------------------------------------------------
+
+
+@pytest.mark.parametrize("num_views", [1, 2])
+@pytest.mark.parametrize("shape", [(), (4,)])
+def test_scale_and_bias(shape, num_views):
+    batch = 3
+    x = _normal(batch * num_views, 5, 5, 4)
+    g = _normal(batch * num_views, 5, 5, 4)
+    scale = tf.Variable(_normal(*shape))
+    bias = tf.Variable(_normal(*shape))
+
+    def loss(i):
+        rows = slice(i * num_views, (i + 1) * num_views)
+        return tf.reduce_sum((x[rows] * scale + bias) * g[rows])
+
+    factors = [2.0, 0.0, 1.0]
+    _check(ghost_norms.broadcast_sq_norms(g, shape, inputs=x, num_views=num_views),
+           _per_example(loss, scale, batch), factors)
+    _check(ghost_norms.broadcast_sq_norms(g, shape, num_views=num_views),
+           _per_example(loss, bias, batch), factors)
+
+
+def test_a_zero_factor_drops_a_non_finite_gradient():
+    # Example 1's gradient is inf: its squared norm is inf, and with factor 0 the
+    # weighted sum is example 0's alone (clip_factors gives 0 to non-finite norms).
+    g = tf.constant([[[1.0, 2.0]], [[np.inf, 0.0]]])
+    squares, weighted_sum = ghost_norms.broadcast_sq_norms(g, (2,))
+    assert np.isinf(squares.numpy()[1])
+    np.testing.assert_array_equal(weighted_sum(tf.constant([0.5, 0.0])).numpy(), [0.5, 1.0])
+
+
+# -- Choices -------------------------------------------------------------------
+
+
+def test_form_choice_follows_the_costs():
+    # WRN-16-4, per example: stage 1 (R = 1024 positions, 3x3x64 -> 64) direct;
+    # stage 3 (R = 64, 3x3x256 -> 256: 590k > 2 * 64 * 2560 = 328k) Gram; a dense
+    # layer on one row (R = 1) Gram; unknown positions direct.
+    assert ghost_norms.choose_form(1024, 576, 64) == ghost_norms.DIRECT
+    assert ghost_norms.choose_form(64, 2304, 256) == ghost_norms.GRAM
+    assert ghost_norms.choose_form(1, 256, 10) == ghost_norms.GRAM
+    assert ghost_norms.choose_form(None, 2304, 256) == ghost_norms.DIRECT
+
+
+def test_large_per_example_gradients_give_way_to_the_backward_pass():
+    # 3x3x128 -> 128 at 16x16: 147k floats per example vs input + output gradient 65.5k.
+    assert not ghost_norms.holds_per_example(1152, 128, 16 * 16 * 128 * 2)
+    assert ghost_norms.holds_per_example(576, 64, 32 * 32 * 64 * 2)  # 36.9k <= 131k
+    assert ghost_norms.holds_per_example(256, 32, 10)  # 8k: small, always held
+
+
+def test_rules_match_their_exact_class_only():
+    class Base:
+        pass
+
+    class Derived(Base):
+        pass
+
+    ghost_norms.register_layer_rule(Base, "rule")
+    assert ghost_norms.find_layer_rule(Base()) == "rule"
+    assert ghost_norms.find_layer_rule(Derived()) is None

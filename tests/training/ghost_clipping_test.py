@@ -1,0 +1,339 @@
+"""Ghost clipping equals the vectorized per-example path on every model family."""
+
+import logging
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tfdp import accounting
+from tfdp import models
+from tfdp.dp import clipping
+from tfdp.training import ghost_clipping
+from tfdp.training.dp_model import DPModel
+
+RTOL = 1e-5
+LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
+
+
+def _example_loss_fn(model):
+    """DPModel's per-example loss (the mean over the example's views)."""
+    rank = len(model.inputs[0].shape)
+
+    def example_loss(example):
+        images, label = example
+        views = images if images.shape.rank == rank else images[tf.newaxis]
+        logits = model(tf.cast(views, tf.float32), training=True)
+        loss = tf.reduce_mean(LOSS(tf.fill([tf.shape(logits)[0]], tf.cast(label, tf.int32)),
+                                   logits))
+        return loss, (loss, tf.reduce_mean(logits, axis=0))
+
+    return example_loss
+
+
+def _nf_blocks(num_classes=10):
+    inputs = keras.Input((8, 8, 3))
+    x = models.ScaledWSConv2D(8, 3, padding="same", use_bias=False, name="stem")(inputs)
+    x = models.NFResBlock(16, strides=2, name="transition")(x)
+    x = models.NFResBlock(16, beta=1.02, name="identity")(x)
+    x = keras.layers.GlobalAveragePooling2D()(x)
+    return keras.Model(inputs, keras.layers.Dense(num_classes)(x))
+
+
+def _layer_norm_model(num_classes=10):
+    inputs = keras.Input((4, 6))
+    x = keras.layers.Dense(8, activation="tanh")(inputs)
+    x = keras.layers.LayerNormalization()(x)
+    x = keras.layers.Flatten()(x)
+    return keras.Model(inputs, keras.layers.Dense(num_classes)(x))
+
+
+# Every model family tfdp trains, at small sizes; inputs in the model's units.
+FAMILIES = {
+    "tramer_cnn": (lambda: models.build_tramer_cnn(10), (28, 28, 1), 255.0),
+    "tramer_cifar_cnn": (lambda: models.build_tramer_cifar_cnn(10, input_shape=(16, 16, 3),
+                                                               size="small"), (16, 16, 3), 255.0),
+    "scatternet_linear": (lambda: models.build_scatternet_linear((7, 7, 81), 10, groups=27),
+                          (7, 7, 81), 1.0),
+    "scatternet_cnn": (lambda: models.build_scatternet_cnn((7, 7, 81), 10, groups=27),
+                       (7, 7, 81), 1.0),
+    "wrn_gn_ws": (lambda: models.build_wide_resnet(10, 1, 10, input_shape=(16, 16, 3)),
+                  (16, 16, 3), 255.0),
+    "wrn_relu_gn": (lambda: models.build_wide_resnet(10, 1, 10, input_shape=(8, 8, 3),
+                                                     norm_order="conv_relu_gn"), (8, 8, 3), 255.0),
+    "nf_resnet_blocks": (_nf_blocks, (8, 8, 3), 1.0),
+    "layer_norm": (_layer_norm_model, (4, 6), 1.0),
+}
+
+
+def _inputs(shape, scale, batch=4, num_views=None, seed=0):
+    rng = np.random.default_rng(seed)
+    views = () if num_views is None else (num_views,)
+    images = rng.uniform(0, scale, (batch, *views, *shape)).astype(np.float32)
+    return tf.constant(images), tf.constant(rng.integers(0, 10, batch), tf.int32)
+
+
+def _ghost_and_vectorized(model, images, labels, mask, l2_clip_norm=0.5):
+    ghost = ghost_clipping.GhostClipping(model, model.trainable_variables)
+    example_loss = _example_loss_fn(model)
+    fast = ghost.clipped_sum(images, labels, mask, l2_clip_norm=l2_clip_norm, normalize=False,
+                             loss_fn=LOSS, example_loss_fn=example_loss)
+    grads, (losses, logits) = clipping.per_example_gradients(
+        example_loss, model.trainable_variables, (images, labels))
+    summed, norms, clipped = clipping.clipped_sum(grads, l2_clip_norm, mask=mask)
+    return ghost, fast, (summed, norms, clipped, losses, logits)
+
+
+def _assert_same_sum(fast, slow):
+    """Equal to RTOL relative to the whole clipped sum (a variable's own sum can cancel)."""
+    fast = np.concatenate([t.numpy().ravel() for t in fast])
+    slow = np.concatenate([t.numpy().ravel() for t in slow])
+    assert np.linalg.norm(fast - slow) <= RTOL * np.linalg.norm(slow)
+    np.testing.assert_allclose(fast, slow, rtol=RTOL, atol=RTOL * np.max(np.abs(slow)))
+
+
+@pytest.mark.parametrize("num_views", [None, 2])
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_norms_and_clipped_sum_equal_the_vectorized_path(family, num_views):
+    builder, shape, scale = FAMILIES[family]
+    keras.utils.set_random_seed(0)
+    model = builder()
+    images, labels = _inputs(shape, scale, num_views=num_views)
+    mask = tf.constant([1.0, 1.0, 0.0, 1.0])  # row 2 is padding
+    ghost, fast, slow = _ghost_and_vectorized(model, images, labels, mask)
+    assert not ghost.fallback_variables  # every layer has a rule
+    summed, norms, clipped, losses, logits = fast
+    np.testing.assert_allclose(norms.numpy(), slow[1].numpy(), rtol=RTOL)
+    np.testing.assert_allclose(losses.numpy(), slow[3].numpy(), rtol=RTOL, atol=1e-6)
+    np.testing.assert_allclose(logits.numpy(), slow[4].numpy(), rtol=RTOL, atol=1e-5)
+    np.testing.assert_array_equal(clipped.numpy(), slow[2].numpy())
+    assert clipped.numpy()[2] == 0
+    _assert_same_sum(summed, slow[0])
+
+
+def test_padding_does_not_change_the_other_examples():
+    # A masked row of huge garbage: the real rows' norms and the clipped sum are those of
+    # the real rows alone.
+    keras.utils.set_random_seed(0)
+    model = models.build_tramer_cnn(10)
+    ghost = ghost_clipping.GhostClipping(model, model.trainable_variables)
+    images, labels = _inputs((28, 28, 1), 255.0, batch=3)
+    garbage = tf.concat([images, 1e4 * tf.ones([1, 28, 28, 1])], 0)
+    run = lambda x, y, m: ghost.clipped_sum(x, y, m, l2_clip_norm=0.1, normalize=True,
+                                            loss_fn=LOSS, example_loss_fn=None)
+    alone = run(images, labels, tf.ones([3]))
+    padded = run(garbage, tf.concat([labels, [7]], 0), tf.constant([1.0, 1.0, 1.0, 0.0]))
+    np.testing.assert_allclose(padded[1].numpy()[:3], alone[1].numpy(), rtol=RTOL)
+    _assert_same_sum(padded[0], alone[0])
+
+
+def test_nf_res_block_rule_replays_the_block():
+    keras.utils.set_random_seed(0)
+    model = _nf_blocks()
+    ghost = ghost_clipping.GhostClipping(model, model.trainable_variables)
+    images, _ = _inputs((8, 8, 3), 1.0)
+    np.testing.assert_allclose(ghost.tapped_model(images)[0].numpy(), model(images).numpy(),
+                               rtol=1e-5, atol=1e-6)
+    # One site per variable: every kernel, gain and bias, and each block's skip gain.
+    assert len(ghost.sites) == len(model.trainable_variables)
+    assert not ghost.fallback_variables
+
+
+class _Scale(keras.layers.Layer):
+    """A layer without a ghost-norm rule."""
+
+    def build(self, input_shape):
+        self.scale = self.add_weight(shape=(), initializer="ones", name="scale")
+
+    def call(self, x):
+        return x * self.scale
+
+
+def _model_with_unruled_layer():
+    inputs = keras.Input((6, 6, 1))
+    x = keras.layers.Conv2D(3, 3, activation="tanh")(inputs)
+    x = _Scale(name="unruled")(keras.layers.Flatten()(x))
+    return keras.Model(inputs, keras.layers.Dense(10)(x))
+
+
+def _model_with_shared_layer():
+    inputs = keras.Input((5,))
+    shared = keras.layers.Dense(5, activation="tanh", name="shared")
+    return keras.Model(inputs, keras.layers.Dense(10)(shared(shared(inputs))))
+
+
+@pytest.mark.parametrize("builder, shape, fallback", [
+    (_model_with_unruled_layer, (6, 6, 1), ["unruled/scale"]),
+    (_model_with_shared_layer, (5,), ["shared/kernel", "shared/bias"]),
+])
+def test_layers_without_a_usable_rule_keep_the_vectorized_path(builder, shape, fallback):
+    keras.utils.set_random_seed(0)
+    model = builder()
+    images, labels = _inputs(shape, 1.0)
+    ghost, fast, slow = _ghost_and_vectorized(model, images, labels, tf.ones([4]))
+    assert [v.path for v in ghost.fallback_variables] == fallback
+    np.testing.assert_allclose(fast[1].numpy(), slow[1].numpy(), rtol=RTOL)
+    _assert_same_sum(fast[0], slow[0])
+
+
+# -- DPModel ---------------------------------------------------------------------
+
+
+class _Noiseless(DPModel):
+    def add_noise(self, summed):
+        return summed
+
+
+def _mechanism(batch_size=4, **kwargs):
+    return accounting.DPMechanism(num_examples=1000, batch_size=batch_size, num_steps=10,
+                                  noise_multiplier=1.0, l2_clip_norm=0.5, delta=1e-5, **kwargs)
+
+
+def _update(builder, clipping_path, data, *, cls=_Noiseless, jit_compile=False, **kwargs):
+    keras.utils.set_random_seed(0)
+    model = builder()
+    dp = cls(model, _mechanism(), clipping=clipping_path, **kwargs)
+    dp.compile(optimizer=keras.optimizers.SGD(1.0), jit_compile=jit_compile)
+    before = [v.numpy() for v in model.trainable_variables]
+    dp.train_on_batch(*data)
+    return dp, [v.numpy() - w for v, w in zip(model.trainable_variables, before)]
+
+
+def _assert_same_update(a, b):
+    a = np.concatenate([x.ravel() for x in a])
+    b = np.concatenate([y.ravel() for y in b])
+    assert np.linalg.norm(a - b) <= RTOL * np.linalg.norm(b)
+
+
+def test_auto_takes_the_ghost_path_and_gives_the_vectorized_update():
+    data = _inputs((28, 28, 1), 255.0, batch=5, num_views=2)
+    dp, ghost = _update(lambda: models.build_tramer_cnn(10), "auto", data,
+                        accumulation_steps=2)  # chunks in a tf.while_loop
+    assert dp.clipping_path == "ghost"
+    _, vectorized = _update(lambda: models.build_tramer_cnn(10), "vectorized", data)
+    _assert_same_update(ghost, vectorized)
+
+
+def test_auto_takes_the_vectorized_path_when_a_layer_has_no_rule(caplog):
+    with caplog.at_level(logging.WARNING):
+        dp, _ = _update(_model_with_unruled_layer, "auto", _inputs((6, 6, 1), 1.0))
+    assert dp.clipping_path == "vectorized"
+    assert "unruled" in caplog.text
+
+
+def test_ghost_logs_the_fallback_layers_once(caplog):
+    with caplog.at_level(logging.WARNING):
+        dp, _ = _update(_model_with_unruled_layer, "ghost", _inputs((6, 6, 1), 1.0))
+        dp.train_on_batch(*_inputs((6, 6, 1), 1.0, seed=1))
+    assert dp.clipping_path == "ghost"
+    assert caplog.text.count("keep tf.vectorized_map") == 1
+    assert "unruled (no rule for _Scale)" in caplog.text
+
+
+def test_microbatches_and_subclassed_models_use_the_vectorized_path():
+    keras.utils.set_random_seed(0)
+    dp = DPModel(models.build_tramer_cnn(10), _mechanism(num_microbatches=2), clipping="ghost")
+    dp.compile(optimizer="sgd")
+    assert dp.clipping_path == "vectorized"
+
+    class Subclassed(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.dense = keras.layers.Dense(10)
+
+        def call(self, x):
+            return self.dense(x)
+
+    model = Subclassed()
+    model(tf.zeros([1, 3]))
+    dp = DPModel(model, _mechanism(), clipping="auto")
+    dp.compile(optimizer="sgd")
+    assert dp.clipping_path == "vectorized"
+
+
+def test_clipping_is_validated_and_in_the_config():
+    with pytest.raises(ValueError, match="clipping must be one of"):
+        DPModel(models.build_tramer_cnn(10), _mechanism(), clipping="fast")
+    dp = DPModel(models.build_tramer_cnn(10), _mechanism(), clipping="ghost")
+    assert dp.get_config()["clipping"] == "ghost"
+
+
+@pytest.mark.parametrize("clipping_path", ["ghost", "vectorized"])
+def test_xla_step_of_the_cnn_equals_the_graph_step(clipping_path):
+    data = _inputs((28, 28, 1), 255.0, batch=4)
+    _, compiled = _update(lambda: models.build_tramer_cnn(10), clipping_path, data,
+                          jit_compile=True)
+    _, graph = _update(lambda: models.build_tramer_cnn(10), clipping_path, data)
+    _assert_same_update(compiled, graph)
+
+
+@pytest.mark.parametrize("clipping_path", [
+    "ghost", pytest.param("vectorized", marks=pytest.mark.slow)])
+def test_xla_compiles_the_wrn16_4_step_at_a_tiny_batch(clipping_path):
+    data = _inputs((32, 32, 3), 255.0, batch=2)
+    dp, update = _update(lambda: models.build_wide_resnet(16, 4, 10), clipping_path, data,
+                         cls=DPModel, jit_compile=True, noise_seed=0)
+    assert dp.clipping_path == clipping_path
+    assert all(np.all(np.isfinite(u)) for u in update)
+    assert any(np.any(u != 0) for u in update)
+
+
+class _WhileLoopLog(logging.Handler):
+    """Collects TensorFlow's Python log, where pfor reports its sequential fallback."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+    def __enter__(self):
+        logging.getLogger("tensorflow").addHandler(self)
+        return self
+
+    def __exit__(self, *exc):
+        logging.getLogger("tensorflow").removeHandler(self)
+
+
+@pytest.mark.parametrize("clipping_path, fallback", [("auto", False), ("vectorized", True)])
+def test_no_sequential_conv_gradients_on_the_ghost_path(clipping_path, fallback):
+    with _WhileLoopLog() as log:
+        _update(lambda: models.build_tramer_cnn(10), clipping_path,
+                _inputs((28, 28, 1), 255.0, batch=3))
+    assert any("Conv2DBackpropFilter uses a while_loop" in m for m in log.messages) == fallback
+
+
+# -- Shipped configs -------------------------------------------------------------
+
+WRN_SMOKE = ["DEPTH = 10", "tfdp.models.build_wide_resnet.width = 1", "AUGMULT = 2",
+             "ACCUMULATION_STEPS = 2"]
+
+
+@pytest.mark.parametrize("config, params", [
+    ("fashion_mnist.gin", []),
+    ("cifar10_wrn16_4_eps8.gin", WRN_SMOKE),
+])
+def test_shipped_configs_train_without_sequential_conv_gradients(run_smoke, tmp_path, config,
+                                                                 params):
+    with _WhileLoopLog() as log:
+        report = run_smoke(tmp_path, [config], params)
+    assert report["steps"] == 2
+    assert not any("while_loop" in m for m in log.messages), log.messages
+
+
+def test_gin_switches_compile_the_step_with_static_poisson_batches(run_smoke, tmp_path):
+    report = run_smoke(tmp_path, ["fashion_mnist.gin"], [
+        "tfdp.train_and_evaluate.jit_compile = True",
+        "tfdp.train_and_evaluate.static_batch_size = 'auto'",
+        "tfdp.train_and_evaluate.clipping = 'ghost'",
+    ])
+    assert report["steps"] == 2
+
+
+def test_an_unknown_clipping_path_is_refused_before_the_workdir_is_touched(run_smoke, tmp_path):
+    workdir = tmp_path / "run"
+    with pytest.raises(ValueError, match="clipping must be one of"):
+        run_smoke(workdir, ["fashion_mnist.gin"], ["tfdp.train_and_evaluate.clipping = 'fast'"])
+    assert not workdir.exists()

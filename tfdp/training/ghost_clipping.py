@@ -1,0 +1,560 @@
+"""GhostClipping: DPModel's per-example clipping without per-example gradients.
+
+The clipped sum of a batch, `sum_i min(1, C / |g_i|) g_i`, needs every
+example's gradient NORM, but not its gradient. Each layer's contribution to
+`|g_i|^2` follows from its input activations and its output gradients, which
+one forward and one backward pass of the summed loss give for the whole batch
+(`tfdp.dp.ghost_norms`: Goodfellow 2015; Li et al. 2022; Bu et al. 2022).
+With the clip factors known, the clipped sum is one batched backward pass of
+the loss with example i weighted by its factor. Here that pass is done layer
+by layer ("book-keeping", Bu et al. 2022, Sec. 3.2): each layer's variables
+get the vector-Jacobian product of their own small sub-graph with the already
+computed output gradients times the factors, so the backward pass through the
+network runs only once.
+
+How the activations and output gradients are captured. The wrapped Keras
+model is re-built with `keras.models.clone_model(..., call_function=...)`
+(the public hook for intervening in each layer call of a functional model),
+sharing its layers and variables. Every layer with trainable variables and a
+registered rule is called through a `TappedLayer`, which computes the layer's
+output from its variables in explicit pieces ("sites": a kernel product, a
+bias, a gain, a normalization's scale and offset), and returns, beside the
+output, each site's inputs and output. The re-built model therefore returns
+the logits and every site's tensors; `tape.gradient` of the summed loss with
+respect to the site outputs gives the output gradients. Nested functional
+models are inlined. A layer without a rule (or an instance its rule cannot
+handle, e.g. a LoRA kernel) is called unchanged and its variables keep the
+vectorized per-example gradients of `tfdp.dp.clipping`; the log says so once.
+
+Rules (`register`): Dense, Conv2D, WSConv2D, ScaledWSConv2D,
+GroupNormalization, LayerNormalization and NFResBlock (whose rule replays its
+`call` with every sub-layer tapped). A rule matches its exact class only: a
+subclass may change the forward pass, so it needs a rule of its own.
+"""
+
+import dataclasses
+import threading
+from typing import Any, Callable, List, Optional, Sequence, Tuple
+
+import keras
+import tensorflow as tf
+from absl import logging
+from keras import ops
+
+from tfdp.dp import clipping
+from tfdp.dp import ghost_norms
+from tfdp.models.nf_res_block import NFResBlock, scaled_relu
+from tfdp.models.scaled_ws_conv2d import ScaledWSConv2D
+from tfdp.models.ws_conv2d import WSConv2D
+
+
+class UnsupportedModel(ValueError):
+    """The model's layer graph cannot be re-built (e.g. a subclassed model)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Site:
+    """One place where trainable variables enter the forward pass.
+
+    Attributes:
+      variables: the variables; their gradient flows only through `forward`.
+      forward: `(*inputs) -> output`, the site's computation.
+      norms: `(inputs, output, output_grad, num_views) -> (squares, weighted_sum)`:
+        the per-example squared gradient norm of `variables`, float32
+        `[batch]`, and, if the rule built the per-example gradients,
+        `weighted_sum(factors) -> [sum_i factors[i] * gradient_i]` (aligned with
+        `variables`), else None (`tfdp.dp.ghost_norms`).
+      num_inputs: how many input tensors `forward` takes.
+      layer_name: for messages.
+    """
+
+    variables: Tuple[Any, ...]
+    forward: Callable[..., tf.Tensor]
+    norms: Callable[..., Any]
+    num_inputs: int
+    layer_name: str
+
+
+class _Backward:
+    """One `clipped_sum` call's sites, whose norms the backward pass computes.
+
+    Every site's output passes through an identity whose gradient function
+    computes the site's norms from its inputs and output gradient, keeps
+    them here, and passes the gradient on only once they are computed. So
+    the backward pass cannot run ahead of the norms: a layer's output
+    gradient and activations are used as soon as they exist and are then
+    freed (or kept only as the site's weighted sum needs), instead of piling
+    up while the norms of later layers are computed.
+    """
+
+    def __init__(self, num_views):
+        self.num_views = num_views
+        self.outputs: List[tf.Tensor] = []  # every site's output, in creation order
+        self.results: List[Optional[tuple]] = []  # (output_grad, (squares, weighted_sum))
+
+    def tap(self, spec, inputs, output):
+        index = len(self.outputs)
+        self.outputs.append(output)
+        self.results.append(None)
+
+        @tf.custom_gradient
+        def identity(z):
+            def grad(dz):
+                # Without the dependency TensorFlow would build the norms' patches as
+                # soon as the activations exist, in the forward pass, and hold all of
+                # them (150 MB per WRN-16-4 stage-1 conv at B = 64).
+                with tf.control_dependencies([dz]):
+                    computed = spec.norms(inputs, z, dz, self.num_views)
+                self.results[index] = (dz, computed)
+                with tf.control_dependencies([computed[0]]):
+                    return tf.identity(dz)
+
+            return tf.identity(z), grad
+
+        return identity(output)
+
+    def result(self, index, spec, inputs):
+        """`(output_grad, (squares, weighted_sum))` of site `index`."""
+        if self.results[index] is None:  # the loss does not depend on this site
+            grad = tf.zeros_like(self.outputs[index])
+            return grad, spec.norms(inputs, self.outputs[index], grad, self.num_views)
+        return self.results[index]
+
+
+class _Recorder:
+    """Collects the sites of one tapped call and the layers left to the fallback."""
+
+    def __init__(self, backward=None):
+        self.sites: List[Tuple[Site, List[tf.Tensor], tf.Tensor]] = []
+        self.uncovered: List[Tuple[str, str]] = []
+        self.backward = backward
+
+    def call(self, layer, inputs):
+        """Calls `layer` on `inputs`, through its rule if it has trainable variables."""
+        if not layer.trainable_variables:
+            return layer(inputs)
+        rule = ghost_norms.find_layer_rule(layer)
+        if rule is None:
+            self.uncovered.append((layer.name, f"no rule for {type(layer).__name__}"))
+            return layer(inputs)
+        try:
+            return rule(layer, inputs, self)
+        except ghost_norms.UnsupportedLayer as reason:
+            self.uncovered.append((layer.name, str(reason)))
+            return layer(inputs)
+
+    def site(self, layer, variables, inputs, forward, norms):
+        """Runs `forward(*inputs)`, records it as a site, and returns its output.
+
+        `norms` returns a `tfdp.dp.ghost_norms` rule's `(squares, weighted_sum)`
+        for one variable, or for several with `weighted_sum` returning a list
+        (see `Site`).
+        """
+        output = forward(*inputs)
+        if len(variables) == 1:
+            norms = _as_list(norms)
+        spec = Site(tuple(variables), forward, norms, len(inputs), layer.name)
+        self.sites.append((spec, list(inputs), output))
+        if self.backward is not None:
+            return self.backward.tap(spec, list(inputs), output)
+        return output
+
+
+def _as_list(norms):
+    """Makes a one-variable rule's `weighted_sum` return a list."""
+
+    def wrapped(*args):
+        squares, weighted_sum = norms(*args)
+        if weighted_sum is None:
+            return squares, None
+        return squares, lambda factors: [weighted_sum(factors)]
+
+    return wrapped
+
+
+class _Record:
+    """The site specs and fallback layers of a TappedLayer's latest call (not tracked)."""
+
+    def __init__(self):
+        self.sites: List[Site] = []
+        self.uncovered: List[Tuple[str, str]] = []
+
+
+class TappedLayer(keras.layers.Layer):
+    """Calls one layer through its rule; returns `[output, *site inputs and outputs]`."""
+
+    def __init__(self, layer, context, **kwargs):
+        super().__init__(**kwargs)
+        self.layer = layer
+        self.record = _Record()
+        self.context = context  # threading.local: `.backward` of the current clipped_sum
+
+    def call(self, inputs):
+        recorder = _Recorder(getattr(self.context, "backward", None))
+        output = recorder.call(self.layer, inputs)
+        self.record.sites = [spec for spec, _, _ in recorder.sites]
+        self.record.uncovered = recorder.uncovered
+        return [output] + [t for _, site_inputs, out in recorder.sites for t in (*site_inputs, out)]
+
+
+# -- Rules: how each layer class is computed in sites --------------------------
+
+
+def register(*layer_classes):
+    """Decorator: registers a tap rule `(layer, inputs, recorder) -> outputs`."""
+
+    def decorate(rule):
+        for cls in layer_classes:
+            ghost_norms.register_layer_rule(cls, rule)
+        return rule
+
+    return decorate
+
+
+def _require(condition, reason):
+    if not condition:
+        raise ghost_norms.UnsupportedLayer(reason)
+
+
+def _bias_and_activation(layer, z, recorder):
+    if layer.bias is not None:
+        z = recorder.site(
+            layer, [layer.bias], [z], lambda z: z + layer.bias,
+            lambda ins, out, g, k: ghost_norms.broadcast_sq_norms(
+                g, layer.bias.shape, num_views=k))
+    return z if layer.activation is None else layer.activation(z)
+
+
+@register(keras.layers.Dense)
+def _dense(layer, inputs, recorder):
+    _require(not layer.lora_enabled and layer.quantization_mode is None,
+             "LoRA or quantized Dense kernel")
+    z = recorder.site(
+        layer, [layer.kernel], [inputs], lambda x: ops.matmul(x, layer.kernel),
+        lambda ins, out, g, k: ghost_norms.kernel_sq_norms(ghost_norms.Rows.of(ins[0]), g,
+                                                          num_views=k))
+    return _bias_and_activation(layer, z, recorder)
+
+
+def _conv2d_geometry(layer):
+    _require(layer.data_format == "channels_last", "channels_first convolution")
+    _require(layer.groups == 1, "grouped convolution")
+    _require(not layer.lora_enabled, "LoRA convolution kernel")
+    return dict(kernel_size=layer.kernel_size, strides=layer.strides,
+                dilation_rate=layer.dilation_rate, padding=layer.padding)
+
+
+@register(keras.layers.Conv2D)
+def _conv2d(layer, inputs, recorder):
+    geometry = _conv2d_geometry(layer)
+    z = recorder.site(
+        layer, [layer.kernel], [inputs], lambda x: layer.convolution_op(x, layer.kernel),
+        lambda ins, out, g, k: ghost_norms.conv2d_kernel_sq_norms(
+            ins[0], g, num_views=k, **geometry))
+    return _bias_and_activation(layer, z, recorder)
+
+
+@register(WSConv2D, ScaledWSConv2D)
+def _ws_conv2d(layer, inputs, recorder):
+    """Weight-standardized conv; a ScaledWSConv2D's gain becomes its own site.
+
+    `conv(x, gain * WS(W)) = gain * conv(x, WS(W))` per output channel, so the
+    kernel site is the gain-free WS convolution (whose norm is chained through
+    the standardization) and the gain a per-channel scale of its output.
+    """
+    geometry = _conv2d_geometry(layer)
+
+    def convolve(x):  # the standardization without the gain, for both classes
+        standardized = WSConv2D.standardize_kernel(layer, layer.kernel)
+        return keras.layers.Conv2D.convolution_op(layer, x, standardized)
+
+    def norms(ins, out, g, k):
+        return ghost_norms.ws_kernel_sq_norms(ghost_norms.conv2d_patches(ins[0], **geometry),
+                                              out, g, layer.kernel, epsilon=layer.epsilon,
+                                              num_views=k)
+
+    z = recorder.site(layer, [layer.kernel], [inputs], convolve, norms)
+    if isinstance(layer, ScaledWSConv2D):
+        z = recorder.site(
+            layer, [layer.gain], [z], lambda z: z * layer.gain,
+            lambda ins, out, g, k: ghost_norms.broadcast_sq_norms(
+                g, layer.gain.shape, inputs=ins[0], num_views=k))
+    return _bias_and_activation(layer, z, recorder)
+
+
+def _normalization_site(layer, inputs, recorder, normalize, gamma, beta):
+    """A normalization layer `normalize(x) * gamma + beta` (gamma, beta optional) as one site.
+
+    The site's forward pass is the layer itself. The norms recompute
+    `normalize(x)` rather than capture it: held from the forward pass to the
+    norms, the normalized activations of WRN-16-4 take 130 MB at B = 64.
+    """
+    variables = [v for v in (gamma, beta) if v is not None]
+
+    def norms(ins, out, g, k):
+        parts = []
+        if gamma is not None:
+            parts.append(ghost_norms.broadcast_sq_norms(g, gamma.shape, inputs=normalize(ins[0]),
+                                                        num_views=k))
+        if beta is not None:
+            parts.append(ghost_norms.broadcast_sq_norms(g, beta.shape, num_views=k))
+        return (tf.add_n([squares for squares, _ in parts]),
+                lambda factors: [weighted_sum(factors) for _, weighted_sum in parts])
+
+    return recorder.site(layer, variables, [inputs], layer, norms)
+
+
+@register(keras.layers.GroupNormalization)
+def _group_norm(layer, inputs, recorder):
+    _require(layer.axis in (-1, len(inputs.shape) - 1), "GroupNormalization not on the last axis")
+
+    def normalize(x):  # keras.layers.GroupNormalization without its scale and offset
+        channels = x.shape[-1]
+        grouped = tf.reshape(x, tf.concat(
+            [tf.shape(x)[:-1], [layer.groups, channels // layer.groups]], 0))
+        axes = [a for a in range(1, grouped.shape.rank) if a != grouped.shape.rank - 2]
+        mean, variance = ops.moments(grouped, axes=axes, keepdims=True)
+        inv = ops.rsqrt(variance + layer.epsilon)
+        return tf.reshape(grouped * inv - mean * inv, tf.shape(x))
+
+    return _normalization_site(layer, inputs, recorder, normalize,
+                               layer.gamma if layer.scale else None,
+                               layer.beta if layer.center else None)
+
+
+@register(keras.layers.LayerNormalization)
+def _layer_norm(layer, inputs, recorder):
+    rank = len(inputs.shape)
+    axes = sorted(a % rank for a in layer.axis)
+    _require(not layer.rms_scaling, "LayerNormalization with rms_scaling")
+    _require(axes == list(range(rank - len(axes), rank)), "LayerNormalization not on trailing axes")
+
+    def normalize(x):
+        return ops.layer_normalization(x, axis=layer.axis, epsilon=layer.epsilon)
+
+    return _normalization_site(layer, inputs, recorder, normalize, layer.gamma, layer.beta)
+
+
+@register(NFResBlock)
+def _nf_res_block(block, inputs, recorder):
+    """Replays `NFResBlock.call` with its convolutions tapped and the skip gain a site.
+
+    `tests/training/ghost_clipping_test.py` checks that this replay equals the block.
+    """
+    out = scaled_relu(inputs) * (1.0 / block.beta)
+    shortcut = inputs if block.conv_shortcut is None else recorder.call(block.conv_shortcut, out)
+    out = recorder.call(block.conv0, out)
+    out = recorder.call(block.conv1, scaled_relu(out))
+    out = recorder.call(block.conv2, scaled_relu(out))
+    branch = recorder.site(
+        block, [block.skip_gain], [out * block.alpha], lambda r: r * block.skip_gain,
+        lambda ins, out, g, k: ghost_norms.broadcast_sq_norms(g, (), inputs=ins[0], num_views=k))
+    return shortcut + branch
+
+
+# -- The tapped model and the clipped sum -------------------------------------
+
+
+class GhostClipping:
+    """The clipped gradient sum of a batch from ghost norms (see the module doc).
+
+    Built once per DPModel (in `compile`); not a Keras object, so it adds
+    nothing to checkpoints or saved models.
+
+    Args:
+      model: the functional (or sequential) `keras.Model` that DPModel wraps.
+      variables: the variables to clip and sum, in the order of the returned sums.
+
+    Raises:
+      UnsupportedModel: if the model's layer graph cannot be re-built (a
+        subclassed model, several inputs); every variable would fall back.
+    """
+
+    def __init__(self, model, variables: Sequence[Any]):
+        self.variables = list(variables)
+        self.input_rank = len(_single_input(model).shape)
+        inputs = keras.Input(batch_shape=_single_input(model).shape, dtype="float32")
+        self._context = threading.local()  # per replica thread
+        self._tapped: List[Tuple[TappedLayer, list]] = []
+        self._uncovered: List[Tuple[str, str]] = []
+        logits = self._inline(model, inputs)
+        site_tensors = [t for _, outputs in self._tapped for t in outputs[1:]]
+        self.tapped_model = keras.Model(inputs, [logits, *site_tensors],
+                                        name=f"{model.name}_tapped")
+        self.sites = [site for layer, _ in self._tapped for site in layer.record.sites]
+        for layer, _ in self._tapped:
+            self._uncovered += layer.record.uncovered
+        self._keep = self._unshared_sites()
+        covered = {id(v) for site, keep in zip(self.sites, self._keep) if keep
+                   for v in site.variables}
+        self.fallback_variables = [v for v in self.variables if id(v) not in covered]
+
+    @property
+    def uncovered_layers(self) -> List[Tuple[str, str]]:
+        """(layer name, reason) of every layer whose variables use the fallback."""
+        return list(self._uncovered)
+
+    def _unshared_sites(self):
+        """Sites whose variables occur in no other site (a shared layer falls back)."""
+        wanted = {id(v) for v in self.variables}
+        count = {}
+        for site in self.sites:
+            for v in site.variables:
+                count[id(v)] = count.get(id(v), 0) + 1
+        keep = []
+        for site in self.sites:
+            alone = all(count[id(v)] == 1 and id(v) in wanted for v in site.variables)
+            if not alone:
+                self._uncovered.append((site.layer_name, "variables used at several places"))
+            keep.append(alone)
+        return keep
+
+    def _inline(self, model, inputs):
+        """Calls `model`'s layers on `inputs` one by one, through `_call_layer`."""
+        if isinstance(model, keras.Sequential):
+            for layer in model.layers:
+                inputs = self._call_layer(layer, inputs)
+            return inputs
+        try:  # clone_model re-runs a functional model's graph; it rejects other models
+            clone = keras.models.clone_model(model, input_tensors=inputs,
+                                             clone_function=lambda layer: layer,
+                                             call_function=self._call_layer)
+        except ValueError as error:
+            raise UnsupportedModel(
+                f"the layer calls of {model.name} ({type(model).__name__}) cannot be "
+                f"tapped: {error}") from error
+        return clone.output
+
+    def _call_layer(self, layer, *args, **kwargs):
+        """clone_model's call_function: taps every layer that has trainable variables."""
+        if isinstance(layer, keras.Model) and len(args) == 1 and not kwargs:
+            try:
+                return self._inline(layer, args[0])
+            except UnsupportedModel:
+                pass  # a subclassed model: one layer without a rule
+        if not layer.trainable_variables:
+            return layer(*args, **kwargs)
+        if ghost_norms.find_layer_rule(layer) is None or len(args) != 1 or set(kwargs) - {
+                "training"}:
+            self._uncovered.append((layer.name, f"no rule for {type(layer).__name__}"))
+            return layer(*args, **kwargs)
+        tapped = TappedLayer(layer, self._context, name=f"tapped_{len(self._tapped)}_{layer.name}")
+        outputs = tapped(args[0])
+        self._tapped.append((tapped, outputs))
+        return outputs[0]
+
+    def clipped_sum(self, images, labels, mask, *, l2_clip_norm, normalize, loss_fn,
+                    example_loss_fn):
+        """Clipped gradient sum of one batch (or chunk), and what the metrics need.
+
+        Args:
+          images: `[batch, H, W, C]` or `[batch, K, H, W, C]` (K augmult views),
+            float32 or uint8.
+          labels: int `[batch]`.
+          mask: float32 `[batch]`, 0 for padding rows (they contribute nothing).
+          l2_clip_norm: C.
+          normalize: divide each clipped contribution by C (De et al. 2022, eq. (3)).
+          loss_fn: `(labels [n], logits [n, classes]) -> float32 [n]` per-row losses.
+          example_loss_fn: DPModel's per-example loss, for the fallback variables.
+
+        Returns:
+          `(summed, norms, clipped, losses, logits)`: `summed[i]` float32 of
+          `variables[i]`'s shape; `norms` float32 `[batch]` pre-clip
+          per-example norms; `clipped` float32 `[batch]` 1 where scaled down
+          (masked rows 0); `losses` float32 `[batch]` (mean over views);
+          `logits` float32 `[batch, classes]` (mean over views).
+        """
+        num_views = 1
+        views = tf.cast(images, tf.float32)
+        if images.shape.rank == self.input_rank + 1:
+            num_views = images.shape[1]
+            views = tf.reshape(views, [-1, *images.shape[2:]])
+        backward = _Backward(num_views)
+        self._context.backward = backward
+        try:
+            with tf.GradientTape() as tape:
+                outputs = self.tapped_model(views, training=True)
+                logits = outputs[0]
+                losses = tf.reduce_mean(tf.reshape(
+                    loss_fn(tf.repeat(tf.cast(labels, tf.int32), num_views), logits),
+                    [-1, num_views]), axis=1)
+                total = tf.reduce_sum(losses)
+        finally:
+            self._context.backward = None
+        # The backward pass; its gradient functions compute every site's norms.
+        tape.gradient(total, backward.outputs, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+        sites, output_grads, computed = [], [], []
+        for index, (site, inputs, keep) in enumerate(self._sites_with_inputs(outputs[1:])):
+            if keep:
+                grad, result = backward.result(index, site, inputs)
+                sites.append((site, inputs, None))
+                output_grads.append(grad)
+                computed.append(result)
+        squares = [tf.maximum(sq, 0.0) for sq, _ in computed]
+        fallback = []
+        if self.fallback_variables:
+            fallback, _ = clipping.per_example_gradients(
+                example_loss_fn, self.fallback_variables, (images, labels))
+            squares.append(tf.square(clipping.global_l2_norms(fallback)))
+        norms = tf.sqrt(tf.add_n(squares))
+        factors = clipping.clip_factors(norms, l2_clip_norm, normalize=normalize) * mask
+        clipped = tf.cast(norms > l2_clip_norm, tf.float32) * mask
+        summed = {}
+        for v, g in zip(self.fallback_variables, fallback):
+            summed[id(v)] = clipping.weighted_sum(factors, g)
+        row_factors = tf.repeat(factors, num_views)
+        for (site, ins, _), g, (_, weighted_sum) in zip(sites, output_grads, computed):
+            if weighted_sum is None:  # Gram form: a backward pass through this site
+                sums = _weighted_vjp(site, ins, g, row_factors)
+            else:
+                sums = weighted_sum(factors)
+            for v, s in zip(site.variables, sums):
+                summed[id(v)] = s
+        mean_logits = tf.reduce_mean(tf.reshape(logits, [-1, num_views, logits.shape[-1]]), 1)
+        return [summed[id(v)] for v in self.variables], norms, clipped, losses, mean_logits
+
+    def _sites_with_inputs(self, tensors):
+        """(site, inputs, keep) of every site, from the tapped model's flat outputs."""
+        position = 0
+        for site, keep in zip(self.sites, self._keep):
+            yield site, list(tensors[position:position + site.num_inputs]), keep
+            position += site.num_inputs + 1
+
+
+def _weighted_vjp(site, inputs, output_grad, row_factors):
+    """`sum_i f_i dL_i/d(variables)` through this site alone.
+
+    Rows with factor 0 (padding, non-finite gradients) are zeroed in the
+    inputs and the output gradients, so that an inf or nan there cannot
+    reach the sum (as `tfdp.dp.clipping.clip_factors` promises).
+    """
+    keep = row_factors > 0
+    safe = [tf.where(_expand(keep, x), x, tf.zeros_like(x)) for x in inputs]
+    weighted = tf.math.multiply_no_nan(output_grad, _expand(row_factors, output_grad))
+    with tf.GradientTape() as tape:
+        output = site.forward(*safe)
+    return tape.gradient(output, list(site.variables), output_gradients=weighted,
+                         unconnected_gradients=tf.UnconnectedGradients.ZERO)
+
+
+def _expand(vector, like):
+    return tf.reshape(vector, [-1] + [1] * (like.shape.rank - 1))
+
+
+def _single_input(model):
+    inputs = getattr(model, "inputs", None)
+    if not inputs or len(inputs) != 1:
+        raise UnsupportedModel(f"{model.name} must have exactly one input to be tapped.")
+    return inputs[0]
+
+
+def log_plan(ghost):
+    """Logs once which variables keep the vectorized per-example path, and why."""
+    if ghost.fallback_variables:
+        logging.warning(
+            "Ghost clipping: %d of %d variables keep tf.vectorized_map per-example "
+            "gradients (layers: %s).", len(ghost.fallback_variables), len(ghost.variables),
+            "; ".join(f"{name} ({reason})" for name, reason in ghost.uncovered_layers))
+    else:
+        logging.info("Ghost clipping: per-example norms of all %d variables from layer rules.",
+                     len(ghost.variables))
