@@ -266,7 +266,11 @@ class DPModel(keras.Model):
         if self.clipping == "vectorized":
             return None
         if self.mechanism.num_microbatches:
-            logging.info("Microbatches clip per-example gradient means: the vectorized path.")
+            # Microbatches clip means of per-example gradients, which ghost norms do not give.
+            (logging.warning if self.clipping == "ghost" else logging.info)(
+                "Microbatches (num_microbatches=%d) clip gradient means, not per-example "
+                "gradients: clipping=%r uses the vectorized path.",
+                self.mechanism.num_microbatches, self.clipping)
             return None
         try:
             ghost = ghost_clipping.GhostClipping(self.model, self.trainable_variables)
