@@ -1,6 +1,7 @@
 """Fixtures shared by the end-to-end and data tests."""
 
 import contextlib
+import logging
 
 import gin
 import pytest
@@ -40,6 +41,29 @@ def run_smoke():
 def run_smoke_module():
     """`run_smoke` for module-scoped fixtures (one run shared by several tests)."""
     return _run_smoke
+
+
+class _Messages(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+@pytest.fixture
+def tensorflow_warnings():
+    """The list of warnings TensorFlow's Python logger emits during the test.
+
+    pfor (`tf.vectorized_map`) logs "Conv2DBackpropFilter uses a while_loop.
+    Fix that!" there when per-example conv gradients fall back to a
+    sequential loop of batch-1 ops.
+    """
+    handler = _Messages()
+    logging.getLogger("tensorflow").addHandler(handler)
+    yield handler.messages
+    logging.getLogger("tensorflow").removeHandler(handler)
 
 
 # The local ImageNet-shaped dataset of the tests: JPEGs of varying sizes, as ImageNet's.

@@ -279,48 +279,17 @@ def test_xla_compiles_the_wrn16_4_step_at_a_tiny_batch(clipping_path):
     assert any(np.any(u != 0) for u in update)
 
 
-class _WhileLoopLog(logging.Handler):
-    """Collects TensorFlow's Python log, where pfor reports its sequential fallback."""
-
-    def __init__(self):
-        super().__init__(logging.WARNING)
-        self.messages = []
-
-    def emit(self, record):
-        self.messages.append(record.getMessage())
-
-    def __enter__(self):
-        logging.getLogger("tensorflow").addHandler(self)
-        return self
-
-    def __exit__(self, *exc):
-        logging.getLogger("tensorflow").removeHandler(self)
-
-
 @pytest.mark.parametrize("clipping_path, fallback", [("auto", False), ("vectorized", True)])
-def test_no_sequential_conv_gradients_on_the_ghost_path(clipping_path, fallback):
-    with _WhileLoopLog() as log:
-        _update(lambda: models.build_tramer_cnn(10), clipping_path,
-                _inputs((28, 28, 1), 255.0, batch=3))
-    assert any("Conv2DBackpropFilter uses a while_loop" in m for m in log.messages) == fallback
+def test_no_sequential_conv_gradients_on_the_ghost_path(clipping_path, fallback,
+                                                      tensorflow_warnings):
+    # Every shipped config of the default suite is checked the same way in configs_test.py.
+    _update(lambda: models.build_tramer_cnn(10), clipping_path,
+            _inputs((28, 28, 1), 255.0, batch=3))
+    assert any("Conv2DBackpropFilter uses a while_loop" in m
+               for m in tensorflow_warnings) == fallback
 
 
-# -- Shipped configs -------------------------------------------------------------
-
-WRN_SMOKE = ["DEPTH = 10", "tfdp.models.build_wide_resnet.width = 1", "AUGMULT = 2",
-             "ACCUMULATION_STEPS = 2"]
-
-
-@pytest.mark.parametrize("config, params", [
-    ("fashion_mnist.gin", []),
-    ("cifar10_wrn16_4_eps8.gin", WRN_SMOKE),
-])
-def test_shipped_configs_train_without_sequential_conv_gradients(run_smoke, tmp_path, config,
-                                                                 params):
-    with _WhileLoopLog() as log:
-        report = run_smoke(tmp_path, [config], params)
-    assert report["steps"] == 2
-    assert not any("while_loop" in m for m in log.messages), log.messages
+# -- Gin switches --------------------------------------------------------------
 
 
 def test_gin_switches_compile_the_step_with_static_poisson_batches(run_smoke, tmp_path):
