@@ -21,6 +21,23 @@ def test_unknown_config_lists_the_available_ones():
         main.resolve_gin_file("imagenet_typo.gin")
 
 
+def test_includes_resolve_quietly_and_a_missing_one_is_a_config_error(tmp_path, caplog):
+    import gin  # pylint: disable=g-import-not-at-top
+
+    (tmp_path / "mine.gin").write_text("include 'fashion_mnist.gin'\n")
+    (tmp_path / "broken.gin").write_text("include 'nope.gin'\n")
+    gin.clear_config()
+    try:
+        # gin logs "Path not found: fashion_mnist.gin" at ERROR before finding it.
+        main.parse_config([str(tmp_path / "mine.gin")], [])
+        assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text
+        gin.clear_config()
+        with pytest.raises(main.ConfigError, match="Unable to open file: nope.gin"):
+            main.parse_config([str(tmp_path / "broken.gin")], [])
+    finally:
+        gin.clear_config()
+
+
 def _run(tmp_path, *args):
     return subprocess.run(
         [sys.executable, "-m", "tfdp.main", f"--workdir={tmp_path / 'wd'}", *args],

@@ -12,8 +12,10 @@ folder, shipped as the package data `tfdp/gin_configs`), so
 work from any directory.
 """
 
+import contextlib
 import difflib
 import importlib.resources
+import logging as std_logging
 import os
 import re
 import sys
@@ -64,7 +66,8 @@ def parse_config(gin_files, gin_params):
     """Parses the gin files then the bindings, after registering tfdp's configurables.
 
     Raises:
-      ConfigError: on an unknown file or a binding gin cannot parse.
+      ConfigError: on an unknown file (also one a config includes), or a
+        binding gin cannot parse.
     """
     import gin  # pylint: disable=g-import-not-at-top
 
@@ -79,11 +82,37 @@ def parse_config(gin_files, gin_params):
     # `include 'NAME.gin'` inside a config also resolves among the shipped ones.
     gin.add_config_file_search_path(str(importlib.resources.files("tfdp") / "gin_configs"))
     try:
-        gin.parse_config_files_and_bindings(paths, gin_params)
-    except (ValueError, KeyError, SyntaxError, ImportError) as e:
+        with _quiet_include_lookup():
+            gin.parse_config_files_and_bindings(paths, gin_params)
+    except (ValueError, KeyError, SyntaxError, ImportError, OSError) as e:
+        # OSError: an `include` of a file gin cannot find.
         raise ConfigError(f"Could not parse the gin config {paths} {gin_params}: {e}") from e
     _check_macros_are_used()
     return paths
+
+
+class _IncludeLookupFilter(std_logging.Filter):
+    """Drops gin's "Path not found: NAME.gin" (logged at ERROR on the root logger).
+
+    Gin first looks an `include 'NAME.gin'` up as a Python package resource
+    and logs that error when it is not one, then finds the file on the
+    search path: the message is wrong, and a missing file still fails
+    (`ConfigError`).
+    """
+
+    def filter(self, record):
+        return not record.getMessage().startswith("Path not found: ")
+
+
+@contextlib.contextmanager
+def _quiet_include_lookup():
+    root = std_logging.getLogger()
+    quiet = _IncludeLookupFilter()
+    root.addFilter(quiet)
+    try:
+        yield
+    finally:
+        root.removeFilter(quiet)
 
 
 def _check_macros_are_used():
