@@ -26,6 +26,7 @@ def test_readme_example_trains_to_the_target_and_exports(tmp_path, monkeypatch, 
     private = scope["private"]
     assert printed == pytest.approx(private.epsilon()[0]) and 2.5 < printed <= 3.0
     assert private.steps == 30  # 3 epochs of 2,000 at an expected 200
+    assert private.model.clipping_path == "ghost"  # a user's Sequential model: ghost norms
     accuracy = private.evaluate((scope["images"], scope["labels"]))["accuracy"]
     assert accuracy > 0.9
     report = json.loads((tmp_path / "my_private_model" / "assets" /
@@ -53,6 +54,8 @@ def test_make_private_refuses_what_would_be_wrong():
                                   keras.layers.Flatten(), keras.layers.Dense(2)])
     with pytest.raises(ValueError, match="BatchNorm"):
         tfdp.make_private(batchnorm, (images, labels % 2), **common)
+    with pytest.raises(ValueError, match="clipping must be one of"):
+        tfdp.make_private(plain, (images, labels % 2), clipping="fast", **common)
     private = tfdp.make_private(plain, (images, labels % 2), **common)
     with pytest.raises(ValueError, match="fixed-size shuffled batches"):
         private.model.fit(images, labels % 2, batch_size=10)

@@ -130,6 +130,7 @@ def make_private(
     normalize_update=False,
     accumulation_steps=1,
     ema_decay=None,
+    clipping="auto",
     data_dir=None,
 ):
     """Wraps your Keras classifier for DP-SGD on your data, with a matching sampler.
@@ -160,6 +161,8 @@ def make_private(
       normalize_update: De et al. 2022, eq. (3).
       accumulation_steps: chunks each batch is processed in (memory).
       ema_decay: None or the EMA decay of the exported parameters.
+      clipping: "auto", "ghost" or "vectorized": how per-example gradients
+        are clipped (`DPModel`); the same sum, so the same guarantee.
       data_dir: TFDS data_dir, for a dataset name.
 
     Returns:
@@ -169,7 +172,8 @@ def make_private(
     Raises:
       ValueError: on a model that mixes examples, logits that do not cover
         the labels, data in another form or shape, invalid privacy
-        parameters, or not exactly one of epochs and num_steps.
+        parameters, not exactly one of epochs and num_steps, or an unknown
+        clipping.
     """
     if (epochs is None) == (num_steps is None):
         raise ValueError("Give exactly one of epochs (passes over the data) and num_steps "
@@ -187,7 +191,7 @@ def make_private(
         noise_multiplier=noise_multiplier, target_epsilon=target_epsilon,
         accountant=accountant, normalize_update=normalize_update)
     dp_model = DPModel(model, mechanism, accumulation_steps=accumulation_steps,
-                       ema_decay=ema_decay)
+                       ema_decay=ema_decay, clipping=clipping)
     dp_model.compile(optimizer=keras.optimizers.get(optimizer))
     return PrivateTraining(dp_model, mechanism, source, sampling_seed=coins.secret_seed())
 
