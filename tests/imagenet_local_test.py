@@ -28,11 +28,7 @@ SMOKE_PARAMS = [
 ]
 
 
-# imagenet_tan.gin has the same model and data path; its augmentation (cifar_crop_flip)
-# runs in the CIFAR-10 configs' smoke runs and its epsilon is checked in configs_test.py,
-# so its run here is slow-only (about 45 s).
-@pytest.mark.parametrize("config", [
-    "imagenet.gin", pytest.param("imagenet_tan.gin", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("config", ["imagenet.gin", "imagenet_tan.gin"])
 def test_config_runs_two_steps_on_local_imagenet_shaped_data(
         config, tmp_path, run_smoke, synthetic_imagenet_dir, tensorflow_warnings):
     num_train = data.TFDSSource("synthetic_imagenet", "train", data_dir=synthetic_imagenet_dir,
