@@ -17,7 +17,13 @@ process, TensorFlow runtime included); the script prints the ratios to plain.
 
     python benchmarks/dp_step_speed.py memory --model=wrn16_4 --batch_size=64
 
-`--jit_compile` compiles every step with XLA.
+`--jit_compile` compiles every step with XLA. `--ablate_kernel_norms` (speed
+only, a diagnosis, never a DP step) replaces every dense, conv and WS-conv
+kernel's per-example squared norm with zero, so that the ghost step's time
+without the kernel norms can be compared with plain:
+
+    python benchmarks/dp_step_speed.py speed --model=wrn16_4 --batch_size=32 \
+        --variants=plain,ghost --ablate_kernel_norms
 """
 
 import argparse
@@ -30,9 +36,11 @@ import time
 
 import keras
 import numpy as np
+import tensorflow as tf
 
 from tfdp import accounting
 from tfdp import models
+from tfdp.dp import ghost_norms
 from tfdp.training.dp_model import DPModel
 
 MODELS = {
@@ -67,7 +75,26 @@ def build_step(variant, model_name, batch_size, jit_compile):
     return lambda: trainer.train_on_batch(x, y)
 
 
+def ablate_kernel_norms():
+    """Benchmark-only: every kernel's per-example squared norm becomes 0 (wrong clipping).
+
+    The clipped sum then takes the weighted backward pass through each kernel.
+    """
+    def zeros(output_grads, num_views):
+        return tf.zeros([tf.shape(output_grads)[0] // num_views]), None
+
+    ghost_norms.kernel_sq_norms = (
+        lambda rows, output_grads, *, num_views=1: zeros(output_grads, num_views))
+    ghost_norms.conv2d_kernel_sq_norms = (
+        lambda inputs, output_grads, *, num_views=1, **geometry: zeros(output_grads, num_views))
+    ghost_norms.ws_kernel_sq_norms = (
+        lambda rows, outputs, output_grads, kernel, *, epsilon, num_views=1:
+        zeros(output_grads, num_views))
+
+
 def speed(args):
+    if args.ablate_kernel_norms:
+        ablate_kernel_norms()
     steps = {v: build_step(v, args.model, args.batch_size, args.jit_compile)
              for v in args.variants}
     for step in steps.values():  # trace and warm up
@@ -81,7 +108,8 @@ def speed(args):
                 step()
             seconds[variant].append((time.perf_counter() - start) / args.steps)
     print(f"{args.model}, B = {args.batch_size}, {args.rounds} interleaved rounds of "
-          f"{args.steps} steps, jit_compile={args.jit_compile}")
+          f"{args.steps} steps, jit_compile={args.jit_compile}"
+          + (", kernel norms ablated (not DP)" if args.ablate_kernel_norms else ""))
     print("| variant | ex/s min | ex/s median | ex/s max | time / plain (median over rounds) |")
     print("|---|---|---|---|---|")
     for variant in args.variants:
@@ -127,6 +155,8 @@ def main():
                         help="comma-separated subset of " + ",".join(VARIANTS))
     parser.add_argument("--variant", choices=VARIANTS, help="peak_rss only")
     parser.add_argument("--jit_compile", action="store_true")
+    parser.add_argument("--ablate_kernel_norms", action="store_true",
+                        help="speed only: zero kernel norms, to time the rest (not DP)")
     args = parser.parse_args()
     args.variants = args.variants.split(",")
     {"speed": speed, "memory": memory, "peak_rss": peak_rss}[args.mode](args)
