@@ -284,7 +284,6 @@ def train_and_evaluate(
     with dist.scope():
         model = model_fn(num_classes=train.num_classes, input_shape=train.image_shape,
                          **head_kwargs)
-        models.validate_dp_model(model)
         _check_output_width(model, train.num_classes, dataset)
         build_dp_model = DPModel if audit is None else audit.build_dp_model
         dp_model = build_dp_model(model, mechanism, accumulation_steps=accumulation_steps,
