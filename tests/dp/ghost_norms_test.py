@@ -13,11 +13,15 @@ def _normal(*shape, scale=1.0):
     return tf.constant(RNG.normal(size=shape) * scale, tf.float32)
 
 
-@pytest.fixture(params=[ghost_norms.DIRECT, ghost_norms.GRAM])
+@pytest.fixture(params=[(ghost_norms.DIRECT, True), (ghost_norms.DIRECT, False),
+                        (ghost_norms.GRAM, False)], ids=["direct-held", "direct", "gram"])
 def form(request, monkeypatch):
-    """Runs a test once per kernel form, whatever the shapes would choose."""
-    monkeypatch.setattr(ghost_norms, "choose_form", lambda *_: request.param)
-    return request.param
+    """Runs a test once per kernel form (and direct-form per-example gradients held or
+    not: two ways to the weighted sum), whatever the shapes would choose."""
+    form, held = request.param
+    monkeypatch.setattr(ghost_norms, "choose_form", lambda *_: form)
+    monkeypatch.setattr(ghost_norms, "holds_per_example", lambda *_: held)
+    return form
 
 
 def _per_example(loss_of_example, variable, batch):
@@ -35,10 +39,9 @@ def _check(result, per_example, factors):
     squares, weighted_sum = result
     expected = np.sum(per_example.reshape(len(per_example), -1) ** 2, axis=1)
     np.testing.assert_allclose(squares.numpy(), expected, rtol=1e-5)
-    if weighted_sum is not None:
-        summed = weighted_sum(tf.constant(factors, tf.float32))
-        np.testing.assert_allclose(summed.numpy(), np.tensordot(factors, per_example, 1),
-                                   rtol=1e-5, atol=1e-6)
+    summed = weighted_sum(tf.constant(factors, tf.float32))
+    np.testing.assert_allclose(summed.numpy(), np.tensordot(factors, per_example, 1),
+                               rtol=1e-5, atol=1e-6)
 
 
 # -- Patches ---------------------------------------------------------------------
@@ -93,7 +96,6 @@ def test_dense_kernel_with_positions_and_views(form, num_views):
         return tf.reduce_sum(tf.matmul(a[rows], kernel) * g[rows])
 
     result = ghost_norms.kernel_sq_norms(ghost_norms.Rows.of(a), g, num_views=num_views)
-    assert (result[1] is None) == (form == ghost_norms.GRAM)
     _check(result, _per_example(loss, kernel, batch), factors=[0.5, 0.0, 2.0])
 
 
@@ -155,7 +157,7 @@ def test_ws_kernel_chains_through_the_standardization(form, kernel_size, strides
 
     rows = ghost_norms.conv2d_patches(x, kernel_size=kernel_size, strides=strides,
                                       dilation_rate=(1, 1), padding=padding)
-    result = ghost_norms.ws_kernel_sq_norms(rows, out, g, kernel, epsilon=epsilon,
+    result = ghost_norms.ws_kernel_sq_norms(rows, g, kernel, epsilon=epsilon,
                                             num_views=num_views)
     per_example = _per_example(loss, kernel, batch)
     _check(result, per_example, factors=[0.3, 1.0, 0.0])
@@ -180,7 +182,7 @@ def test_ws_kernel_below_epsilon_has_no_sphere_term(form):
     g = _normal(*out.shape)
     rows = ghost_norms.conv2d_patches(x, kernel_size=(3, 3), strides=(1, 1),
                                       dilation_rate=(1, 1), padding="same")
-    result = ghost_norms.ws_kernel_sq_norms(rows, out, g, kernel, epsilon=epsilon)
+    result = ghost_norms.ws_kernel_sq_norms(rows, g, kernel, epsilon=epsilon)
     per_example = _per_example(lambda i: tf.reduce_sum(conv(x[i:i + 1]) * g[i:i + 1]),
                                kernel, 2)
     _check(result, per_example, factors=[1.0, 0.5])
