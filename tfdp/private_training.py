@@ -33,7 +33,7 @@ from tfdp.dp import coins
 from tfdp.export import privacy_report
 from tfdp.export import saved_model
 from tfdp.training import callbacks as callbacks_lib
-from tfdp.training.dp_model import DPModel
+from tfdp.training.dp_model import DPModel, refuse_example_weights
 
 
 class PrivateTraining:
@@ -132,6 +132,8 @@ def make_private(
     ema_decay=None,
     clipping="auto",
     data_dir=None,
+    class_weight=None,
+    sample_weight=None,
 ):
     """Wraps your Keras classifier for DP-SGD on your data, with a matching sampler.
 
@@ -164,6 +166,10 @@ def make_private(
       clipping: "auto", "ghost" or "vectorized": how per-example gradients
         are clipped (`DPModel`); the same sum, so the same guarantee.
       data_dir: TFDS data_dir, for a dataset name.
+      class_weight, sample_weight: refused (ValueError) if given: a weight on an
+        example's loss scales its sensitivity beyond l2_clip_norm
+        (`tfdp.training.dp_model.refuse_example_weights`). They are named here so
+        that passing them is explained, not a TypeError.
 
     Returns:
       A `PrivateTraining`: `.fit()`, `.evaluate(test_data)`, `.epsilon()`,
@@ -172,9 +178,10 @@ def make_private(
     Raises:
       ValueError: on a model that mixes examples, logits that do not cover
         the labels, data in another form or shape, invalid privacy
-        parameters, not exactly one of epochs and num_steps, or an unknown
-        clipping.
+        parameters, not exactly one of epochs and num_steps, an unknown
+        clipping, or class or sample weights.
     """
+    refuse_example_weights(class_weight, sample_weight, where="make_private")
     if (epochs is None) == (num_steps is None):
         raise ValueError("Give exactly one of epochs (passes over the data) and num_steps "
                          f"(optimizer updates); got epochs={epochs}, num_steps={num_steps}.")
