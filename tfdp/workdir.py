@@ -366,6 +366,20 @@ def write_finished(workdir, record):
             os.unlink(tmp)
 
 
+def remove_stale_temporaries(workdir):
+    """Removes what a killed finish left: `.export.tmp-*`, `.export.old-*`, `.report.tmp-*`.
+
+    Called under the lock, so no other process is writing them.
+    """
+    for pattern in (".export.tmp-*", ".export.old-*", ".report.tmp-*", FINISHED_FILE + ".tmp-*"):
+        for path in glob.glob(os.path.join(glob.escape(workdir), pattern)):
+            if os.path.isdir(path):
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+
+
 def clear_finished(workdir):
     """Removes FINISHED, before a run changes what it certified (more steps, a re-export)."""
     with contextlib.suppress(FileNotFoundError):
