@@ -276,12 +276,12 @@ def checkpoint_problem(prefix):
         return f"{index} is missing"
     try:
         reader = tf.train.load_checkpoint(prefix)
-    except (tf.errors.OpError, ValueError) as e:
+    except (tf.errors.OpError, ValueError, IndexError, RuntimeError) as e:
         return f"{index} cannot be read ({_first_line(e)}; a truncated file?)"
     try:
         for name in reader.get_variable_to_shape_map():
             reader.get_tensor(name)
-    except (tf.errors.OpError, ValueError) as e:
+    except (tf.errors.OpError, ValueError, IndexError, RuntimeError) as e:
         data = ", ".join(p for p in checkpoint_files(prefix) if ".data-" in p) or (
             prefix + ".data-*")
         return f"{data} cannot be read ({_first_line(e)}; a truncated file?)"
