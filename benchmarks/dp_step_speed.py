@@ -78,18 +78,17 @@ def build_step(variant, model_name, batch_size, jit_compile):
 def ablate_kernel_norms():
     """Benchmark-only: every kernel's per-example squared norm becomes 0 (wrong clipping).
 
-    The clipped sum then takes the weighted backward pass through each kernel.
+    The rules' weighted sums are kept; TensorFlow prunes the norm work they do
+    not share.
     """
-    def zeros(output_grads, num_views):
-        return tf.zeros([tf.shape(output_grads)[0] // num_views]), None
+    def zero_squares(rule):
+        def ablated(*args, **kwargs):
+            squares, weighted_sum = rule(*args, **kwargs)
+            return tf.zeros_like(squares), weighted_sum
+        return ablated
 
-    ghost_norms.kernel_sq_norms = (
-        lambda rows, output_grads, *, num_views=1: zeros(output_grads, num_views))
-    ghost_norms.conv2d_kernel_sq_norms = (
-        lambda inputs, output_grads, *, num_views=1, **geometry: zeros(output_grads, num_views))
-    ghost_norms.ws_kernel_sq_norms = (
-        lambda rows, outputs, output_grads, kernel, *, epsilon, num_views=1:
-        zeros(output_grads, num_views))
+    for name in ("kernel_sq_norms", "conv2d_kernel_sq_norms", "ws_kernel_sq_norms"):
+        setattr(ghost_norms, name, zero_squares(getattr(ghost_norms, name)))
 
 
 def speed(args):
