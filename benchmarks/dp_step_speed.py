@@ -214,7 +214,8 @@ def profile(args):
     print(f"{args.model}, B = {args.batch_size}, {args.variant}: {args.steps} profiled steps, "
           f"{seconds:.2f} s per step (profiler on); summed op time {total / 1e12 / args.steps:.2f} "
           "s per step over all threads")
-    for title, counter in (("op type", by_type), (f"op-name prefix ({args.scope_depth})", by_scope)):
+    tables = (("op type", by_type), (f"op-name prefix ({args.scope_depth})", by_scope))
+    for title, counter in tables:
         print(f"| {title} | share of op time | s per step |")
         print("|---|---|---|")
         for key, ps in counter.most_common(args.top):

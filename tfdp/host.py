@@ -124,7 +124,8 @@ def enable_onednn() -> str:
     if "tensorflow" in sys.modules:
         on = onednn_enabled()
         if value is None or set_by_tfdp:
-            why = f"TensorFlow was imported before tfdp, with its own default on this CPU: {default}"
+            why = ("TensorFlow was imported before tfdp, with its own default on this CPU: "
+                   f"{default}")
         else:
             why = f"TensorFlow was imported before tfdp, with {ENV_VAR}={value} set by the user"
         if on is False and (value is None or set_by_tfdp):
@@ -173,7 +174,8 @@ def onednn_enabled():
     """
     if "tensorflow" in sys.modules:
         try:
-            from tensorflow.python.util import _pywrap_util_port  # pylint: disable=g-import-not-at-top
+            # pylint: disable-next=g-import-not-at-top
+            from tensorflow.python.util import _pywrap_util_port
 
             return bool(_pywrap_util_port.IsMklEnabled())
         except (ImportError, AttributeError):
