@@ -350,3 +350,20 @@ def test_scale_and_bias_norms_never_come_out_too_small(case, scale):
     _assert_never_too_small(squares, np.sum(terms.sum(axis=1) ** 2, axis=1),
                             np.sum(np.sqrt(np.sum(terms ** 2, axis=-1)), axis=1), weighted_sum,
                             a.shape[0] // views)
+
+
+def test_ws_kernel_with_one_input_has_no_gradient():
+    # With fan-in 1, W - mean(W) = 0 whatever W is: the gradient is exactly 0, and so is
+    # the norm (the rounding bound, relative to |h| * epsilon^-1/2, used to add 7e-5).
+    kernel = tf.Variable(_normal(1, 1, 1, 3))
+    x = 255.0 * tf.ones([2, 5, 5, 1])
+    g = _normal(2, 5, 5, 3)
+    rows = ghost_norms.conv2d_patches(x, kernel_size=(1, 1), strides=(1, 1),
+                                      dilation_rate=(1, 1), padding="same")
+    result = ghost_norms.ws_kernel_sq_norms(rows, g, kernel, epsilon=1e-4)
+    per_example = _per_example(
+        lambda i: tf.reduce_sum(tf.nn.conv2d(x[i:i + 1], _standardize(kernel, 1e-4), 1, "SAME")
+                                * g[i:i + 1]), kernel, 2)
+    np.testing.assert_array_equal(per_example, 0.0)
+    np.testing.assert_array_equal(result[0].numpy(), [0.0, 0.0])
+    np.testing.assert_array_equal(result[1](tf.constant([1.0, 1.0])).numpy(), 0.0)

@@ -537,6 +537,10 @@ def ws_kernel_sq_norms(
     """
     fan_out = kernel.shape[-1]
     fan_in = math.prod(kernel.shape[:-1])
+    if fan_in == 1:  # W - mean(W) is 0 whatever W is: the gradient is exactly 0
+        batch = tf.shape(output_grads)[0] // num_views
+        return (tf.zeros([batch], NORM_DTYPE),
+                lambda factors: tf.zeros(kernel.shape, tf.float32))
     w = _wide(tf.reshape(tf.convert_to_tensor(kernel), [fan_in, fan_out]))
     if rows.order is not None:
         w = tf.gather(w, rows.order)  # W's rows in the order of a's columns
