@@ -440,3 +440,69 @@ def test_an_unknown_clipping_path_is_refused_before_the_workdir_is_touched(run_s
     with pytest.raises(ValueError, match="clipping must be one of"):
         run_smoke(workdir, ["fashion_mnist.gin"], ["tfdp.train_and_evaluate.clipping = 'fast'"])
     assert not workdir.exists()
+
+
+# -- Frozen BatchNorm (issue 20, Sec. 4) -----------------------------------------
+
+
+def _model_with_frozen_batch_norm(num_classes=10):
+    """Conv -> frozen BatchNorm (pretrained-looking moving statistics) -> Dense."""
+    inputs = keras.Input((6, 6, 2))
+    x = keras.layers.Conv2D(4, 3, name="conv")(inputs)
+    bn = keras.layers.BatchNormalization(name="frozen_bn")
+    x = keras.layers.ReLU()(bn(x))
+    x = keras.layers.GlobalAveragePooling2D()(x)
+    model = keras.Model(inputs, keras.layers.Dense(num_classes)(x))
+    rng = np.random.default_rng(3)
+    for variable in (bn.gamma, bn.beta, bn.moving_mean):
+        variable.assign(rng.normal(size=4).astype(np.float32))
+    bn.moving_variance.assign(rng.uniform(0.5, 2.0, 4).astype(np.float32))
+    bn.trainable = False
+    return model
+
+
+def _brute_force_norms(model, images, labels):
+    """Per-example gradient norms, one example at a time."""
+    norms = []
+    for i in range(images.shape[0]):
+        with tf.GradientTape() as tape:
+            loss = LOSS(labels[i:i + 1], model(images[i:i + 1], training=True))
+        grads = tape.gradient(loss, model.trainable_variables)
+        norms.append(np.sqrt(sum(np.sum(g.numpy() ** 2) for g in grads)))
+    return np.array(norms)
+
+
+def test_frozen_batch_norm_is_a_layer_without_trainable_variables_on_the_ghost_path():
+    keras.utils.set_random_seed(0)
+    model = _model_with_frozen_batch_norm()
+    images, labels = _inputs((6, 6, 2), 1.0)
+    ghost, fast, slow = _ghost_and_vectorized(model, images, labels, tf.ones([4]))
+    assert not ghost.fallback_variables
+    expected = _brute_force_norms(model, images, labels)
+    np.testing.assert_allclose(fast[1].numpy(), expected, rtol=RTOL)
+    np.testing.assert_allclose(slow[1].numpy(), expected, rtol=RTOL)
+    _assert_same_sum(fast[0], slow[0])
+
+
+def test_a_frozen_batch_norm_trains_under_dp_model_and_keeps_its_statistics():
+    data = _inputs((6, 6, 2), 1.0, batch=4)
+    updates = {}
+    for clipping_path in ("ghost", "vectorized"):
+        dp, updates[clipping_path] = _update(_model_with_frozen_batch_norm, clipping_path, data)
+        assert dp.clipping_path == clipping_path
+        bn = dp.model.get_layer("frozen_bn")
+        keras.utils.set_random_seed(0)
+        fresh = _model_with_frozen_batch_norm().get_layer("frozen_bn")
+        for name in ("moving_mean", "moving_variance", "gamma", "beta"):
+            np.testing.assert_array_equal(getattr(bn, name).numpy(),
+                                          getattr(fresh, name).numpy())
+        assert any(np.any(u != 0) for u in updates[clipping_path])
+    _assert_same_update(updates["ghost"], updates["vectorized"])
+
+
+def test_a_trainable_batch_norm_is_refused_by_dp_model():
+    inputs = keras.Input((6, 6, 2))
+    x = keras.layers.BatchNormalization(name="bn")(keras.layers.Conv2D(4, 3)(inputs))
+    model = keras.Model(inputs, keras.layers.Dense(10)(keras.layers.Flatten()(x)))
+    with pytest.raises(ValueError, match=r"bn \(BatchNormalization\).*layer\.trainable = False"):
+        DPModel(model, _mechanism())
