@@ -26,7 +26,7 @@ def _per_example(loss_of_example, variable, batch):
     for i in range(batch):
         with tf.GradientTape() as tape:
             loss = loss_of_example(i)
-        grads.append(tape.gradient(loss, variable).numpy())
+        grads.append(tf.convert_to_tensor(tape.gradient(loss, variable)).numpy())  # or slices
     return np.stack(grads)
 
 
@@ -182,6 +182,102 @@ def test_ws_kernel_below_epsilon_has_no_sphere_term(form):
     per_example = _per_example(lambda i: tf.reduce_sum(conv(x[i:i + 1]) * g[i:i + 1]),
                                kernel, 2)
     _check(result, per_example, factors=[1.0, 0.5])
+
+
+# -- Einsum, depthwise and embedding kernels (issue 20, Sec. 5) --------------------
+
+EINSUM_CASES = [  # (equation, input shape without batch, kernel shape)
+    ("abc,cde->abde", (4, 6), (6, 2, 3)),  # attention's query/key/value projections
+    ("abcd,cde->abe", (4, 2, 3), (2, 3, 5)),  # attention's output projection
+    ("ab,bc->ac", (5,), (5, 3)),  # Dense
+    ("abcd,de->abce", (2, 3, 4), (4, 2)),  # two position axes
+]
+
+
+@pytest.mark.parametrize("equation, in_shape, kernel_shape", EINSUM_CASES)
+@pytest.mark.parametrize("num_views", [1, 2])
+def test_einsum_kernel(form, equation, in_shape, kernel_shape, num_views):
+    batch = 3
+    x = _normal(batch * num_views, *in_shape)
+    kernel = tf.Variable(_normal(*kernel_shape))
+    g = _normal(*tf.einsum(equation, x, kernel).shape)
+
+    def loss(i):
+        rows = slice(i * num_views, (i + 1) * num_views)
+        return tf.reduce_sum(tf.einsum(equation, x[rows], kernel) * g[rows])
+
+    result = ghost_norms.einsum_kernel_sq_norms(x, g, equation, kernel_shape,
+                                                num_views=num_views)
+    _check(result, _per_example(loss, kernel, batch), factors=[0.5, 0.0, 2.0])
+
+
+@pytest.mark.parametrize("equation", [
+    "abc,dce->abde",  # the kernel does not contract its leading axes
+    "abc,cde->abed",  # the output's kernel axes reordered
+    "abc,acd->abd",  # the batch axis in the kernel
+    "...b,bc->...c",  # an ellipsis
+    "abc,cd->ad",  # a position axis summed away
+])
+def test_einsum_equations_outside_the_rule_are_refused(equation):
+    with pytest.raises(ghost_norms.UnsupportedLayer, match="einsum equation"):
+        ghost_norms.einsum_kernel_geometry(equation, len(equation.split(",")[1].split("-")[0]))
+
+
+def test_einsum_contracting_several_trailing_axes_is_a_flattened_dense():
+    assert ghost_norms.einsum_kernel_geometry("abc,bcd->ad", 3) == (1, 2)
+
+
+DEPTHWISE_CASES = [  # (kernel, strides, dilation, padding, size, depth_multiplier)
+    ((3, 3), (1, 1), (1, 1), "same", 6, 1),
+    ((3, 3), (2, 2), (1, 1), "same", 7, 2),
+    ((4, 4), (2, 2), (1, 1), "valid", 8, 1),  # space-to-depth patch order
+    ((3, 3), (1, 1), (2, 2), "valid", 7, 2),  # dilation
+    ((2, 3), (1, 2), (1, 1), "same", 6, 1),  # unequal strides: extract_patches
+]
+
+
+@pytest.mark.parametrize("kernel_size, strides, dilation, padding, size, multiplier",
+                         DEPTHWISE_CASES)
+@pytest.mark.parametrize("num_views", [1, 2])
+def test_depthwise_kernel(kernel_size, strides, dilation, padding, size, multiplier,
+                          num_views):
+    batch, channels = 3, 3
+    x = _normal(batch * num_views, size, size, channels)
+    kernel = tf.Variable(_normal(*kernel_size, channels, multiplier))
+
+    def conv(inputs):
+        return tf.nn.depthwise_conv2d(inputs, kernel, [1, *strides, 1], padding.upper(),
+                                      dilations=dilation)
+
+    g = _normal(*conv(x).shape)
+
+    def loss(i):
+        rows = slice(i * num_views, (i + 1) * num_views)
+        return tf.reduce_sum(conv(x[rows]) * g[rows])
+
+    result = ghost_norms.depthwise_kernel_sq_norms(
+        x, g, kernel_size=kernel_size, strides=strides, dilation_rate=dilation,
+        padding=padding, depth_multiplier=multiplier, num_views=num_views)
+    _check(result, _per_example(loss, kernel, batch), factors=[1.0, 0.25, 0.0])
+
+
+@pytest.mark.parametrize("num_views", [1, 2])
+def test_embedding_table_with_repeated_ids(num_views):
+    # Example 0 repeats id 2 (its two output gradients add in row 2), example 1 has
+    # distinct ids, example 2 one id everywhere.
+    batch, vocabulary, dim = 3, 6, 4
+    ids = np.array([[2, 5, 2, 0], [1, 3, 4, 0], [5, 5, 5, 5]])
+    ids = tf.constant(np.repeat(ids, num_views, axis=0)[:, :, None] * np.ones((1, 1, 2), int))
+    table = tf.Variable(_normal(vocabulary, dim))
+    g = _normal(batch * num_views, 4, 2, dim)
+
+    def loss(i):
+        rows = slice(i * num_views, (i + 1) * num_views)
+        return tf.reduce_sum(tf.gather(table, ids[rows]) * g[rows])
+
+    per_example = _per_example(loss, table, batch)
+    result = ghost_norms.embedding_sq_norms(ids, g, vocabulary, num_views=num_views)
+    _check(result, per_example, factors=[0.5, 0.0, 2.0])
 
 
 # -- Broadcast parameters ------------------------------------------------------
