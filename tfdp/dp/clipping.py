@@ -41,10 +41,7 @@ def per_example_gradients(
         grads = tape.gradient(
             loss, variables, unconnected_gradients=tf.UnconnectedGradients.ZERO
         )
-        # An embedding's gradient comes as tf.IndexedSlices; made dense here, inside the
-        # loop body (returned as slices, tf.vectorized_map's own conversion gave one
-        # example's embedding and next-layer gradients as nan; issue 20).
-        return [tf.convert_to_tensor(g) for g in grads], aux
+        return grads, aux
 
     grads, aux = tf.vectorized_map(one_example, examples)
     return list(grads), aux
