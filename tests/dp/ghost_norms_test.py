@@ -446,3 +446,36 @@ def test_scale_and_bias_norms_never_come_out_too_small(case, scale):
     _assert_never_too_small(squares, np.sum(terms.sum(axis=1) ** 2, axis=1),
                             np.sum(np.sqrt(np.sum(terms ** 2, axis=-1)), axis=1), weighted_sum,
                             a.shape[0] // views)
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(_cancelling_rows())
+def test_depthwise_kernel_norms_never_come_out_too_small(case):
+    # A 1x1 depthwise kernel over a's rows as pixels: channel c's gradient is
+    # sum_r a_rc g_rc, whose terms cancel (held float32 per-example gradients).
+    a, g, views, _, _ = case
+    g = g[..., :1] * tf.ones_like(a)  # one output gradient per channel (M = 1)
+    squares, weighted_sum = ghost_norms.depthwise_kernel_sq_norms(
+        a[:, :, None, :], g[:, :, None, :], kernel_size=(1, 1), strides=(1, 1),
+        dilation_rate=(1, 1), padding="valid", depth_multiplier=1, num_views=views)
+    terms = (a * g).numpy().astype(np.longdouble).reshape(-1, views * a.shape[1], a.shape[2])
+    _assert_never_too_small(squares, np.sum(terms.sum(axis=1) ** 2, axis=1),
+                            np.sum(np.sqrt(np.sum(terms ** 2, axis=-1)), axis=1), weighted_sum,
+                            a.shape[0] // views, held=True, rows=views * a.shape[1])
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(_cancelling_rows(), st.integers(1, 4))
+def test_embedding_norms_never_come_out_too_small(case, vocabulary):
+    # Few distinct ids, so that the output gradients of equal ids (which cancel) add up.
+    a, g, views, _, seed = case
+    ids = np.random.default_rng(seed).integers(0, vocabulary, a.shape[:2])
+    squares, weighted_sum = ghost_norms.embedding_sq_norms(tf.constant(ids), g, vocabulary,
+                                                           num_views=views)
+    rows = views * a.shape[1]
+    g64 = g.numpy().astype(np.longdouble).reshape(-1, rows, g.shape[-1])
+    ids = ids.reshape(-1, rows)
+    exact = np.array([sum(np.sum(g64[i][ids[i] == v].sum(axis=0) ** 2)
+                          for v in range(vocabulary)) for i in range(len(ids))])
+    terms = np.sum(np.sqrt(np.sum(g64 ** 2, axis=-1)), axis=1)
+    _assert_never_too_small(squares, exact, terms, weighted_sum, len(ids), held=True, rows=rows)
