@@ -622,3 +622,22 @@ def test_a_trainable_batch_norm_is_refused_by_dp_model():
     model = keras.Model(inputs, keras.layers.Dense(10)(keras.layers.Flatten()(x)))
     with pytest.raises(ValueError, match=r"bn \(BatchNormalization\).*layer\.trainable = False"):
         DPModel(model, _mechanism())
+
+
+def test_a_vit_block_trains_under_dp_model_on_the_ghost_path(caplog):
+    # clipping='auto' takes the ghost path: every layer, attention included, has a rule
+    # (no per-example loop warning).
+    with caplog.at_level(logging.WARNING):
+        dp, update = _update(_vit_block, "auto", _inputs((6, 5), 1.0, batch=4))
+    assert dp.clipping_path == "ghost"
+    assert "keep tf.vectorized_map" not in caplog.text
+    assert all(np.all(np.isfinite(u)) for u in update) and any(np.any(u != 0) for u in update)
+
+
+@pytest.mark.slow
+def test_xla_step_of_the_vit_block_equals_the_graph_step():
+    # Static shapes in the attention and embedding rules: XLA compiles the ghost step.
+    data = _inputs((6, 5), 1.0, batch=4)
+    _, compiled = _update(_vit_block, "ghost", data, jit_compile=True)
+    _, graph = _update(_vit_block, "ghost", data)
+    _assert_same_update(compiled, graph)
