@@ -228,6 +228,22 @@ def test_layers_outside_the_new_rules_fall_back(layer, call):
     assert instance.name in [name for name, _ in ghost.uncovered_layers]
 
 
+def test_a_masked_input_keeps_attention_unchanged_and_on_the_fallback():
+    # Masking upstream: MultiHeadAttention reads the mask inside its call, which the
+    # replay would drop (the tapped model would compute another function).
+    inputs = keras.Input((5, 4))
+    x = keras.layers.Masking(0.0)(inputs)
+    x = keras.layers.MultiHeadAttention(2, 4, name="attention")(x, x)
+    model = keras.Model(inputs, keras.layers.Dense(3)(keras.layers.GlobalAveragePooling1D()(x)))
+    ghost = ghost_clipping.GhostClipping(model, model.trainable_variables)
+    assert ("attention", "called with a mask, keyword arguments or several inputs") in \
+        ghost.uncovered_layers
+    images = np.random.default_rng(0).normal(size=(2, 5, 4)).astype(np.float32)
+    images[:, 3:] = 0.0  # masked positions
+    np.testing.assert_allclose(ghost.tapped_model(images)[0].numpy(), model(images).numpy(),
+                               rtol=1e-5, atol=1e-6)
+
+
 def test_padding_does_not_change_the_other_examples():
     # A masked row of huge garbage: the real rows' norms and the clipped sum are those of
     # the real rows alone.

@@ -627,8 +627,13 @@ class GhostClipping:
         would then have to see).
         """
         several = getattr(ghost_norms.find_layer_rule(layer), "takes_several_inputs", False)
+        # A Keras mask carried by an input (a Masking layer upstream) is read inside the
+        # layer's call (MultiHeadAttention); a TappedLayer would drop it: call it unchanged.
+        # (`_keras_mask` is where Keras' masking guide documents a tensor's mask; Keras 3
+        # exports no getter.)
+        masked = any(getattr(a, "_keras_mask", None) is not None for a in args)
         plain = (len(args) == 1 or (several and len(args) <= 3)) and kwargs.get(
-            "mask") is None and set(kwargs) <= {"mask", "training"}
+            "mask") is None and set(kwargs) <= {"mask", "training"} and not masked
         if (isinstance(layer, keras.Model) and plain and kwargs.get("training") is None
                 and len(getattr(layer, "outputs", None) or ()) == 1):
             try:
@@ -638,7 +643,9 @@ class GhostClipping:
         if not getattr(layer, "trainable_variables", None):
             return layer(*args, **kwargs)
         if ghost_norms.find_layer_rule(layer) is None or not plain:
-            self._uncovered.append((layer.name, f"no rule for {type(layer).__name__}"))
+            reason = (f"no rule for {type(layer).__name__}" if ghost_norms.find_layer_rule(
+                layer) is None else "called with a mask, keyword arguments or several inputs")
+            self._uncovered.append((layer.name, reason))
             return layer(*args, **kwargs)
         tapped = TappedLayer(layer, self._context, name=f"tapped_{len(self._tapped)}_{layer.name}")
         outputs = tapped(args[0] if len(args) == 1 else list(args))
