@@ -280,6 +280,24 @@ def test_embedding_table_with_repeated_ids(num_views):
     _check(result, per_example, factors=[0.5, 0.0, 2.0])
 
 
+def test_embedding_negative_ids_are_the_rows_keras_takes():
+    # keras.ops.take maps id -1 to row vocabulary - 1: ids -1 and 5 of a 6-row table are
+    # the same row, so their output gradients add before the norm (taken apart, the norm
+    # would be |g_0|^2 + |g_1|^2, too small when they point the same way).
+    vocabulary = 6
+    ids = tf.constant([[-1, 5], [-2, 0]])
+    table = tf.Variable(_normal(vocabulary, 3))
+    g = tf.constant([[[1.0, 2.0, 0.0], [1.0, 2.0, 0.0]], [[0.0, 1.0, 1.0], [1.0, 0.0, 0.0]]])
+
+    def loss(i):
+        from keras import ops
+        return tf.reduce_sum(ops.take(table, ids[i], axis=0) * g[i])
+
+    result = ghost_norms.embedding_sq_norms(ids, g, vocabulary)
+    _check(result, _per_example(loss, table, 2), factors=[1.0, 0.5])
+    assert result[0].numpy()[0] == pytest.approx(20.0)  # |(2, 4, 0)|^2, not 5 + 5
+
+
 # -- Broadcast parameters ------------------------------------------------------
 
 

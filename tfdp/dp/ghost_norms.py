@@ -768,7 +768,8 @@ def embedding_sq_norms(ids: tf.Tensor, output_grads: tf.Tensor, vocabulary_size:
 
     Args:
       ids: int (or float, truncated as `keras.layers.Embedding` does)
-        `[batch * K, ...]`, the layer's input.
+        `[batch * K, ...]`, the layer's input; a negative id is row
+        `id + vocabulary_size`, as `keras.ops.take` reads it.
       output_grads: float32 `[batch * K, ..., dim]`, `dL/dz`.
       vocabulary_size: the table's number of rows.
       num_views: K.
@@ -781,6 +782,9 @@ def embedding_sq_norms(ids: tf.Tensor, output_grads: tf.Tensor, vocabulary_size:
     g = example_rows(output_grads, num_views)  # [batch, R, dim]
     batch = tf.shape(g)[0]
     ids = tf.reshape(tf.cast(ids, tf.int32), [batch, -1])  # [batch, R]
+    # keras.ops.take reads row id + vocabulary_size for a negative id: the same row must
+    # be the same id here, or its gradients would be normed apart (too small).
+    ids = tf.where(ids < 0, ids + vocabulary_size, ids)
     same = tf.cast(tf.equal(ids[:, :, None], ids[:, None, :]), g.dtype)  # [batch, R, R]
     earlier = tf.reduce_sum(tf.linalg.band_part(same, -1, 0), axis=-1) - 1.0  # r' < r, same id
     first = tf.cast(tf.equal(earlier, 0.0), g.dtype)[:, :, None]
