@@ -113,3 +113,4 @@ def test_a_dataset_whose_third_element_is_a_weight_stops_with_a_message():
     weighted = tf.data.Dataset.from_tensors((images, labels, np.array([1.0, 50.0], np.float32)))
     with pytest.raises(tf.errors.InvalidArgumentError, match="padding mask and must be 0 or 1"):
         dp.fit(weighted, epochs=1, verbose=0)
+

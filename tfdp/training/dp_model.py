@@ -9,6 +9,7 @@ import tensorflow as tf
 from absl import logging
 
 from tfdp import accounting
+from tfdp import host
 from tfdp import models
 from tfdp.dp import clipping
 from tfdp.dp import coins
@@ -17,6 +18,58 @@ from tfdp.training import ema
 from tfdp.training import ghost_clipping
 
 CLIPPING_PATHS = ("auto", "vectorized", "ghost")
+
+
+def refuse_onednn_broadcast_matmul(model):
+    """Raises if the vectorized path would meet TensorFlow 2.21's oneDNN broadcast-matmul bug.
+
+    With oneDNN on, `tf.matmul` of a rank-4 tensor with a size-1 axis by a
+    rank-2 matrix returns garbage (up to 1e35) for its last batch entry, or
+    crashes (found 2026-11-25 on TF 2.21; exact with TF_ENABLE_ONEDNN_OPTS=0 and
+    at rank 3). `tf.vectorized_map` builds exactly that op for a Dense or
+    EinsumDense layer applied to a `[batch, T, C]` (or higher-rank) input: each
+    example runs as `[1, T, C]`, batched to `[batch, 1, T, C]`. One example's
+    "gradient" would then be memory that may hold other examples' values, and
+    the clip no longer bounds what one example changes. The ghost path never
+    forms the op; a Dense on `[batch, C]` (after Flatten or pooling) is safe.
+
+    The input ranks are read from the functional graph: a Dense inside a
+    subclassed model's `call` is not seen (its input rank is not recorded).
+
+    Args:
+      model: the wrapped Keras model, whose variables use the vectorized path.
+
+    Raises:
+      ValueError: if oneDNN is on and a Dense or EinsumDense layer takes an
+        input of rank >= 3; the message names the layers and the two ways out.
+    """
+    if not host.onednn_enabled():
+        return
+    exposed = []
+    for layer in _all_layers(model):
+        if isinstance(layer, (keras.layers.Dense, keras.layers.EinsumDense)):
+            try:
+                rank = len(layer.input.shape)
+            except (AttributeError, ValueError):  # a subclassed model's layer: cannot tell
+                continue
+            if rank >= 3:
+                exposed.append(layer.name)
+    if exposed:
+        raise ValueError(
+            f"The per-example gradients of layers {exposed} (Dense or EinsumDense on inputs of "
+            "rank >= 3) would run tf.vectorized_map through a matmul that TensorFlow 2.21 "
+            "computes wrongly with oneDNN on (its last batch entry is garbage), which breaks "
+            "the clip bound. Use clipping='ghost' if every such layer has a ghost-norm rule "
+            "(and no microbatches), or set TF_ENABLE_ONEDNN_OPTS=0 before TensorFlow is "
+            "imported (slower: BUILD.md, 'oneDNN on and off').")
+
+
+def _all_layers(model):
+    """Every layer of `model`, nested models' layers included."""
+    for layer in getattr(model, "layers", []):
+        yield layer
+        if isinstance(layer, keras.Model):
+            yield from _all_layers(layer)
 
 
 def refuse_example_weights(class_weight, sample_weight, *, where):
@@ -303,6 +356,8 @@ class DPModel(keras.Model):
         # Build the optimizer (and the EMA) now, outside any tf.function.
         self.optimizer.build(self.trainable_variables)
         self._ghost = self._plan_clipping()
+        if self._ghost is None or self._ghost.fallback_variables:
+            refuse_onednn_broadcast_matmul(self.model)
         self.ema_variables = None
         if self.ema_decay is not None:
             self.ema_variables = [
