@@ -13,58 +13,13 @@ from tfdp.dp import clipping
 from tfdp.training import ghost_clipping
 from tfdp.training.dp_model import DPModel
 
+from tests.training import ghost_testing
+
 RTOL = 1e-5
-LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
-
-
-def _example_loss_fn(model):
-    """DPModel's per-example loss (the mean over the example's views)."""
-    rank = len(model.inputs[0].shape)
-
-    def example_loss(example):
-        images, label = example
-        views = images if images.shape.rank == rank else images[tf.newaxis]
-        logits = model(tf.cast(views, tf.float32), training=True)
-        loss = tf.reduce_mean(LOSS(tf.fill([tf.shape(logits)[0]], tf.cast(label, tf.int32)),
-                                   logits))
-        return loss, (loss, tf.reduce_mean(logits, axis=0))
-
-    return example_loss
-
-
-def _nf_blocks(num_classes=10):
-    inputs = keras.Input((8, 8, 3))
-    x = models.ScaledWSConv2D(8, 3, padding="same", use_bias=False, name="stem")(inputs)
-    x = models.NFResBlock(16, strides=2, name="transition")(x)
-    x = models.NFResBlock(16, beta=1.02, name="identity")(x)
-    x = keras.layers.GlobalAveragePooling2D()(x)
-    return keras.Model(inputs, keras.layers.Dense(num_classes)(x))
-
-
-def _layer_norm_model(num_classes=10):
-    inputs = keras.Input((4, 6))
-    x = keras.layers.Dense(8, activation="tanh")(inputs)
-    x = keras.layers.LayerNormalization()(x)
-    x = keras.layers.Flatten()(x)
-    return keras.Model(inputs, keras.layers.Dense(num_classes)(x))
-
-
-# Every model family tfdp trains, at small sizes; inputs in the model's units.
-FAMILIES = {
-    "tramer_cnn": (lambda: models.build_tramer_cnn(10), (28, 28, 1), 255.0),
-    "tramer_cifar_cnn": (lambda: models.build_tramer_cifar_cnn(10, input_shape=(16, 16, 3),
-                                                               size="small"), (16, 16, 3), 255.0),
-    "scatternet_linear": (lambda: models.build_scatternet_linear((7, 7, 81), 10, groups=27),
-                          (7, 7, 81), 1.0),
-    "scatternet_cnn": (lambda: models.build_scatternet_cnn((7, 7, 81), 10, groups=27),
-                       (7, 7, 81), 1.0),
-    "wrn_gn_ws": (lambda: models.build_wide_resnet(10, 1, 10, input_shape=(16, 16, 3)),
-                  (16, 16, 3), 255.0),
-    "wrn_relu_gn": (lambda: models.build_wide_resnet(10, 1, 10, input_shape=(8, 8, 3),
-                                                     norm_order="conv_relu_gn"), (8, 8, 3), 255.0),
-    "nf_resnet_blocks": (_nf_blocks, (8, 8, 3), 1.0),
-    "layer_norm": (_layer_norm_model, (4, 6), 1.0),
-}
+LOSS = ghost_testing.LOSS
+FAMILIES = ghost_testing.FAMILIES
+_example_loss_fn = ghost_testing.example_loss_fn
+_nf_blocks = ghost_testing.nf_blocks
 
 
 def _inputs(shape, scale, batch=4, num_views=None, seed=0):
