@@ -40,3 +40,20 @@ def test_config_runs_two_steps_on_local_imagenet_shaped_data(
     assert report["num_examples"] == num_train
     assert os.path.isdir(tmp_path / "export")
     assert not any("while_loop" in m for m in tensorflow_warnings), tensorflow_warnings
+
+
+def test_a_truncated_shard_is_refused_before_the_workdir_is_touched(
+        tmp_path, run_smoke, synthetic_imagenet_dir):
+    # Before: a 200-line "Corrupted Riegeli/records file" traceback, and checkpoints/ckpt-0
+    # left in the workdir.
+    import shutil  # pylint: disable=g-import-not-at-top
+
+    copy = tmp_path / "data"
+    shutil.copytree(synthetic_imagenet_dir, copy)
+    shard = next(copy.rglob("*train.array_record*"))
+    with open(shard, "r+b") as f:
+        f.truncate(shard.stat().st_size // 2)
+    with pytest.raises(data.DatasetNotFoundError, match=rf"corrupt shard.*{shard.name}"):
+        run_smoke(tmp_path / "wd", ["imagenet.gin"], [
+            *SMOKE_PARAMS, f"DATA_DIR = '{copy}'", "NUM_EXAMPLES = 40"], mock=False)
+    assert not (tmp_path / "wd").exists()

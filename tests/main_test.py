@@ -98,3 +98,27 @@ def test_cli_error_is_printed_once_without_gin_s_location(tmp_path, param, messa
     assert result.stderr.count(message) == 1
     assert "In call to configurable" not in result.stderr and "Traceback" not in result.stderr
     assert not os.path.exists(tmp_path / "wd")  # validated before the workdir is touched
+
+
+def test_an_unclosed_bracket_names_its_file_or_param(tmp_path):
+    # Before: a raw tokenize.TokenError traceback that named no file.
+    import gin  # pylint: disable=g-import-not-at-top
+
+    bad = tmp_path / "mine.gin"
+    bad.write_text("include 'fashion_mnist.gin'\nNUM_STEPS = (3\n")
+    try:
+        with pytest.raises(main.ConfigError, match=rf"gin file {bad}: EOF in multi-line "
+                                                   r"statement \(an unclosed"):
+            main.parse_config([str(bad)], [])
+        gin.clear_config()
+        with pytest.raises(main.ConfigError,
+                           match=r"--gin_param='tfdp.train_and_evaluate.augmult = \(2': EOF"):
+            main.parse_config(["fashion_mnist.gin"], ["tfdp.train_and_evaluate.augmult = (2"])
+    finally:
+        gin.clear_config()
+
+
+def test_cli_unclosed_bracket_exits_2_without_a_traceback(tmp_path):
+    result = _run(tmp_path, "--gin_file=fashion_mnist.gin", "--gin_param=NUM_STEPS = (3")
+    assert result.returncode == 2
+    assert "--gin_param='NUM_STEPS = (3'" in result.stderr and "Traceback" not in result.stderr

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import shutil
 
 import pytest
@@ -59,3 +60,195 @@ def test_more_steps_extend_the_run(copy, run_smoke):
     report = run_smoke(copy, ["fashion_mnist.gin"], [*PARAMS, "NUM_STEPS = 4"])
     assert report["steps"] == 4
     assert json.loads((copy / "privacy_report.json").read_text())["steps"] == 4
+
+
+# -- Issue 19: one workdir, one run, nothing lost -----------------------------------------
+
+
+def _tree(workdir):
+    """{relative path: (size, mtime)} of every file under `workdir`."""
+    out = {}
+    for root, _, files in os.walk(workdir):
+        for name in files:
+            path = os.path.join(root, name)
+            out[os.path.relpath(path, workdir)] = (os.path.getsize(path),
+                                                   os.stat(path).st_mtime_ns)
+    return out
+
+
+@pytest.mark.parametrize("remove", ["checkpoints", "checkpoints/checkpoint"])
+def test_a_finished_workdir_without_its_checkpoint_state_is_refused(copy, run_smoke, remove):
+    # Before: the same command trained again from step 1 with fresh coins, overwrote
+    # export/ and appended a second run to metrics.jsonl, under a report of one run.
+    target = copy / remove
+    shutil.rmtree(target) if target.is_dir() else target.unlink()
+    before = _tree(copy)
+    with pytest.raises(ValueError, match=r"holds outputs of an earlier run \(.*export/.*"
+                                         r"metrics\.jsonl.*privacy_report\.json.*\) but no "
+                                         r"checkpoint that resumes it.*new workdir"):
+        run_smoke(copy, ["fashion_mnist.gin"], PARAMS)
+    assert _tree(copy) == before
+
+
+@pytest.mark.parametrize("name", ["export/saved_model.pb", "privacy_report.json",
+                                  "metrics.jsonl", "tensorboard/events.out.tfevents.1"])
+def test_a_folder_with_someone_s_outputs_is_refused(tmp_path, run_smoke, name):
+    workdir = tmp_path / "theirs"
+    (workdir / name).parent.mkdir(parents=True, exist_ok=True)
+    (workdir / name).write_text("their file")
+    with pytest.raises(ValueError, match=rf"holds outputs of an earlier run \({name.split('/')[0]}"):
+        run_smoke(workdir, ["fashion_mnist.gin"], PARAMS)
+    assert sorted(p.name for p in workdir.rglob("*")) == sorted(
+        p.name for p in [workdir / name, (workdir / name).parent] if p != workdir)
+    assert (workdir / name).read_text() == "their file"
+
+
+def test_a_folder_with_unrelated_files_is_used_and_they_stay(tmp_path, run_smoke):
+    workdir = tmp_path / "mine"
+    workdir.mkdir()
+    (workdir / "notes.txt").write_text("mine")
+    run_smoke(workdir, ["fashion_mnist.gin"], PARAMS)
+    assert (workdir / "notes.txt").read_text() == "mine"
+    assert (workdir / "FINISHED").exists() and not (workdir / ".tfdp.lock").exists()
+
+
+def test_a_missing_export_is_written_again_never_called_unchanged(copy, run_smoke, caplog):
+    # Before: "already holds this finished run; its report and export are unchanged",
+    # with no export/ there.
+    shutil.rmtree(copy / "export")
+    metrics = (copy / "metrics.jsonl").read_text()
+    report = run_smoke(copy, ["fashion_mnist.gin"], PARAMS)
+    assert "unchanged" not in caplog.text
+    assert (copy / "export" / "saved_model.pb").exists()
+    assert json.loads((copy / "FINISHED").read_text())["steps"] == report["steps"] == 2
+    assert (copy / "metrics.jsonl").read_text() == metrics  # nothing trained again
+
+
+def _export_fault(monkeypatch, error):
+    """Makes the SavedModel write fail half-way (the files are there, then `error`)."""
+    import keras  # pylint: disable=g-import-not-at-top
+
+    archive_class = type(keras.export.ExportArchive())  # the backend's subclass
+    original = archive_class.write_out
+
+    def write_out(self, filepath, **kwargs):
+        original(self, filepath, **kwargs)
+        raise error
+
+    monkeypatch.setattr(archive_class, "write_out", write_out)
+
+
+def _leftovers(workdir):
+    return sorted(p.name for p in workdir.iterdir() if ".tmp-" in p.name or ".old-" in p.name)
+
+
+def test_a_full_disk_during_export_leaves_an_unfinished_workdir_that_a_rerun_finishes(
+        tmp_path, run_smoke, monkeypatch):
+    # Before: privacy_report.json was written before the SavedModel, a raw OSError
+    # escaped, and every rerun said "finished ... unchanged" without an export.
+    workdir = tmp_path / "wd"
+    _export_fault(monkeypatch, OSError(28, "No space left on device"))
+    with pytest.raises(ValueError, match=r"No space left on device.*ckpt-2 is kept.*run the "
+                                         r"same command again.*not finished \(no FINISHED\)"):
+        run_smoke(workdir, ["fashion_mnist.gin"], PARAMS)
+    assert not (workdir / "FINISHED").exists()
+    assert not (workdir / "privacy_report.json").exists() and not (workdir / "export").exists()
+    assert _leftovers(workdir) == []
+    monkeypatch.undo()
+    report = run_smoke(workdir, ["fashion_mnist.gin"], PARAMS)
+    assert report["steps"] == 2 and (workdir / "export" / "saved_model.pb").exists()
+    assert json.loads((workdir / "privacy_report.json").read_text())["steps"] == 2
+    assert json.loads((workdir / "FINISHED").read_text())["steps"] == 2
+    assert [json.loads(line)["step"] for line in
+            (workdir / "metrics.jsonl").read_text().splitlines()] == [2]  # trained once
+
+
+def test_a_full_disk_at_the_first_checkpoint_leaves_nothing_like_progress(
+        tmp_path, run_smoke, monkeypatch):
+    # Before: a raw ResourceExhaustedError traceback, and checkpoints/ckpt-0_temp left.
+    import tensorflow as tf  # pylint: disable=g-import-not-at-top
+
+    def save(self, checkpoint_number=None, **kwargs):
+        partial = os.path.join(self.directory, f"ckpt-{checkpoint_number}_temp")
+        os.makedirs(partial)
+        with open(os.path.join(partial, "part-00000-of-00001.data-00000-of-00001"), "w") as f:
+            f.write("partial")
+        raise tf.errors.ResourceExhaustedError(None, None, "No space left on device")
+
+    monkeypatch.setattr(tf.train.CheckpointManager, "save", save)
+    workdir = tmp_path / "wd"
+    with pytest.raises(ValueError, match=r"ResourceExhaustedError: No space left on device\. "
+                                         r"No checkpoint was kept"):
+        run_smoke(workdir, ["fashion_mnist.gin"], PARAMS)
+    assert not workdir.exists()  # created by the run, and nothing of it stays
+
+
+def test_a_workdir_that_cannot_be_created_is_refused_before_training(tmp_path, run_smoke):
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(ValueError, match=r"Cannot write into the workdir .*a_file/wd.*"
+                                         r"Choose a writable workdir"):
+        run_smoke(tmp_path / "a_file" / "wd", ["fashion_mnist.gin"], PARAMS)
+
+
+@pytest.fixture
+def read_only_dir(tmp_path):
+    """A read-only tmpfs (needs the right to mount; skipped without it)."""
+    import subprocess  # pylint: disable=g-import-not-at-top
+
+    path = tmp_path / "ro"
+    path.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(path)],
+                      capture_output=True).returncode:
+        pytest.skip("cannot mount a read-only tmpfs here")
+    yield path
+    subprocess.run(["umount", str(path)], check=True)
+
+
+def test_a_read_only_workdir_is_refused_before_training(read_only_dir, run_smoke):
+    # Before: a raw PermissionDeniedError traceback once the first checkpoint was saved.
+    with pytest.raises(ValueError, match=r"Cannot write into the workdir .*Read-only file "
+                                         r"system.*Choose a writable workdir"):
+        run_smoke(read_only_dir / "wd", ["fashion_mnist.gin"], PARAMS)
+
+
+def _truncate(path):
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2)
+
+
+@pytest.mark.parametrize("suffix, named", [(".data-00000-of-00001", "data"),
+                                           (".index", "index")])
+def test_a_corrupt_checkpoint_is_named_and_the_intact_earlier_one_offered(
+        copy, run_smoke, suffix, named):
+    # Before: a 50-line traceback ("Read less bytes than requested", or "file is too short
+    # to be an sstable") that named no file.
+    _truncate(copy / "checkpoints" / f"ckpt-2{suffix}")
+    before = _tree(copy)
+    with pytest.raises(ValueError) as error:
+        run_smoke(copy, ["fashion_mnist.gin"], PARAMS)
+    message = str(error.value)
+    assert f"checkpoints/ckpt-2{suffix} cannot be read" in message, message
+    assert "a truncated file?" in message and "Traceback" not in message
+    assert re.search(r"The earlier checkpoint \S*checkpoints/ckpt-0 is intact\. To resume "
+                     r"from it, move the files of ckpt-2 .*run the same command again", message)
+    assert _tree(copy) == before
+    # Doing as told resumes from ckpt-0: the same coins replay steps 1-2.
+    (copy / "aside").mkdir()
+    for path in (copy / "checkpoints").glob("ckpt-2.*"):
+        path.rename(copy / "aside" / path.name)
+    report = run_smoke(copy, ["fashion_mnist.gin"], PARAMS)
+    assert report["steps"] == 2 and (copy / "FINISHED").exists()
+
+
+def test_a_corrupt_only_checkpoint_says_the_run_cannot_be_resumed(copy, run_smoke):
+    for path in (copy / "checkpoints").glob("ckpt-0.*"):
+        path.unlink()
+    _truncate(copy / "checkpoints" / "ckpt-2.data-00000-of-00001")
+    with pytest.raises(ValueError, match=r"ckpt-2 is corrupt: .*cannot be read.*No earlier "
+                                         r"checkpoint is intact.*new workdir"):
+        run_smoke(copy, ["fashion_mnist.gin"], PARAMS)
+
+
+def test_a_url_workdir_is_refused_rather_than_run_without_a_lock(run_smoke):
+    with pytest.raises(ValueError, match=r"gs://bucket/wd is a URL; tfdp locks its workdir"):
+        run_smoke("gs://bucket/wd", ["fashion_mnist.gin"], PARAMS)

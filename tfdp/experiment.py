@@ -8,12 +8,14 @@ model is built in the strategy's scope, each replica trains on its slice of
 every (padded, masked) logical batch, and only the chief writes the outputs.
 """
 
+import contextlib
 import dataclasses
 import json
 import math
 import os
 import shutil
 import sys
+import tempfile
 
 import gin
 import keras
@@ -25,6 +27,7 @@ from tfdp import accounting
 from tfdp import augment
 from tfdp import data
 from tfdp import models
+from tfdp import workdir as workdir_lib
 from tfdp.dp import coins
 from tfdp.export import privacy_report
 from tfdp.export import saved_model
@@ -37,7 +40,7 @@ from tfdp.training.dp_model import CLIPPING_PATHS, DPModel
 METRICS_FILE = "metrics.jsonl"
 OPERATIVE_CONFIG = "operative_config.gin"
 EXPORT_DIR = "export"
-CHECKPOINT_DIR = "checkpoints"
+CHECKPOINT_DIR = workdir_lib.CHECKPOINT_DIR
 DATA_NORMALIZATION_FILE = "data_normalization.json"
 
 
@@ -104,19 +107,25 @@ def train_and_evaluate(
     1. `_plan`: the mechanism (calibration, the target-epsilon cap, static
        batch truncation) and every other setting;
     2. `_load_data`: the splits, checked against NUM_EXAMPLES;
-    3. `_check_workdir`: an existing checkpoint must hold this mechanism, the
-       same fixed seeds and no more steps than planned;
+    3. `_check_workdir`, under the workdir's lock (`tfdp.workdir`): an
+       existing checkpoint must be intact and hold this mechanism, the same
+       fixed seeds and no more steps than planned; without one, the workdir
+       must hold no output of an earlier run;
     4. `_features`: ScatterNet features and the private data normalization,
        released once per workdir;
     5. `_build_model`: the model and its DPModel, in the strategy's scope;
     6. `_restore`: the checkpoint, or a first one at step 0 holding the
        secret coins;
     7. `_fit`: training with evaluations, checkpoints and logs;
-    8. `_finalize`: the study ledger, the privacy report and the SavedModel.
+    8. `_finish`: the study ledger, the SavedModel, the privacy report and,
+       last, `FINISHED` (written atomically once both are complete). A
+       failed write (full disk, read-only folder) stops the run with a
+       `tfdp.workdir.WorkdirError`, keeping the checkpoints saved so far.
 
     Args:
       workdir: output directory (see README: operative_config.gin, metrics.jsonl,
-        tensorboard/, checkpoints/, privacy_report.{json,md}, export/).
+        tensorboard/, checkpoints/, privacy_report.{json,md}, export/, and
+        FINISHED last). A local path; one run at a time (locked).
       dataset: TFDS name, e.g. "fashion_mnist".
       num_examples: N, the size of the training split; checked against the data.
       batch_size: B, expected examples per optimizer update (logical batch).
@@ -224,8 +233,13 @@ def train_and_evaluate(
         checkpoint written under another mechanism or with more steps than
         planned, augmentation asked together with precomputed `features`, or
         an unknown `clipping` or non-bool `jit_compile`.
-      tfdp.data.DatasetNotFoundError: if the dataset is not prepared; the
-        message says what to run.
+      tfdp.data.DatasetNotFoundError: if the dataset is not prepared, or a
+        shard is missing or corrupt; the message says what to run.
+      tfdp.workdir.WorkdirError: (a ValueError) the workdir is a URL, is in
+        use by another run, is not writable, holds outputs of an earlier run
+        but no checkpoint to resume, or holds a corrupt checkpoint; or a
+        write failed during the run (full disk), after which the same
+        command resumes.
     """
     # First, before any other op: multi-worker and TPU strategies configure the runtime.
     dist = distribute.make_strategy(strategy)
@@ -264,102 +278,104 @@ def train_and_evaluate(
                              prepare_train=audit and audit.prepare_train)
     image_shape = train.image_shape
 
-    # 3. An existing checkpoint must be of this very mechanism (read only).
-    latest = tf.train.latest_checkpoint(os.path.join(workdir, CHECKPOINT_DIR))
-    if latest and audit is not None:
-        raise ValueError(f"An audit draws new canaries, so it cannot resume {latest}: use a "
-                         "fresh workdir.")
-    if latest:
-        finished = _check_workdir(workdir, latest, mechanism, sampling_seed=sampling_seed,
-                                  noise_seed=noise_seed)
+    # 3. The workdir: locked for the whole run by the chief (which writes it), then
+    # checked: a checkpoint of this very mechanism, or no output of an earlier run.
+    workdir_lib.check_local(workdir)
+    chief = distribute.is_chief(dist)
+    with contextlib.ExitStack() as run:
+        if chief:
+            run.enter_context(workdir_lib.locked(workdir))
+        latest, finished = _check_workdir(workdir, mechanism, audit=audit,
+                                          sampling_seed=sampling_seed, noise_seed=noise_seed)
         if finished is not None:
             return finished
+        out_dir = distribute.output_dir(workdir, dist)  # workdir, or a temp dir off the chief
+        workdir_lib.clear_finished(out_dir)  # not finished until this run says so
+        run.enter_context(_stops_cleanly(out_dir))
 
-    # 4. Features and the private data normalization (released once per workdir).
-    train, test, head_kwargs = _features(train, test, features, mechanism.data_normalization,
-                                         workdir)
+        # 4. Features and the private data normalization (released once per workdir).
+        train, test, head_kwargs = _features(train, test, features, mechanism.data_normalization,
+                                             workdir)
 
-    # 5. Model and DP state, mirrored under the strategy.
-    _check_builder_bindings(model_fn)
-    with dist.scope():
-        model = model_fn(num_classes=train.num_classes, input_shape=train.image_shape,
-                         **head_kwargs)
-        _check_output_width(model, train.num_classes, dataset)
-        build_dp_model = DPModel if audit is None else audit.build_dp_model
-        dp_model = build_dp_model(model, mechanism, accumulation_steps=accumulation_steps,
-                                  noise_seed=noise_seed, ema_decay=ema_decay,
-                                  clipping=clipping)
-        dp_model.compile(optimizer=optimizer_fn(), jit_compile=jit_compile)
-    ledger = callbacks_lib.make_privacy_ledger(
-        mechanism, noise_seed=noise_seed, config=gin.config_str(),
-        sampling_seed=distribute.broadcast_from_chief(
-            dist, coins.secret_seed() if sampling_seed is None else sampling_seed))
+        # 5. Model and DP state, mirrored under the strategy.
+        _check_builder_bindings(model_fn)
+        with dist.scope():
+            model = model_fn(num_classes=train.num_classes, input_shape=train.image_shape,
+                             **head_kwargs)
+            _check_output_width(model, train.num_classes, dataset)
+            build_dp_model = DPModel if audit is None else audit.build_dp_model
+            dp_model = build_dp_model(model, mechanism, accumulation_steps=accumulation_steps,
+                                      noise_seed=noise_seed, ema_decay=ema_decay,
+                                      clipping=clipping)
+            dp_model.compile(optimizer=optimizer_fn(), jit_compile=jit_compile)
+        ledger = callbacks_lib.make_privacy_ledger(
+            mechanism, noise_seed=noise_seed, config=gin.config_str(),
+            sampling_seed=distribute.broadcast_from_chief(
+                dist, coins.secret_seed() if sampling_seed is None else sampling_seed))
 
-    # 6. Restore, or write a first checkpoint that holds the secret coins.
-    chief = distribute.is_chief(dist)
-    out_dir = distribute.output_dir(workdir, dist)  # workdir, or a temp dir off the chief
-    os.makedirs(out_dir, exist_ok=True)
-    manager, start_step = _restore(dp_model, ledger, out_dir, latest)
+        # 6. Restore, or write a first checkpoint that holds the secret coins.
+        os.makedirs(out_dir, exist_ok=True)
+        manager, start_step = _restore(dp_model, ledger, out_dir, latest)
 
-    # 7. Fit.
-    augment_fn = None
-    if augmult > 0 or augmentation is not None:
-        augment_fn = augment.get_augmentation(
-            augmentation or "none", **(augmentation_kwargs or {})
+        # 7. Fit.
+        augment_fn = None
+        if augmult > 0 or augmentation is not None:
+            augment_fn = augment.get_augmentation(
+                augmentation or "none", **(augmentation_kwargs or {})
+            )
+        train_ds = _train_dataset(
+            train, mechanism, seed=int(ledger.sampling_seed.numpy()), start_step=start_step,
+            augment_fn=augment_fn, augment_seed=[seed, 1], augmult=augmult,
+            static_batch_size=mechanism.truncation and mechanism.truncation.static_batch_size,
+            multiple=dist.num_replicas_in_sync,
         )
-    train_ds = _train_dataset(
-        train, mechanism, seed=int(ledger.sampling_seed.numpy()), start_step=start_step,
-        augment_fn=augment_fn, augment_seed=[seed, 1], augmult=augmult,
-        static_batch_size=mechanism.truncation and mechanism.truncation.static_batch_size,
-        multiple=dist.num_replicas_in_sync,
-    )
-    train_ds = distribute.distribute_logical_batches(
-        dist, train_ds, per_replica_size=(
-            mechanism.truncation and mechanism.truncation.per_replica_batch_size))
-    eval_ds = data.eval_batches(test, batch_size=eval_batch_size, num_examples=eval_examples)
-    augtest_spec = (augment_fn, augmult, [seed, 2]) if augtest else None
-    _fit(dp_model, mechanism, manager, ledger, train_ds, eval_ds, out_dir,
-         start_step=start_step, checkpoint_every_steps=checkpoint_every_steps,
-         eval_every_steps=eval_every_steps, augtest=augtest_spec, simulation=simulation,
-         progress_bar=sys.stdout.isatty() if progress_bar is None else progress_bar)
+        train_ds = distribute.distribute_logical_batches(
+            dist, train_ds, per_replica_size=(
+                mechanism.truncation and mechanism.truncation.per_replica_batch_size))
+        eval_ds = data.eval_batches(test, batch_size=eval_batch_size, num_examples=eval_examples)
+        augtest_spec = (augment_fn, augmult, [seed, 2]) if augtest else None
+        _fit(dp_model, mechanism, manager, ledger, train_ds, eval_ds, out_dir,
+             start_step=start_step, checkpoint_every_steps=checkpoint_every_steps,
+             eval_every_steps=eval_every_steps, augtest=augtest_spec, simulation=simulation,
+             progress_bar=sys.stdout.isatty() if progress_bar is None else progress_bar)
 
-    # 8. Study ledger, privacy report and SavedModel.
-    steps_done = int(dp_model.optimizer.iterations.numpy())
-    if steps_done != mechanism.num_steps:
-        raise RuntimeError(
-            f"Training stopped at step {steps_done}, not the planned {mechanism.num_steps}; "
-            "no privacy report or export was written."
+        # 8. Study ledger, privacy report and SavedModel.
+        steps_done = int(dp_model.optimizer.iterations.numpy())
+        if steps_done != mechanism.num_steps:
+            raise RuntimeError(
+                f"Training stopped at step {steps_done}, not the planned {mechanism.num_steps}; "
+                "no privacy report or export was written."
+            )
+        study = None
+        if study_dir and chief:  # one ledger entry per run, not per worker
+            study = _record_in_study(study_dir, workdir, mechanism, sampling_seed=sampling_seed)
+        if simulation:
+            logging.warning(
+                "This run SIMULATES %s; it is not private at the reference epsilon.",
+                simulation.get("reference", simulation),
+            )
+        report = privacy_report.build_privacy_report(
+            mechanism,
+            steps_completed=steps_done,
+            hyperparameters=_hyperparameters(
+                dataset=dataset, augmentation=augmentation, augmult=augmult,
+                accumulation_steps=accumulation_steps, ema_decay=ema_decay, augtest=augtest,
+                seed=seed, optimizer=keras.optimizers.serialize(dp_model.optimizer)["config"],
+            ),
+            exported_parameters="ema" if ema_decay is not None else "last",
+            simulation=simulation,
+            study=study,
         )
-    study = None
-    if study_dir and chief:  # one ledger entry per run, not per worker
-        study = _record_in_study(study_dir, workdir, mechanism, sampling_seed=sampling_seed)
-    if simulation:
-        logging.warning(
-            "This run SIMULATES %s; it is not private at the reference epsilon.",
-            simulation.get("reference", simulation),
+        if audit is not None:
+            report["audit"] = audit.result(dp_model, mechanism)
+        _finish(report, dp_model, model, out_dir, features=features, image_shape=image_shape)
+        if out_dir != workdir:
+            shutil.rmtree(out_dir, ignore_errors=True)
+        logging.info(
+            "Done: epsilon=%.4f at delta=%g after %d steps; SavedModel in %s.",
+            report["epsilon"], report["delta"], steps_done, os.path.join(workdir, EXPORT_DIR),
         )
-    report = privacy_report.build_privacy_report(
-        mechanism,
-        steps_completed=steps_done,
-        hyperparameters=_hyperparameters(
-            dataset=dataset, augmentation=augmentation, augmult=augmult,
-            accumulation_steps=accumulation_steps, ema_decay=ema_decay, augtest=augtest,
-            seed=seed, optimizer=keras.optimizers.serialize(dp_model.optimizer)["config"],
-        ),
-        exported_parameters="ema" if ema_decay is not None else "last",
-        simulation=simulation,
-        study=study,
-    )
-    if audit is not None:
-        report["audit"] = audit.result(dp_model, mechanism)
-    _export(report, dp_model, model, out_dir, features=features, image_shape=image_shape)
-    if out_dir != workdir:
-        shutil.rmtree(out_dir, ignore_errors=True)
-    logging.info(
-        "Done: epsilon=%.4f at delta=%g after %d steps; SavedModel in %s.",
-        report["epsilon"], report["delta"], steps_done, os.path.join(workdir, EXPORT_DIR),
-    )
-    return report
+        return report
 
 
 def _plan(strategy, accumulation_steps, static_batch_size, **privacy):
@@ -403,41 +419,89 @@ def _load_data(dataset, train_split, test_split, *, data_dir, image_size, num_ex
     return train, test
 
 
-def _check_workdir(workdir, latest, mechanism, *, sampling_seed, noise_seed):
-    """Stage 3: what an existing checkpoint allows; read only.
+def _check_workdir(workdir, mechanism, *, audit, sampling_seed, noise_seed):
+    """Stage 3: what the workdir allows this run to do; read only (the chief holds the lock).
 
-    The checkpoint must hold this mechanism and no more steps than planned
-    (`check_privacy_ledger`). A finished run (all steps, report written) is
-    not redone: the same settings return its report untouched, other
-    settings are refused with the list of what changed, so that "Done" never
-    stands next to a report of another run. Resuming an unfinished run with
+    A workdir without a checkpoint to resume must hold no output of an
+    earlier run (`tfdp.workdir.earlier_run_outputs`). A checkpoint (read in
+    full: a corrupt one is named, `tfdp.workdir.resume_checkpoint`) must hold
+    this mechanism and no more steps than planned (`check_privacy_ledger`).
+    A finished run (all steps and FINISHED, `tfdp.workdir.finished`) is not
+    redone: the same settings return its report untouched. A run with all
+    its steps but no FINISHED (killed, or a full disk, while exporting) goes
+    on to write its export and report. Other settings than the checkpoint's
+    are refused once all steps are trained, so that a report never states
+    settings that did not train the model; resuming an unfinished run with
     changed settings logs what changed.
 
     Returns:
-      The finished run's report, or None when there is training left to do.
+      `(latest, report)`: the checkpoint to resume (or None), and the
+      finished run's report (or None when there is work left to do).
 
     Raises:
-      ValueError: from `check_privacy_ledger`, or on a finished workdir rerun
-        with other settings.
+      tfdp.workdir.WorkdirError: outputs of an earlier run without a
+        checkpoint, or a corrupt checkpoint.
+      ValueError: from `check_privacy_ledger`, an audit asked to resume, or
+        a fully trained workdir rerun with other settings.
     """
+    latest = workdir_lib.resume_checkpoint(os.path.join(workdir, CHECKPOINT_DIR))
+    if not latest:
+        found = workdir_lib.earlier_run_outputs(workdir)
+        if found:
+            workdir_lib.refuse_used_workdir(workdir, found)
+        return None, None
+    if audit is not None:
+        raise ValueError(f"An audit draws new canaries, so it cannot resume {latest}: use a "
+                         "fresh workdir.")
     steps, saved_config = callbacks_lib.check_privacy_ledger(
         latest, mechanism, sampling_seed=sampling_seed, noise_seed=noise_seed)
     changes = callbacks_lib.config_changes(saved_config, gin.config_str())
-    report_path = os.path.join(workdir, privacy_report.REPORT_JSON)
-    if steps == mechanism.num_steps and os.path.exists(report_path):
+    finished = workdir_lib.finished(workdir)
+    if steps == mechanism.num_steps:
         if changes:
+            what = ("a finished run" if finished else
+                    "a run trained for all its steps (its export is not finished)")
             raise ValueError(
-                f"{workdir} holds a finished run of {steps} steps with other settings; "
+                f"{workdir} holds {what} of {steps} steps with other settings; "
                 "nothing was changed. What differs (- that run, + this one):\n  "
                 + "\n  ".join(changes) + "\nUse a new workdir for the new settings.")
-        logging.info("%s already holds this finished run (%d steps); its report and export "
-                     "are unchanged.", workdir, steps)
-        with open(report_path) as f:
-            return json.load(f)
-    if changes:
+        if finished:
+            logging.info("%s already holds this finished run (%d steps; see %s); its report "
+                         "and export are unchanged.", workdir, steps, workdir_lib.FINISHED_FILE)
+            with open(os.path.join(workdir, privacy_report.REPORT_JSON)) as f:
+                return latest, json.load(f)
+        logging.warning("%s holds all %d steps of this run but no finished export and report "
+                        "(no %s): writing them now.", workdir, steps, workdir_lib.FINISHED_FILE)
+    elif changes:
         logging.warning("Resuming %s at step %d with changed settings (- before, + now):\n  %s",
                         workdir, steps, "\n  ".join(changes))
-    return None
+    return latest, None
+
+
+@contextlib.contextmanager
+def _stops_cleanly(out_dir):
+    """Turns a failed write (full disk, read-only folder) into a WorkdirError; tidies up.
+
+    What a failed checkpoint save left (`ckpt-N_temp/`, part of `ckpt-N.*`)
+    is removed, so nothing looks like progress that is not; checkpoints
+    already saved stay, and the same command resumes from them.
+    """
+    checkpoint_dir = os.path.join(out_dir, CHECKPOINT_DIR)
+    before = set(os.listdir(checkpoint_dir)) if os.path.isdir(checkpoint_dir) else set()
+    try:
+        yield
+    except (OSError, tf.errors.ResourceExhaustedError, tf.errors.PermissionDeniedError) as e:
+        workdir_lib.remove_partial_checkpoints(checkpoint_dir, before)
+        kept = tf.train.latest_checkpoint(checkpoint_dir)
+        progress = (f"The checkpoint {kept} is kept; fix the cause (free disk space, make the "
+                    "workdir writable) and run the same command again to resume from it."
+                    if kept else "No checkpoint was kept; fix the cause (free disk space, "
+                    "make the workdir writable) and run the same command again.")
+        message = " ".join((getattr(e, "message", None) or str(e)).split())[:500]
+        raise workdir_lib.WorkdirError(
+            f"The run stopped on a failed write or read in {out_dir}: {type(e).__name__}: "
+            f"{message}. {progress} The workdir is not finished (no "
+            f"{workdir_lib.FINISHED_FILE}).") from e
 
 
 def _check_builder_bindings(model_fn):
@@ -536,21 +600,52 @@ def _fit(dp_model, mechanism, manager, ledger, train_ds, eval_ds, out_dir, *, st
     )
 
 
-def _export(report, dp_model, model, out_dir, *, features, image_shape):
-    """Stage 8: the report, then the SavedModel (EMA parameters when EMA is on).
+def _finish(report, dp_model, model, out_dir, *, features, image_shape):
+    """Stage 8: the SavedModel (EMA parameters when EMA is on), the report, then FINISHED.
+
+    The report is first written to a temporary folder and copied into the
+    SavedModel's assets; the SavedModel goes to `export/` atomically
+    (`tfdp.export.saved_model`); the report files are then renamed into the
+    workdir, read back and compared with the export's copy, and only then is
+    `FINISHED` written (atomically, `tfdp.workdir.write_finished`). A kill or
+    a full disk at any point leaves a workdir without FINISHED, which a rerun
+    finishes. Temporaries of an earlier, killed finish (`.export.tmp-*`,
+    `.export.old-*`, `.report.tmp-*`) are removed first: under the lock,
+    nothing else writes them.
 
     The chief writes them once; other workers export too (the save may run
     collectives) into their temp dir, which the caller deletes.
     """
-    json_path, md_path = privacy_report.write_privacy_report(report, out_dir)
+    workdir_lib.remove_stale_temporaries(out_dir)
     export_model = model
     if features == "scatternet":
         export_model = models.build_scatternet_classifier(model, image_shape)
-    with dp_model.use_ema_parameters():
-        saved_model.export_saved_model(
-            export_model, os.path.join(out_dir, EXPORT_DIR), image_shape=image_shape,
-            asset_paths=(json_path, md_path),
-        )
+    tmp = tempfile.mkdtemp(prefix=".report.tmp-", dir=out_dir)
+    try:
+        paths = privacy_report.write_privacy_report(report, tmp)
+        with dp_model.use_ema_parameters():
+            saved_model.export_saved_model(
+                export_model, os.path.join(out_dir, EXPORT_DIR), image_shape=image_shape,
+                asset_paths=paths, overwrite=True,
+            )
+        for path in paths:
+            os.replace(path, os.path.join(out_dir, os.path.basename(path)))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    files = [privacy_report.REPORT_JSON, privacy_report.REPORT_MD]
+    for name in files:
+        with open(os.path.join(out_dir, name), "rb") as mine, open(
+                os.path.join(out_dir, EXPORT_DIR, "assets", name), "rb") as exported:
+            if mine.read() != exported.read():
+                raise RuntimeError(f"{name} differs from the export's copy; not finished.")
+    with open(os.path.join(out_dir, privacy_report.REPORT_JSON)) as f:
+        if json.load(f)["steps"] != report["steps"]:
+            raise RuntimeError("The privacy report read back is not this run's; not finished.")
+    workdir_lib.write_finished(out_dir, {
+        "steps": report["steps"], "epsilon": report["epsilon"], "delta": report["delta"],
+        "files": [*files, f"{EXPORT_DIR}/saved_model.pb",
+                  *(f"{EXPORT_DIR}/assets/{name}" for name in files)],
+    })
 
 
 def _features(train, test, features, data_normalization, workdir):

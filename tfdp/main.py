@@ -67,7 +67,8 @@ def parse_config(gin_files, gin_params):
 
     Raises:
       ConfigError: on an unknown file (also one a config includes), or a
-        binding gin cannot parse.
+        binding gin cannot parse (an unclosed bracket names its file or
+        --gin_param).
     """
     import gin  # pylint: disable=g-import-not-at-top
 
@@ -81,14 +82,44 @@ def parse_config(gin_files, gin_params):
     paths = [resolve_gin_file(f) for f in gin_files]
     # `include 'NAME.gin'` inside a config also resolves among the shipped ones.
     gin.add_config_file_search_path(str(importlib.resources.files("tfdp") / "gin_configs"))
+    import tokenize  # pylint: disable=g-import-not-at-top
+
     try:
         with _quiet_include_lookup():
             gin.parse_config_files_and_bindings(paths, gin_params)
+    except tokenize.TokenError as e:
+        # Gin's tokenizer names neither the file nor the binding.
+        raise ConfigError(
+            f"Could not parse the gin config: {_unclosed(paths, gin_params)}: {e.args[0]} "
+            "(an unclosed '(', '[', '{' or string?).") from None
     except (ValueError, KeyError, SyntaxError, ImportError, OSError) as e:
         # OSError: an `include` of a file gin cannot find.
         raise ConfigError(f"Could not parse the gin config {paths} {gin_params}: {e}") from e
     _check_macros_are_used()
     return paths
+
+
+def _unclosed(paths, gin_params):
+    """Which gin file or --gin_param does not tokenize (an unclosed bracket), as text."""
+    import io  # pylint: disable=g-import-not-at-top
+    import tokenize  # pylint: disable=g-import-not-at-top
+
+    def broken(text):
+        try:
+            for _ in tokenize.generate_tokens(io.StringIO(text).readline):
+                pass
+        except tokenize.TokenError:
+            return True
+        return False
+
+    for path in paths:
+        with open(path) as f:
+            if broken(f.read()):
+                return f"gin file {path}"
+    for param in gin_params:
+        if broken(param):
+            return f"--gin_param={param!r}"
+    return f"one of {paths} (or a file they include) or {gin_params}"
 
 
 class _IncludeLookupFilter(std_logging.Filter):

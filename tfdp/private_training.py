@@ -33,7 +33,12 @@ from tfdp.dp import coins
 from tfdp.export import privacy_report
 from tfdp.export import saved_model
 from tfdp.training import callbacks as callbacks_lib
-from tfdp.training.dp_model import DPModel
+from tfdp.training.dp_model import DPModel, refuse_example_weights
+
+# A tf.data.Dataset of unknown cardinality (e.g. after `filter`) is read into memory up to
+# this many examples; a longer one is refused, as an infinite one is, instead of filling
+# the memory. Pass such data as arrays or as a prepared TFDS dataset instead.
+MAX_UNKNOWN_CARDINALITY_EXAMPLES = 1_000_000
 
 
 class PrivateTraining:
@@ -99,19 +104,44 @@ class PrivateTraining:
                 self.model.optimizer)["config"]},
             exported_parameters="ema" if self.model.ema_variables else "last")
 
-    def export(self, export_dir):
+    def export(self, export_dir, *, overwrite=False, allow_untrained=False):
         """Writes a SavedModel serving uint8 images, with the privacy report in `assets/`.
+
+        The SavedModel is written into a new, uniquely named folder beside
+        `export_dir` and renamed into place (`tfdp.export.export_saved_model`),
+        so `export_dir` holds a complete export or what it held before, and
+        no file of yours is ever deleted.
+
+        Args:
+          export_dir: a new or empty folder; or an earlier tfdp export, which
+            is replaced only with `overwrite=True`.
+          overwrite: replace an earlier tfdp export (recognized by its
+            contents: `saved_model.pb`, `variables/`, `assets/` with only the
+            privacy report).
+          allow_untrained: export before `fit` has taken a step (a model that
+            has not seen the data, with epsilon = 0 in its report).
 
         Returns:
           `export_dir`.
+
+        Raises:
+          ValueError: before any step without `allow_untrained=True`; an
+            `export_dir` that is a file or a folder with other files, or an
+            earlier export without `overwrite=True`. Nothing is written then.
         """
+        if self.steps == 0 and not allow_untrained:
+            raise ValueError(
+                "No training step was taken yet: this would export the untrained model "
+                "(epsilon = 0 in its report). Call fit() first, or pass "
+                "allow_untrained=True.")
         report = self.privacy_report()
         with tempfile.TemporaryDirectory() as tmp:
             paths = privacy_report.write_privacy_report(report, tmp)
             with self.model.use_ema_parameters():
                 return saved_model.export_saved_model(
                     self.model.model, os.fspath(export_dir),
-                    image_shape=self.source.image_shape, asset_paths=paths)
+                    image_shape=self.source.image_shape, asset_paths=paths,
+                    overwrite=overwrite)
 
 
 def make_private(
@@ -132,6 +162,8 @@ def make_private(
     ema_decay=None,
     clipping="auto",
     data_dir=None,
+    class_weight=None,
+    sample_weight=None,
 ):
     """Wraps your Keras classifier for DP-SGD on your data, with a matching sampler.
 
@@ -164,6 +196,10 @@ def make_private(
       clipping: "auto", "ghost" or "vectorized": how per-example gradients
         are clipped (`DPModel`); the same sum, so the same guarantee.
       data_dir: TFDS data_dir, for a dataset name.
+      class_weight, sample_weight: refused (ValueError) if given: a weight on an
+        example's loss scales its sensitivity beyond l2_clip_norm
+        (`tfdp.training.dp_model.refuse_example_weights`). They are named here so
+        that passing them is explained, not a TypeError.
 
     Returns:
       A `PrivateTraining`: `.fit()`, `.evaluate(test_data)`, `.epsilon()`,
@@ -171,16 +207,22 @@ def make_private(
 
     Raises:
       ValueError: on a model that mixes examples, logits that do not cover
-        the labels, data in another form or shape, invalid privacy
-        parameters, not exactly one of epochs and num_steps, or an unknown
-        clipping.
+        the labels, data in another form or shape (images that do not match
+        `model.input_shape`), an infinite or empty dataset (or one of unknown
+        cardinality longer than `MAX_UNKNOWN_CARDINALITY_EXAMPLES`), a
+        batch_size that is not a positive int, no optimizer, invalid privacy
+        parameters, not exactly one of epochs and num_steps, an unknown
+        clipping, or class or sample weights.
     """
+    refuse_example_weights(class_weight, sample_weight, where="make_private")
+    _check_arguments(batch_size=batch_size, optimizer=optimizer)
     if (epochs is None) == (num_steps is None):
         raise ValueError("Give exactly one of epochs (passes over the data) and num_steps "
                          f"(optimizer updates); got epochs={epochs}, num_steps={num_steps}.")
     models.validate_dp_model(model)
     num_classes = _output_width(model)
     source = _source(train_data, num_classes=num_classes, data_dir=data_dir)
+    _check_input_shape(model, source)
     if epochs is not None:
         if not (isinstance(epochs, (int, float)) and epochs > 0):
             raise ValueError(f"epochs must be a number > 0, got {epochs!r}.")
@@ -194,6 +236,30 @@ def make_private(
                        ema_decay=ema_decay, clipping=clipping)
     dp_model.compile(optimizer=keras.optimizers.get(optimizer))
     return PrivateTraining(dp_model, mechanism, source, sampling_seed=coins.secret_seed())
+
+
+def _check_arguments(*, batch_size, optimizer):
+    """Refuses a batch_size that is not a positive int, and a missing optimizer."""
+    if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or (
+            batch_size < 1):
+        raise ValueError(f"batch_size must be a positive int (the expected examples per step), "
+                         f"got {batch_size!r}.")
+    if optimizer is None:
+        raise ValueError("optimizer is required: a keras.optimizers.Optimizer or its name, "
+                         "e.g. optimizer=keras.optimizers.SGD(0.5).")
+
+
+def _check_input_shape(model, source):
+    """Refuses images whose height, width or channels differ from `model.input_shape`."""
+    expected = getattr(model, "input_shape", None)
+    if not isinstance(expected, tuple) or len(expected) != 4:
+        return  # several inputs, or no fixed rank: nothing to compare with
+    got = tuple(source.image_shape)
+    if any(e is not None and e != g for e, g in zip(expected[1:], got)):
+        raise ValueError(
+            f"The images are [N, {', '.join(map(str, got))}] but the model takes inputs "
+            f"{expected} ([batch, height, width, channels]). Resize the images or build the "
+            "model for their shape.")
 
 
 def _output_width(model):
@@ -219,13 +285,14 @@ def _source(train_data, *, num_classes, data_dir=None):
             raise ValueError(
                 "A tf.data.Dataset must yield single (image [H, W, C], label) pairs, not "
                 f"batches; got {spec}. Use dataset.unbatch(), or pass arrays.")
-        images, labels = zip(*train_data.as_numpy_iterator())
-        train_data = np.stack(images), np.asarray(labels)
+        train_data = _read_dataset(train_data)
     if not (isinstance(train_data, tuple) and len(train_data) == 2):
         raise ValueError(
             "train_data must be (images, labels) arrays, a tf.data.Dataset of (image, label) "
             f"or a TFDS dataset name; got {type(train_data).__name__}.")
     images, labels = (np.asarray(a) for a in train_data)
+    if not images.shape or images.shape[0] == 0:
+        raise ValueError("train_data holds no examples; DP-SGD needs a non-empty training set.")
     if images.dtype != np.uint8:
         raise ValueError(
             f"images must be uint8 pixels [N, height, width, channels], got {images.dtype} "
@@ -235,3 +302,32 @@ def _source(train_data, *, num_classes, data_dir=None):
             f"labels must be in [0, {num_classes}) (the model's logits), got values from "
             f"{labels.min()} to {labels.max()}.")
     return data.ArraySource(images, labels, num_classes)
+
+
+def _read_dataset(dataset):
+    """`(images, labels)` arrays of a finite tf.data.Dataset of (image, label) pairs.
+
+    Raises:
+      ValueError: an infinite dataset (`.repeat()`), an empty one, or one of
+        unknown cardinality with more than MAX_UNKNOWN_CARDINALITY_EXAMPLES
+        examples (read no further).
+    """
+    cardinality = int(dataset.cardinality())
+    if cardinality == tf.data.INFINITE_CARDINALITY:
+        raise ValueError(
+            "train_data is an infinite tf.data.Dataset (e.g. .repeat()); pass the finite "
+            "training set once: N is the number of examples, and the sampler repeats it.")
+    limit = MAX_UNKNOWN_CARDINALITY_EXAMPLES
+    if cardinality == tf.data.UNKNOWN_CARDINALITY:
+        dataset = dataset.take(limit + 1)
+    pairs = list(dataset.as_numpy_iterator())
+    if not pairs:
+        raise ValueError("train_data is an empty tf.data.Dataset; DP-SGD needs a non-empty "
+                         "training set.")
+    if len(pairs) > limit and cardinality == tf.data.UNKNOWN_CARDINALITY:
+        raise ValueError(
+            f"train_data is a tf.data.Dataset of unknown cardinality with more than {limit} "
+            "examples (tfdp.private_training.MAX_UNKNOWN_CARDINALITY_EXAMPLES), which are "
+            "read into memory. Pass arrays, or a prepared TFDS dataset name (read from disk).")
+    images, labels = zip(*pairs)
+    return np.stack(images), np.asarray(labels)

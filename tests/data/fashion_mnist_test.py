@@ -151,3 +151,32 @@ def test_real_fashion_mnist_conversion(tmp_path):
   # Fashion-MNIST is balanced: 6000 train and 1000 test images per class.
   np.testing.assert_array_equal(np.bincount(train.labels), [6000] * 10)
   np.testing.assert_array_equal(np.bincount(test.labels), [1000] * 10)
+
+
+@pytest.mark.parametrize("damage", ["delete", "truncate"])
+def test_a_half_prepared_folder_is_refused_naming_the_shard(tmp_path, damage):
+  # Before: "Fashion-MNIST is in ..." and exit 0, with a shard missing.
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+
+  source_dir = tmp_path / "idx"
+  source_dir.mkdir()
+  _write_source_dir(source_dir, np.random.default_rng(3))
+  data_dir = fashion_mnist.prepare_fashion_mnist(source_dir=source_dir,
+                                                 data_dir=tmp_path / "tfds")
+  shard = next(pathlib.Path(data_dir).rglob("*test.array_record*"))
+  if damage == "delete":
+    shard.unlink()
+  else:
+    with open(shard, "r+b") as f:
+      f.truncate(shard.stat().st_size // 2)
+  with pytest.raises(FileNotFoundError, match=rf"(?s)split 'test'.*{shard.name}.*\n.*"
+                                              r"prepare_fashion_mnist\.py"):
+    fashion_mnist.prepare_fashion_mnist(source_dir=source_dir, data_dir=data_dir)
+  tool = pathlib.Path(__file__).parents[2] / "tools" / "prepare_fashion_mnist.py"
+  result = subprocess.run(
+      [sys.executable, str(tool), f"--source_dir={source_dir}", f"--data_dir={data_dir}"],
+      capture_output=True, text=True, timeout=300)
+  assert result.returncode != 0
+  assert shard.name in result.stderr and "Fashion-MNIST is in" not in result.stdout
+  assert "Traceback" not in result.stderr

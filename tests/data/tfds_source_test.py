@@ -170,3 +170,20 @@ def test_a_half_prepared_folder_names_the_missing_file_and_the_command(
     # The other split is whole and still opens.
     data.TFDSSource(synthetic_imagenet.DATASET_NAME, "validation", data_dir=str(copy),
                     image_size=32)
+
+
+def test_a_truncated_shard_is_named_before_anything_is_read(synthetic_imagenet_dir, tmp_path):
+    # Before: opened fine, then a 200-line "Corrupted Riegeli/records file" traceback at
+    # the first batch, after the workdir's first checkpoint was written.
+    copy = tmp_path / "data"
+    shutil.copytree(synthetic_imagenet_dir, copy)
+    shard = next((copy / synthetic_imagenet.DATASET_NAME).rglob("*train.array_record*"))
+    with open(shard, "r+b") as f:
+        f.truncate(shard.stat().st_size // 2)
+    with pytest.raises(data.DatasetNotFoundError,
+                       match=rf"holds a corrupt shard of split 'train': {shard.name} \(.*\)\. "
+                             r"A truncated copy.*\n.*make_synthetic_imagenet.py"):
+        data.TFDSSource(synthetic_imagenet.DATASET_NAME, "train", data_dir=str(copy),
+                        image_size=32)
+    data.TFDSSource(synthetic_imagenet.DATASET_NAME, "validation", data_dir=str(copy),
+                    image_size=32)

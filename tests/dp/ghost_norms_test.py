@@ -13,11 +13,15 @@ def _normal(*shape, scale=1.0):
     return tf.constant(RNG.normal(size=shape) * scale, tf.float32)
 
 
-@pytest.fixture(params=[ghost_norms.DIRECT, ghost_norms.GRAM])
+@pytest.fixture(params=[(ghost_norms.DIRECT, True), (ghost_norms.DIRECT, False),
+                        (ghost_norms.GRAM, False)], ids=["direct-held", "direct", "gram"])
 def form(request, monkeypatch):
-    """Runs a test once per kernel form, whatever the shapes would choose."""
-    monkeypatch.setattr(ghost_norms, "choose_form", lambda *_: request.param)
-    return request.param
+    """Runs a test once per kernel form (and direct-form per-example gradients held or
+    not: two ways to the weighted sum), whatever the shapes would choose."""
+    form, held = request.param
+    monkeypatch.setattr(ghost_norms, "choose_form", lambda *_: form)
+    monkeypatch.setattr(ghost_norms, "holds_per_example", lambda *_: held)
+    return form
 
 
 def _per_example(loss_of_example, variable, batch):
@@ -35,10 +39,9 @@ def _check(result, per_example, factors):
     squares, weighted_sum = result
     expected = np.sum(per_example.reshape(len(per_example), -1) ** 2, axis=1)
     np.testing.assert_allclose(squares.numpy(), expected, rtol=1e-5)
-    if weighted_sum is not None:
-        summed = weighted_sum(tf.constant(factors, tf.float32))
-        np.testing.assert_allclose(summed.numpy(), np.tensordot(factors, per_example, 1),
-                                   rtol=1e-5, atol=1e-6)
+    summed = weighted_sum(tf.constant(factors, tf.float32))
+    np.testing.assert_allclose(summed.numpy(), np.tensordot(factors, per_example, 1),
+                               rtol=1e-5, atol=1e-6)
 
 
 # -- Patches ---------------------------------------------------------------------
@@ -93,7 +96,6 @@ def test_dense_kernel_with_positions_and_views(form, num_views):
         return tf.reduce_sum(tf.matmul(a[rows], kernel) * g[rows])
 
     result = ghost_norms.kernel_sq_norms(ghost_norms.Rows.of(a), g, num_views=num_views)
-    assert (result[1] is None) == (form == ghost_norms.GRAM)
     _check(result, _per_example(loss, kernel, batch), factors=[0.5, 0.0, 2.0])
 
 
@@ -155,7 +157,7 @@ def test_ws_kernel_chains_through_the_standardization(form, kernel_size, strides
 
     rows = ghost_norms.conv2d_patches(x, kernel_size=kernel_size, strides=strides,
                                       dilation_rate=(1, 1), padding=padding)
-    result = ghost_norms.ws_kernel_sq_norms(rows, out, g, kernel, epsilon=epsilon,
+    result = ghost_norms.ws_kernel_sq_norms(rows, g, kernel, epsilon=epsilon,
                                             num_views=num_views)
     per_example = _per_example(loss, kernel, batch)
     _check(result, per_example, factors=[0.3, 1.0, 0.0])
@@ -180,7 +182,7 @@ def test_ws_kernel_below_epsilon_has_no_sphere_term(form):
     g = _normal(*out.shape)
     rows = ghost_norms.conv2d_patches(x, kernel_size=(3, 3), strides=(1, 1),
                                       dilation_rate=(1, 1), padding="same")
-    result = ghost_norms.ws_kernel_sq_norms(rows, out, g, kernel, epsilon=epsilon)
+    result = ghost_norms.ws_kernel_sq_norms(rows, g, kernel, epsilon=epsilon)
     per_example = _per_example(lambda i: tf.reduce_sum(conv(x[i:i + 1]) * g[i:i + 1]),
                                kernel, 2)
     _check(result, per_example, factors=[1.0, 0.5])
@@ -248,3 +250,108 @@ def test_rules_match_their_exact_class_only():
     ghost_norms.register_layer_rule(Base, "rule")
     assert ghost_norms.find_layer_rule(Base()) == "rule"
     assert ghost_norms.find_layer_rule(Derived()) is None
+
+
+# -- Rounding: norms never come out too small (issue 18, §1) ------------------------
+
+from unittest import mock  # noqa: E402
+
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+
+def _exact_sq_norms(a, g, num_views, unit=None, scale=None):
+    """|h|^2 (or |P h|^2 for WS) per example in long double from the float32 a, g, and
+    S = sum_r |a_r| |g_r|, the size of the terms that cancel."""
+    a = a.numpy().astype(np.longdouble).reshape(-1, num_views * a.shape[1], a.shape[2])
+    g = g.numpy().astype(np.longdouble).reshape(-1, num_views * g.shape[1], g.shape[2])
+    if scale is not None:
+        g = g * scale
+    h = np.einsum("brf,bro->bof", a, g)
+    if unit is not None:
+        h = h - h.mean(axis=-1, keepdims=True)
+        h = h - unit.T * np.sum(unit.T * h, axis=-1, keepdims=True)
+    terms = np.sum(np.sqrt(np.sum(a ** 2, axis=-1) * np.sum(g ** 2, axis=-1)), axis=1)
+    return np.sum(h.reshape(len(h), -1) ** 2, axis=1), terms
+
+
+@st.composite
+def _cancelling_rows(draw):
+    """Near-constant rows a (one pixel off a level in [0, 255]) and output gradients whose
+    sum over the rows nearly cancels: the Gram and WS terms are then up to 1e10 times the
+    squared norm, which float32 lost (a 3x3 conv at 255: 1.52 C)."""
+    batch, views = draw(st.integers(1, 3)), draw(st.sampled_from([1, 3]))
+    rows, fan_in, fan_out = draw(st.sampled_from([2, 4, 6])), draw(st.integers(3, 27)), \
+        draw(st.integers(2, 12))
+    level = draw(st.sampled_from([0.0, 1.0, 254.0, 255.0, 1e4]))
+    off = draw(st.sampled_from([1.0, 1e-2, 0.0]))
+    seed = draw(st.integers(0, 2**16))
+    rng = np.random.default_rng(seed)
+    a = np.full((batch * views, rows, fan_in), level)
+    a[np.arange(batch * views), rng.integers(0, rows, batch * views),
+      rng.integers(0, fan_in, batch * views)] -= off
+    signs = np.where(np.arange(rows) % 2 == 0, 1.0, -1.0)  # pairs cancel exactly
+    base = rng.normal(size=(batch * views, 1, fan_out))
+    jitter = draw(st.sampled_from([0.0, 1e-6, 1e-3, 1.0]))
+    g = signs[None, :, None] * base + jitter * rng.normal(size=(batch * views, rows, fan_out))
+    return (tf.constant(a, tf.float32), tf.constant(g, tf.float32), views,
+            draw(st.sampled_from([(ghost_norms.DIRECT, True), (ghost_norms.DIRECT, False),
+                                  (ghost_norms.GRAM, False)])), seed)
+
+
+def _assert_never_too_small(squares, exact, terms, weighted_sum, batch):
+    squares = squares.numpy().astype(np.longdouble)
+    assert np.all(squares >= exact), (squares, exact)
+    # The added rounding bound is tiny: 1e-6 relative, or 1e-6 of the cancelling terms'
+    # size S where the gradient is (nearly) zero.
+    excess = np.sqrt(squares) - np.sqrt(exact)
+    assert np.all(excess <= 1e-6 * np.sqrt(exact) + 1e-6 * terms), (excess, exact, terms)
+    # The vector each example adds is the one whose norm was computed.
+    for i in range(batch):
+        factors = np.zeros(batch, np.float32)
+        factors[i] = 1.0
+        added = weighted_sum(tf.constant(factors)).numpy().astype(np.longdouble)
+        assert np.sqrt(np.sum(added ** 2)) <= np.sqrt(squares[i]) * (1 + 2.0**-22)
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(_cancelling_rows())
+def test_kernel_norms_never_come_out_too_small(case):
+    a, g, views, (form, held), _ = case
+    with mock.patch.object(ghost_norms, "choose_form", lambda *_: form), \
+            mock.patch.object(ghost_norms, "holds_per_example", lambda *_: held):
+        squares, weighted_sum = ghost_norms.kernel_sq_norms(ghost_norms.Rows.of(a), g,
+                                                            num_views=views)
+    exact, terms = _exact_sq_norms(a, g, views)
+    _assert_never_too_small(squares, exact, terms, weighted_sum, a.shape[0] // views)
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(_cancelling_rows())
+def test_ws_kernel_norms_never_come_out_too_small(case):
+    a, g, views, (form, held), seed = case
+    fan_in, fan_out = a.shape[-1], g.shape[-1]
+    kernel = tf.Variable(np.random.default_rng(seed).normal(size=(fan_in, fan_out)),
+                         dtype=tf.float32)
+    with mock.patch.object(ghost_norms, "choose_form", lambda *_: form), \
+            mock.patch.object(ghost_norms, "holds_per_example", lambda *_: held):
+        squares, weighted_sum = ghost_norms.ws_kernel_sq_norms(
+            ghost_norms.Rows.of(a), g, kernel, epsilon=1e-4, num_views=views)
+    w = kernel.numpy().astype(np.longdouble)
+    centered = w - w.mean(axis=0)
+    norms = np.sqrt(np.sum(centered ** 2, axis=0))
+    exact, terms = _exact_sq_norms(a, g, views, unit=centered / norms, scale=1 / norms)
+    _assert_never_too_small(squares, exact, terms, weighted_sum, a.shape[0] // views)
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(_cancelling_rows(), st.booleans())
+def test_scale_and_bias_norms_never_come_out_too_small(case, scale):
+    a, g, views, _, _ = case
+    g = g[..., :1] * tf.ones_like(a)  # a per-channel parameter of a's width
+    squares, weighted_sum = ghost_norms.broadcast_sq_norms(
+        g, (a.shape[-1],), inputs=a if scale else None, num_views=views)
+    terms = (a * g if scale else g).numpy().astype(np.longdouble)
+    terms = terms.reshape(-1, views * a.shape[1], a.shape[2])
+    _assert_never_too_small(squares, np.sum(terms.sum(axis=1) ** 2, axis=1),
+                            np.sum(np.sqrt(np.sum(terms ** 2, axis=-1)), axis=1), weighted_sum,
+                            a.shape[0] // views)

@@ -65,11 +65,19 @@ def test_simulate_reports_the_claim_and_each_audit(capsys):
       "--delta", "1e-5"], "num_correct <= num_guesses <= num_canaries"),
     (["bound", "--num_canaries", "10", "--num_guesses", "5", "--num_correct", "5",
       "--delta", "1e-5", "--beta", "1"], r"beta must be in \(0, 1\)"),
+    # Before: "batch_size=2000000000 is larger than num_examples=1000000000", values the
+    # user never gave.
+    (["simulate", "--noise_multiplier", "1", "--sampling_prob", "2", "--steps", "1",
+      "--num_canaries", "10", "--delta", "1e-5"],
+     r"sampling_prob must be in \(0, 1\] .*got 2\.0\.$"),
+    (["simulate", "--noise_multiplier", "1", "--sampling_prob", "0", "--steps", "1",
+      "--num_canaries", "10", "--delta", "1e-5"], r"sampling_prob must be in \(0, 1\]"),
 ])
 def test_bad_values_exit_2_with_one_line(args, message, capsys):
     status, out, err = _main(args, capsys)
     assert status == 2 and "Traceback" not in err
-    assert err.startswith("audit.py bound: error:") and len(err.strip().splitlines()) == 1
+    assert err.startswith(f"audit.py {args[0]}: error:") and len(err.strip().splitlines()) == 1
+    assert "num_examples" not in err and "batch_size" not in err
     assert re.search(message, err)
 
 

@@ -396,8 +396,14 @@ def simulated_mechanism(*, sampling_prob: float, num_steps: int, delta: float,
     calibrated to it, `tfdp.accounting.plan_mechanism`) is given.
 
     Raises:
-      ValueError: on invalid values (as `plan_mechanism`).
+      ValueError: a sampling_prob outside (0, 1] (named as such: the
+        fictitious N and B are not the user's), or other invalid values (as
+        `plan_mechanism`).
     """
+    if isinstance(sampling_prob, bool) or not isinstance(sampling_prob, numbers.Real) or not (
+            0.0 < sampling_prob <= 1.0):
+        raise ValueError(f"sampling_prob must be in (0, 1] (the probability that an example "
+                         f"joins a step's batch), got {sampling_prob!r}.")
     num_examples = 10**9
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)

@@ -60,8 +60,9 @@ def prepare_fashion_mnist(source_dir=DEFAULT_SOURCE_DIR, data_dir=None):
     --file_format=array_record` would, with the splits `train` and `test`.
     ArrayRecord is the format TFDS reads by index (`tfds.data_source`), which
     is how tfdp reads every dataset. Idempotent: if the dataset is already
-    prepared in `data_dir` as ArrayRecord, nothing is read or written (the
-    source files are not needed); a copy prepared by an older tfdp as TFRecord
+    prepared in `data_dir` as ArrayRecord, with every shard whole, nothing is
+    written (the source files are not needed); a folder with a shard missing
+    or cut short is refused (delete it and run again); a copy prepared by an older tfdp as TFRecord
     only is deleted and rewritten as ArrayRecord.
     The write is atomic (TFDS writes to a temporary folder and renames it), so an
     interrupted conversion leaves nothing half-written. Gunzipped copies of the
@@ -82,6 +83,8 @@ def prepare_fashion_mnist(source_dir=DEFAULT_SOURCE_DIR, data_dir=None):
       `data_dir` to `tfds.data_source` / `tfdp.data.TFDSSource`.
 
     Raises:
+      tfdp.data.DatasetNotFoundError: the folder is already there but a
+        shard is missing or corrupt; the message names it.
       FileNotFoundError: a source file is missing; the message names it and says
         to run `apt-get update && apt-get install dataset-fashion-mnist` or to
         pass `--source_dir`.
@@ -90,6 +93,10 @@ def prepare_fashion_mnist(source_dir=DEFAULT_SOURCE_DIR, data_dir=None):
     """
     builder = _LocalFashionMNIST(source_dir=source_dir, data_dir=data_dir)  # as on disk
     if builder.is_prepared() and _has_array_record(builder):
+        from tfdp.data import tfds_source  # pylint: disable=g-import-not-at-top  (a cycle)
+
+        for split in builder.info.splits:  # a shard missing or cut short: refused, named
+            tfds_source.check_split_files(builder, split)
         return pathlib.Path(builder.data_dir_root)
     source_dir = pathlib.Path(source_dir)
     missing = [name for name in SOURCE_FILES if not (source_dir / name).is_file()]

@@ -105,7 +105,7 @@ class TFDSSource:
             # TFDS's ValueError here, which lists the valid splits.
             raise ValueError(f"Split {split!r} of {name!r} is empty; check the split slice.")
         self._source = _open_data_source(builder, split)
-        _check_files(builder, split)
+        check_split_files(builder, split)
         self.num_examples = len(self._source)
         self.num_classes = int(self._features[self._label_key].num_classes)
         channels = image_feature.shape[-1]
@@ -170,29 +170,62 @@ def _open_data_source(builder, split):
         raise
 
 
-def _check_files(builder, split):
-    """Refuses a half-prepared folder: every file the split reads must exist.
+def check_split_files(builder, split):
+    """Refuses a half-prepared folder: every file the split reads must exist and be whole.
 
-    A preparation that was interrupted, or a copy that missed a shard, would
-    otherwise open fine and fail on the first batch that reads the missing
-    file, deep inside training.
+    A preparation that was interrupted, or a copy that missed or cut a shard,
+    would otherwise open fine and fail on the first batch that reads it, deep
+    inside training, after the workdir was written. Each ArrayRecord shard is
+    opened (which reads its footer, the index of its records) and its record
+    count compared with the one in dataset_info.json; this reads a few KB per
+    shard, not the examples.
 
     Raises:
-      DatasetNotFoundError: naming the folder, the missing files and the
-        command that prepares the dataset again.
+      DatasetNotFoundError: naming the folder, the missing or corrupt files
+        and the command that prepares the dataset again.
     """
     if not builder.info.splits:
         # `tfds.testing.mock_data` serves examples without split metadata or files.
         return
+    instructions = builder.info.splits[split].file_instructions
     missing = sorted({os.path.basename(instruction.filename)
-                      for instruction in builder.info.splits[split].file_instructions
+                      for instruction in instructions
                       if not tf.io.gfile.exists(instruction.filename)})
+    command = _not_prepared_message(builder).split("\n", 1)[1]
     if missing:
-        command = _not_prepared_message(builder).split("\n", 1)[1]
         raise errors.DatasetNotFoundError(
             f"TFDS folder {builder.data_dir} is only partly prepared: split {split!r} needs "
             f"{', '.join(missing)}, which is missing. Delete the folder and prepare it again:"
             f"\n{command}")
+    corrupt = []
+    for filename, expected in sorted({(i.filename, i.examples_in_shard)
+                                      for i in instructions}):
+        if ".array_record" in filename:
+            problem = _array_record_problem(filename, expected)
+            if problem:
+                corrupt.append(f"{os.path.basename(filename)} ({problem})")
+    if corrupt:
+        raise errors.DatasetNotFoundError(
+            f"TFDS folder {builder.data_dir} holds a corrupt shard of split {split!r}: "
+            f"{'; '.join(corrupt)}. A truncated copy or an interrupted preparation does this. "
+            f"Delete the folder and prepare it again (or copy it again):\n{command}")
+
+
+def _array_record_problem(filename, expected):
+    """None if the ArrayRecord shard opens with `expected` records, else what is wrong."""
+    from array_record.python import array_record_module  # pylint: disable=g-import-not-at-top
+
+    try:
+        reader = array_record_module.ArrayRecordReader(filename)
+        try:
+            found = reader.num_records()
+        finally:
+            reader.close()
+    except (RuntimeError, OSError, ValueError) as e:
+        return " ".join(str(e).split())[:200] or f"unreadable: {type(e).__name__}"
+    if found != expected:
+        return f"{found} readable records, {expected} expected"
+    return None
 
 
 def _restore_alternative_file_formats(info):

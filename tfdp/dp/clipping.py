@@ -85,18 +85,20 @@ def clip_factors(
     noise could not hide it), so it contributes nothing.
 
     Args:
-      norms: float32 `[batch]`, pre-clip per-example L2 norms.
+      norms: float `[batch]`, pre-clip per-example L2 norms (float32, or float64
+        from ghost norms).
       l2_clip_norm: C > 0, the per-example L2 bound (same units as the loss
         gradient).
       normalize: divide by C as in De et al. 2022, eq. (3).
 
     Returns:
-      float32 `[batch]` factors in `[0, 1]` (or `[0, 1/C]` when normalizing).
+      `[batch]` factors of `norms`' dtype in `[0, 1]` (or `[0, 1/C]` when normalizing).
     """
     c = tf.cast(l2_clip_norm, norms.dtype)
+    one, zero = tf.ones_like(norms), tf.zeros_like(norms)
     # divide_no_nan(c, 0) is 0, so handle a zero norm explicitly.
-    factors = tf.where(norms > 0, tf.minimum(1.0, tf.math.divide_no_nan(c, norms)), 1.0)
-    factors = tf.where(tf.math.is_finite(norms), factors, 0.0)
+    factors = tf.where(norms > 0, tf.minimum(one, tf.math.divide_no_nan(c, norms)), one)
+    factors = tf.where(tf.math.is_finite(norms), factors, zero)
     if normalize:
         factors = factors / c
     return factors

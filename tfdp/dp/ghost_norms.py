@@ -30,14 +30,15 @@ the static shapes: the DIRECT form builds the per-example gradient
 GRAM form never does, summing `(A A^T) * (G G^T)` over the R x R row pairs
 (cost R^2 * (fan_in + fan_out); Li et al. 2022, eq. (4)).
 
-Every rule returns `(squares, weighted_sum)`: the squared norms, float32
-`[batch]`, and, when the rule built the per-example gradients anyway
-(direct-form kernels, biases, scales), a function `weighted_sum(factors)`
-that returns `sum_i factors[i] * gradient_i` for each parameter; else None
-(Gram form). A caller forms the clipped sum from those and needs a weighted
-backward pass only through the Gram-form kernels (the mixed "book-keeping"
-of Bu et al. 2022, Sec. 3.2). A zero factor drops its example even where
-its gradient is inf or nan (as `tfdp.dp.clipping.weighted_sum`).
+Every rule returns `(squares, weighted_sum)`: the squared norms, float64
+`[batch]`, never below the exact ones (see "Rounding" below), and a function
+`weighted_sum(factors)` that returns `sum_i factors[i] * gradient_i` for
+each parameter, float32, from the same per-example gradients: those the
+rule held (direct-form kernels, biases, scales), or, for kernels that hold
+none, in float64 from the same rows and output gradients (the
+"book-keeping" of Bu et al. 2022, Sec. 3.2, without a second backward
+pass). A zero factor drops its example even where its gradient is inf or
+nan (as `tfdp.dp.clipping.weighted_sum`).
 
 Pure TensorFlow on tensors: nothing here knows about Keras models. Which
 layer has which rule is kept in a registry (`register_layer_rule`,
@@ -46,7 +47,7 @@ layer has which rule is kept in a registry (`register_layer_rule`,
 
 import dataclasses
 import math
-from typing import Any, Callable, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 import tensorflow as tf
@@ -206,56 +207,158 @@ def _one_block_at_a_time(rows: Rows, num_views: int, fn) -> list:
     return results
 
 
+# -- Rounding: norms that never come out too small -----------------------------
+#
+# A per-example norm that comes out too small lets its example contribute more
+# than C. The rules below can cancel: the Gram form sums (a_r . a_r')(g_r . g_r')
+# over row pairs, and on a nearly constant image at 255 these terms are 1e6 times
+# the result; weight standardization subtracts two large projections from |h|^2.
+# In float32 that cancellation gave one example 1.52 C (issue 18). So every rule
+# computes in float64 from the float32 activations `a` and output gradients `g`
+# (products of two float32 numbers are exact in float64), and returns its computed
+# square PLUS a bound on all float64 rounding in it: `n * u * S^2`, where
+# u = 2^-53, n counts the terms of the longest chain of sums (Higham 2002,
+# Accuracy and Stability of Numerical Algorithms, Sec. 3.1, gamma_n), and
+# S = sum_r |a_r| |g_r| bounds every partial result (|sum_r a_r g_r^T| <= S, and
+# each dot product of a row pair is at most |a_r||a_r'| by Cauchy-Schwarz). The
+# returned square is therefore never below the exact squared norm of the gradient
+# that (a, g) define; the excess is n u rho^2 of it (rho = S / |gradient|, about
+# sqrt(R) for typical inputs: below 1e-10 relative).
+#
+# The clipped sum is built from the same gradient: held per-example gradients are
+# float32 roundings of the float64 ones (|round(h)| <= |h| (1 + 2^-24)), and
+# kernels that are not held get their weighted sum in float64 from the same rows
+# (`_weighted_rows_sum`), never from a separate float32 backward pass, whose
+# rounding (relative 2^-24 R rho) the norm would not bound.
+
+NORM_DTYPE = tf.float64
+_UNIT_ROUNDOFF = 2.0**-53
+
+
+def _wide(t: tf.Tensor) -> tf.Tensor:
+    return tf.cast(t, NORM_DTYPE)
+
+
+def _with_rounding_bound(squares: tf.Tensor, bound_sum: tf.Tensor, terms: int) -> tf.Tensor:
+    """`max(squares, 0) + terms * u * bound_sum^2`: never below the exact square (see above)."""
+    return tf.maximum(squares, 0.0) + (terms * _UNIT_ROUNDOFF) * tf.square(bound_sum)
+
+
 def _sum_of_squares(t: tf.Tensor) -> tf.Tensor:
-    """`sum(t[b]**2)` per example, as batched dot products (no temporary of t's size)."""
-    flat = tf.reshape(t, [tf.shape(t)[0], 1, -1])
-    return tf.reshape(tf.matmul(flat, flat, transpose_b=True), [-1])
+    """`sum(t[b]**2)` per example, float64 `[batch]`."""
+    return tf.reduce_sum(tf.square(tf.reshape(t, [tf.shape(t)[0], -1])), axis=1)
 
 
-def _kernel_terms(rows: Rows, g_rows: tf.Tensor, form: str, num_views: int, row_sums=False):
-    """`(squares, per_example, sums)` of `sum_r a_r g_r^T` for each example.
+@dataclasses.dataclass
+class _KernelTerms:
+    """What one pass over a kernel's rows gives, all float64 (see `_kernel_terms`)."""
 
-    `squares`: float32 `[batch]`. `per_example`: direct form, the gradients
-    TRANSPOSED, a list with one float32 `[batch, fan_out, F_k]` per block of
-    `rows` (`g^T a` is 20-40% faster than `a^T g` on CPU, and the blocks are
-    never concatenated); Gram form, None. `sums`: `sum_k a_rk`, float32
-    `[batch, R]`, if `row_sums`.
+    squares: tf.Tensor  # [batch] |h|^2 as computed (no bound added)
+    bound_sum: tf.Tensor  # [batch] S = sum_r |a_r| |g_r|
+    per_example: Optional[List[tf.Tensor]]  # if held: h^T per block, [batch, fan_out, F_k]
+    along_ones: Optional[tf.Tensor]  # with `unit`: [batch, fan_out], 1 . h_o
+    along_unit: Optional[tf.Tensor]  # with `unit`: [batch, fan_out], unit_o . h_o
+
+
+def _kernel_terms(rows: Rows, g_rows: tf.Tensor, form: str, num_views: int, *,
+                  hold: bool, unit: Optional[tf.Tensor] = None) -> _KernelTerms:
+    """`|h|^2` of `h = sum_r a_r g_r^T` per example, in float64, and what WS needs.
+
+    `g_rows`: float64 `[batch, R, fan_out]`. The direct form builds h, one
+    float64 `[batch, fan_out, F_k]` per block of `rows`, TRANSPOSED (`g^T a`
+    is 20-40% faster than `a^T g` on CPU), and keeps the blocks if `hold`;
+    the Gram form never builds it: `|h|^2 = sum (A A^T) * (G G^T)` (Li et al.
+    2022, eq. (4)). `unit`: float64 `[F, fan_out]` in a's column order; then
+    also `1 . h_o` and `unit_o . h_o` for every output channel o, from h
+    (direct) or as `sum_r (sum_k a_rk) g_ro` and `sum_r (a_r . unit_o) g_ro`
+    (Gram).
     """
-    def direct(a):
-        product = tf.matmul(g_rows, a, transpose_a=True)
-        return (product, tf.reduce_sum(a, axis=-1)) if row_sums else (product,)
+    first_column = [0]  # the blocks come in order: where the next one starts in a
 
-    def gram(a):
-        a_gram = tf.matmul(a, a, transpose_b=True)
-        return (a_gram, tf.reduce_sum(a, axis=-1)) if row_sums else (a_gram,)
+    def fn(a):
+        a = _wide(a)
+        first, first_column[0] = first_column[0], first_column[0] + a.shape[-1]
+        block_unit = None if unit is None else unit[first:first + a.shape[-1]]
+        parts = {"row_sq": tf.reduce_sum(tf.square(a), axis=-1)}
+        if form == DIRECT:
+            h = tf.matmul(g_rows, a, transpose_a=True)
+            parts["sq"] = _sum_of_squares(h)
+            if hold:
+                parts["h"] = h
+            if unit is not None:
+                parts["ones"] = tf.reduce_sum(h, axis=-1)
+                parts["unit"] = tf.einsum("bof,fo->bo", h, block_unit)
+        else:
+            parts["gram"] = tf.matmul(a, a, transpose_b=True)
+            if unit is not None:
+                parts["ones"] = tf.einsum("br,bro->bo", tf.reduce_sum(a, axis=-1), g_rows)
+                parts["unit"] = tf.reduce_sum(
+                    tf.einsum("brf,fo->bro", a, block_unit) * g_rows, axis=1)
+        return parts
 
-    parts = _one_block_at_a_time(rows, num_views, direct if form == DIRECT else gram)
-    sums = tf.add_n([part[1] for part in parts]) if row_sums else None
+    parts = _one_block_at_a_time(rows, num_views, fn)
+    add = lambda key: tf.add_n([p[key] for p in parts])  # noqa: E731
+    g_sq = tf.reduce_sum(tf.square(g_rows), axis=-1)  # [batch, R]
+    bound_sum = tf.reduce_sum(tf.sqrt(add("row_sq") * g_sq), axis=1)
     if form == DIRECT:
-        per_example = [part[0] for part in parts]
-        return tf.add_n([_sum_of_squares(p) for p in per_example]), per_example, sums
-    a_gram = tf.add_n([part[0] for part in parts])
-    g_gram = tf.matmul(g_rows, g_rows, transpose_b=True)
-    return tf.reduce_sum(a_gram * g_gram, axis=[1, 2]), None, sums
+        squares = add("sq")
+    else:
+        g_gram = tf.matmul(g_rows, g_rows, transpose_b=True)
+        squares = tf.reduce_sum(add("gram") * g_gram, axis=[1, 2])
+    return _KernelTerms(squares, bound_sum, [p["h"] for p in parts] if hold else None,
+                        add("ones") if unit is not None else None,
+                        add("unit") if unit is not None else None)
+
+
+def _kernel_rounding_terms(fan_in: int, fan_out: int, rows: Optional[int]) -> int:
+    """n of `_with_rounding_bound` for a kernel rule (both forms, with WS's projections)."""
+    r = rows if rows is not None else 2**20  # unknown positions: a generous count
+    return fan_in * fan_out + 9 * fan_in + fan_out + r * r + 3 * r + 16
 
 
 def _summer(blocks, squares, finish=None):
     """`weighted_sum(factors)`: `sum_i factors[i] * blocks[i]`, then `finish`.
 
-    `blocks`: per-example gradients, a tensor `[batch, ...]` or a list of
-    them concatenated (after summing) along their last axis. A contraction,
-    which needs no temporary of their size, when every example's `squares`
-    is finite; otherwise `clipping.weighted_sum`, where a zero factor drops
-    even an inf or nan gradient.
+    `blocks`: held per-example gradients (float32), a tensor `[batch, ...]` or
+    a list of them concatenated (after summing) along their last axis. A
+    contraction, which needs no temporary of their size, when every example's
+    `squares` is finite; otherwise `clipping.weighted_sum`, where a zero factor
+    drops even an inf or nan gradient.
     """
     blocks = blocks if isinstance(blocks, list) else [blocks]
 
     def weighted_sum(factors):
+        factors = tf.cast(factors, blocks[0].dtype)
         finite = tf.reduce_all(tf.math.is_finite(squares))
         summed = [tf.cond(finite, lambda b=b: tf.tensordot(factors, b, 1),
                           lambda b=b: clipping.weighted_sum(factors, b)) for b in blocks]
         summed = summed[0] if len(summed) == 1 else tf.concat(summed, axis=-1)
         return summed if finish is None else finish(summed)
+
+    return weighted_sum
+
+
+def _weighted_rows_sum(rows: Rows, g_rows: tf.Tensor, num_views: int, finish):
+    """`weighted_sum(factors)` of a kernel whose per-example gradients are not held.
+
+    `sum_i factors[i] h_i = sum_{i, r} factors[i] a_ir g_ir^T`, float64, from
+    the same rows and output gradients as the norms, built again one block at
+    a time. Rows of a zero factor are zeroed first, so that an inf or nan
+    there cannot reach the sum. `finish` gets float64 `[F, fan_out]` (a's
+    column order).
+    """
+
+    def weighted_sum(factors):
+        factors = _wide(factors)
+        keep = factors > 0
+        weights = tf.where(keep, factors, tf.zeros_like(factors))[:, None, None]
+        g = tf.where(keep[:, None, None], g_rows, tf.zeros_like(g_rows)) * weights
+
+        def block_sum(a):
+            a = tf.where(keep[:, None, None], _wide(a), tf.zeros([], NORM_DTYPE))
+            return tf.einsum("brf,bro->fo", a, g)
+
+        return finish(tf.concat(_one_block_at_a_time(rows, num_views, block_sum), axis=0))
 
     return weighted_sum
 
@@ -276,7 +379,8 @@ def kernel_sq_norms(rows: Rows, output_grads: tf.Tensor, *, num_views: int = 1):
 
     Every axis of `a` between the first and the last is a position (sequence
     step, conv patch) of the example, and so are its K views: the example's
-    gradient is `sum_r a_r g_r^T` over all of them.
+    gradient is `sum_r a_r g_r^T` over all of them. Computed in float64 with
+    a bound on its rounding added (never too small: see "Rounding" above).
 
     Args:
       rows: the input rows `a`, `[batch * K, ..., F]` (`Rows.of(inputs)` for a
@@ -285,16 +389,20 @@ def kernel_sq_norms(rows: Rows, output_grads: tf.Tensor, *, num_views: int = 1):
       num_views: K, the augmult views of each example (consecutive rows).
 
     Returns:
-      `(squares, weighted_sum)`: float32 `[batch]`; `weighted_sum(factors)`
-      gives float32 `[F, fan_out]` in W's row order, or is None (Gram form).
+      `(squares, weighted_sum)`: float64 `[batch]`; `weighted_sum(factors)`
+      gives float32 `[F, fan_out]` in W's row order.
     """
-    g_rows = example_rows(output_grads, num_views)
-    squares, per_example, _ = _kernel_terms(rows, g_rows, _form(rows, output_grads, num_views),
-                                            num_views)
-    if per_example is None or not _holds(rows, output_grads):
-        return squares, None
-    return squares, _summer(per_example, squares,
-                            lambda summed: rows.to_kernel_rows(tf.transpose(summed)))
+    g_rows = _wide(example_rows(output_grads, num_views))
+    form = _form(rows, output_grads, num_views)
+    hold = form == DIRECT and _holds(rows, output_grads)
+    terms = _kernel_terms(rows, g_rows, form, num_views, hold=hold)
+    squares = _with_rounding_bound(terms.squares, terms.bound_sum, _kernel_rounding_terms(
+        rows.fan_in, output_grads.shape[-1], _static_rows(output_grads, num_views)))
+    to_kernel = lambda summed: rows.to_kernel_rows(tf.cast(summed, tf.float32))  # noqa: E731
+    if hold:
+        held = [tf.cast(h, tf.float32) for h in terms.per_example]
+        return squares, _summer(held, squares, lambda summed: to_kernel(tf.transpose(summed)))
+    return squares, _weighted_rows_sum(rows, g_rows, num_views, to_kernel)
 
 
 def _same_padding(size, kernel, stride, dilation):
@@ -390,21 +498,18 @@ def conv2d_kernel_sq_norms(
       num_views: K.
 
     Returns:
-      `(squares, weighted_sum)`; `weighted_sum(factors)` gives float32
-      `[kh, kw, in_channels, filters]`, or is None (Gram form).
+      `(squares, weighted_sum)`: float64 `[batch]`; `weighted_sum(factors)`
+      gives float32 `[kh, kw, in_channels, filters]`.
     """
     rows = conv2d_patches(inputs, kernel_size=kernel_size, strides=strides,
                           dilation_rate=dilation_rate, padding=padding)
     squares, weighted_sum = kernel_sq_norms(rows, output_grads, num_views=num_views)
-    if weighted_sum is None:
-        return squares, None
     shape = [*kernel_size, inputs.shape[-1], output_grads.shape[-1]]
     return squares, lambda factors: tf.reshape(weighted_sum(factors), shape)
 
 
 def ws_kernel_sq_norms(
     rows: Rows,
-    outputs: tf.Tensor,
     output_grads: tf.Tensor,
     kernel: tf.Tensor,
     *,
@@ -422,61 +527,71 @@ def ws_kernel_sq_norms(
 
         dL/dW_o = s_o (I - 1 1^T / F - u_o u_o^T) h_o,  u_o = U_o,
 
-    an orthogonal projection (u_o is a unit vector orthogonal to 1) when
+    an orthogonal projection P_o (u_o is a unit vector orthogonal to 1) when
     `|c_o|^2 >= epsilon`; below it the scale is the constant epsilon^(-1/2)
     and the u_o term drops out (the `maximum` passes no gradient to |c_o|^2).
-    Hence
 
-        |dL/dW_o|^2 = s_o^2 (|h_o|^2 - (1.h_o)^2 / F - [on sphere] (u_o.h_o)^2).
-
-    |h|^2 comes from h (direct form) or from the Gram matrices of the rows
-    scaled by s_o (Gram form); in both, `u_o.h_o = sum_r z_ro g_ro` (z is the
-    layer's output) and `1.h_o = sum_r (sum_k a_rk) g_ro`, which are cheaper
-    than reductions of h. The projection is linear, so in the direct form it
-    is applied once, to the weighted sum.
+    The projection removes most of h on a nearly constant input (h is then
+    nearly parallel to 1), so its norm must not be taken as a difference of
+    float32 terms (issue 18). Everything here is float64, with the rounding
+    bound of the module's "Rounding" section added. Held per-example
+    gradients (small kernels, direct form) are projected one by one, and the
+    squared norm is that of the projection itself, which cannot cancel.
+    Otherwise `|P_o h_o|^2 = |h_o|^2 - (1.h_o)^2 / F - (u_o.h_o)^2`, each term
+    from h (direct form) or from the rows (Gram form: `1.h_o = sum_r
+    (sum_k a_rk) g_ro`, `u_o.h_o = sum_r (a_r . u_o) g_ro`), and the weighted
+    sum is projected once, in float64.
 
     Args:
       rows: the rows `a` (`Rows.of(inputs)` or `conv2d_patches`), F columns.
-      outputs: float32 `[batch * K, ..., filters]`, `z = a @ U` (before any gain or bias).
-      output_grads: float32, `dL/dz`, shaped as `outputs`.
+      output_grads: float32 `[batch * K, ..., filters]`, `dL/dz` of `z = a @ U`
+        (before any gain or bias).
       kernel: the variable W, float32 `[..., filters]` with `prod(shape[:-1]) = F`.
       epsilon: the layer's lower bound on |c_o|^2.
       num_views: K.
 
     Returns:
-      `(squares, weighted_sum)`; `weighted_sum(factors)` gives the weighted
-      sum of the per-example gradients wrt W, float32 `kernel.shape`, or is
-      None (Gram form).
+      `(squares, weighted_sum)`: float64 `[batch]`; `weighted_sum(factors)`
+      gives the weighted sum of the per-example gradients wrt W, float32
+      `kernel.shape`.
 
     Reference: Qiao et al. 2019 (weight standardization); De et al. 2022, App. C.1.
     """
     fan_out = kernel.shape[-1]
     fan_in = math.prod(kernel.shape[:-1])
-    w = tf.reshape(tf.convert_to_tensor(kernel), [fan_in, fan_out])
+    w = _wide(tf.reshape(tf.convert_to_tensor(kernel), [fan_in, fan_out]))
     if rows.order is not None:
         w = tf.gather(w, rows.order)  # W's rows in the order of a's columns
     centered = w - tf.reduce_mean(w, axis=0, keepdims=True)
-    squares = tf.reduce_sum(tf.square(centered), axis=0)  # F var_o, [fan_out]
-    scale = tf.math.rsqrt(tf.maximum(squares, epsilon))
-    on_sphere = tf.cast(squares >= epsilon, scale.dtype)
-    unit = centered * scale * on_sphere  # u_o, or 0 below epsilon
-    g_rows = example_rows(output_grads, num_views) * scale  # s_o g_ro
+    variance = tf.reduce_sum(tf.square(centered), axis=0)  # F var_o, [fan_out]
+    scale = tf.math.rsqrt(tf.maximum(variance, epsilon))
+    on_sphere = tf.cast(variance >= epsilon, NORM_DTYPE)
+    unit = centered * scale * on_sphere  # u_o, or 0 below epsilon; [F, fan_out]
+    g_rows = _wide(example_rows(output_grads, num_views)) * scale  # s_o g_ro
     form = _form(rows, output_grads, num_views)
-    total, h, row_sums = _kernel_terms(rows, g_rows, form, num_views, row_sums=True)
-    along_ones = tf.einsum("br,bro->bo", row_sums, g_rows)
-    along_u = tf.reduce_sum(example_rows(outputs, num_views) * g_rows, axis=1) * on_sphere
-    removed = tf.square(along_ones) / fan_in + tf.square(along_u)
-    squares = tf.maximum(total - tf.reduce_sum(removed, axis=1), 0.0)
-    if h is None or not _holds(rows, output_grads):
-        return squares, None
+    hold = form == DIRECT and _holds(rows, output_grads)
+    terms = _kernel_terms(rows, g_rows, form, num_views, hold=hold, unit=unit)
+    rounding_terms = _kernel_rounding_terms(fan_in, fan_out, _static_rows(output_grads, num_views))
 
-    def project(summed):  # (I - 1 1^T / F - u u^T), column by column
-        summed = tf.transpose(summed)  # [F, fan_out]
-        summed -= tf.reduce_mean(summed, axis=0, keepdims=True)
-        summed -= unit * tf.reduce_sum(unit * summed, axis=0, keepdims=True)
-        return tf.reshape(rows.to_kernel_rows(summed), kernel.shape)
+    def project(h):  # P_o h_o for every o; h float64 [..., fan_out, F]
+        h -= tf.reduce_mean(h, axis=-1, keepdims=True)
+        unit_t = tf.transpose(unit)  # [fan_out, F]
+        return h - unit_t * tf.reduce_sum(unit_t * h, axis=-1, keepdims=True)
 
-    return squares, _summer(h, squares, project)
+    def to_kernel(summed):  # float [fan_out, F], a's column order -> kernel.shape
+        summed = rows.to_kernel_rows(tf.transpose(tf.cast(summed, tf.float32)))
+        return tf.reshape(summed, kernel.shape)
+
+    if hold:
+        projected = project(tf.concat(terms.per_example, axis=-1))  # [batch, fan_out, F]
+        squares = _with_rounding_bound(_sum_of_squares(projected), terms.bound_sum,
+                                       rounding_terms)
+        return squares, _summer(tf.cast(projected, tf.float32), squares, to_kernel)
+    removed = tf.square(terms.along_ones) / fan_in + tf.square(terms.along_unit)
+    squares = _with_rounding_bound(terms.squares - tf.reduce_sum(removed, axis=1),
+                                   terms.bound_sum, rounding_terms)
+    return squares, _weighted_rows_sum(
+        rows, g_rows, num_views, lambda summed: to_kernel(project(tf.transpose(summed))))
 
 
 # -- Broadcast parameters: biases, offsets and scales -------------------------
@@ -505,13 +620,18 @@ def broadcast_sq_norms(
       num_views: K.
 
     Returns:
-      `(squares, weighted_sum)`; `weighted_sum(factors)` gives float32
-      `parameter_shape`.
+      `(squares, weighted_sum)`: float64 `[batch]` (the sums over positions
+      cancel too: float64, with the rounding bound of the module's "Rounding"
+      section); `weighted_sum(factors)` gives float32 `parameter_shape`.
     """
-    terms = output_grads if inputs is None else inputs * output_grads
+    terms = _wide(output_grads) if inputs is None else _wide(inputs) * _wide(output_grads)
     size = math.prod(parameter_shape)
     batch = tf.shape(terms)[0] // num_views
-    per_example = tf.reduce_sum(tf.reshape(terms, [batch, -1, size]), axis=1)
-    squares = tf.reduce_sum(tf.square(per_example), axis=1)
-    return squares, _summer(per_example, squares,
+    terms = tf.reshape(terms, [batch, -1, size])  # [batch, R, size]
+    per_example = tf.reduce_sum(terms, axis=1)
+    bound_sum = tf.reduce_sum(tf.sqrt(tf.reduce_sum(tf.square(terms), axis=2)), axis=1)
+    rows = terms.shape[1]
+    squares = _with_rounding_bound(_sum_of_squares(per_example), bound_sum,
+                                   size + 2 * (rows if rows is not None else 2**20) + 8)
+    return squares, _summer(tf.cast(per_example, tf.float32), squares,
                             lambda summed: tf.reshape(summed, parameter_shape))

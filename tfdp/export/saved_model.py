@@ -2,34 +2,50 @@
 
 import os
 import shutil
+import tempfile
 
 import keras
 import tensorflow as tf
 
 PRIVACY_REPORT_ASSETS = ("privacy_report.json", "privacy_report.md")
 OUTPUT_KEY = "logits"
+# What `export_saved_model` writes: a folder with exactly these entries is an earlier export.
+_EXPORT_ENTRIES = frozenset({"saved_model.pb", "fingerprint.pb", "variables", "assets"})
 
 
-def export_saved_model(model, export_dir, *, image_shape, asset_paths=()):
+def export_saved_model(model, export_dir, *, image_shape, asset_paths=(), overwrite=False):
     """Writes a SavedModel whose `serve` signature maps uint8 images to logits.
 
     Written with Keras' own `keras.export.ExportArchive`, so it loads with
     `saved_model_cli run`, `tf.saved_model.load(...).signatures["serve"]` and
     `keras.layers.TFSMLayer`. The model's own first layer scales pixels with
-    fixed constants, so the signature needs no other preprocessing. The
-    directory is written to a temporary sibling and renamed into place, so
-    `export_dir` exists only when the export is complete.
+    fixed constants, so the signature needs no other preprocessing.
+
+    The SavedModel is written into a new folder with a unique name beside
+    `export_dir` (`.NAME.tmp-XXXXXXXX`), then renamed into place, so
+    `export_dir` holds a complete export or what it held before. Nothing but
+    an earlier export is ever replaced: a non-empty `export_dir` must hold
+    exactly what this function writes (`saved_model.pb`, `variables/`,
+    `assets/` with only the privacy report, `fingerprint.pb`) and
+    `overwrite=True` must be given. On any error the temporary folder is
+    removed.
 
     Args:
       model: a built `keras.Model` mapping float32 `[batch, height, width,
         channels]` in [0, 255] to logits `[batch, num_classes]`.
-      export_dir: where the SavedModel goes (replaced if it exists).
+      export_dir: where the SavedModel goes: a new or empty folder, or an
+        earlier export to replace (with `overwrite=True`).
       image_shape: `(height, width, channels)` of the served images.
       asset_paths: files copied into the SavedModel's `assets/` folder (the
         privacy report), next to the model they describe.
+      overwrite: replace an earlier export in `export_dir`.
 
     Returns:
       `export_dir`.
+
+    Raises:
+      ValueError: `export_dir` is a file, a folder with other files, or an
+        earlier export without `overwrite=True`; nothing is written then.
 
     Signature:
       `serve(images: uint8 [batch, height, width, channels])
@@ -38,6 +54,7 @@ def export_saved_model(model, export_dir, *, image_shape, asset_paths=()):
       that names the expected `[batch, H, W, C]` uint8 shape; another dtype
       is refused by the signature itself.
     """
+    _check_target(export_dir, overwrite)
     image_shape = tuple(int(d) for d in image_shape)
     expected = f"uint8 images [batch, {', '.join(map(str, image_shape))}] ([batch, H, W, C])"
 
@@ -54,12 +71,55 @@ def export_saved_model(model, export_dir, *, image_shape, asset_paths=()):
         "serve", serve,
         input_signature=[tf.TensorSpec([None, *image_shape], tf.uint8, name="images")],
     )
-    tmp_dir = export_dir.rstrip("/") + ".tmp"
-    shutil.rmtree(tmp_dir, ignore_errors=True)
-    archive.write_out(tmp_dir, verbose=False)
-    os.makedirs(os.path.join(tmp_dir, "assets"), exist_ok=True)
-    for path in asset_paths:
-        shutil.copy(path, os.path.join(tmp_dir, "assets", os.path.basename(path)))
-    shutil.rmtree(export_dir, ignore_errors=True)
-    os.replace(tmp_dir, export_dir)
+    parent, name = os.path.split(os.path.abspath(export_dir))
+    os.makedirs(parent, exist_ok=True)
+    tmp_dir = tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=parent)
+    try:
+        archive.write_out(tmp_dir, verbose=False)
+        os.makedirs(os.path.join(tmp_dir, "assets"), exist_ok=True)
+        for path in asset_paths:
+            shutil.copy(path, os.path.join(tmp_dir, "assets", os.path.basename(path)))
+        _check_target(export_dir, overwrite)  # again: it may have changed meanwhile
+        if os.path.isdir(export_dir) and os.listdir(export_dir):
+            old_dir = tempfile.mkdtemp(prefix=f".{name}.old-", dir=parent)
+            os.replace(export_dir, old_dir)  # onto the empty old_dir
+            try:
+                os.replace(tmp_dir, export_dir)
+            except OSError:
+                os.replace(old_dir, export_dir)  # put the earlier export back
+                raise
+            shutil.rmtree(old_dir, ignore_errors=True)
+        else:
+            os.replace(tmp_dir, export_dir)  # a new name, or onto an empty folder
+    finally:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
     return export_dir
+
+
+def is_export(path):
+    """True if `path` is a folder holding exactly what `export_saved_model` writes."""
+    if not os.path.isdir(path):
+        return False
+    entries = set(os.listdir(path))
+    assets = os.path.join(path, "assets")
+    return ({"saved_model.pb", "variables"} <= entries <= _EXPORT_ENTRIES
+            and os.path.isdir(assets)
+            and set(os.listdir(assets)) <= set(PRIVACY_REPORT_ASSETS))
+
+
+def _check_target(export_dir, overwrite):
+    """Refuses an export_dir that is a file, holds other files, or an export not to overwrite."""
+    if os.path.lexists(export_dir) and not os.path.isdir(export_dir):
+        raise ValueError(f"Cannot export to {export_dir}: it is a file, not a folder. Choose "
+                         "a new folder name.")
+    if not os.path.isdir(export_dir) or not os.listdir(export_dir):
+        return
+    if not is_export(export_dir):
+        shown = ", ".join(sorted(os.listdir(export_dir))[:5])
+        raise ValueError(
+            f"Cannot export to {export_dir}: it holds files that are not a tfdp export "
+            f"({shown}, ...), and tfdp never deletes files it did not write. Choose a new "
+            "or empty folder.")
+    if not overwrite:
+        raise ValueError(f"{export_dir} holds an earlier tfdp export; pass overwrite=True "
+                         "to replace it, or choose a new folder.")

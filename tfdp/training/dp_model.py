@@ -1,8 +1,10 @@
 """DPModel: a keras.Model whose train_step is DP-SGD."""
 
 import contextlib
+import inspect
 
 import keras
+import numpy as np
 import tensorflow as tf
 from absl import logging
 
@@ -15,6 +17,36 @@ from tfdp.training import ema
 from tfdp.training import ghost_clipping
 
 CLIPPING_PATHS = ("auto", "vectorized", "ghost")
+
+
+def refuse_example_weights(class_weight, sample_weight, *, where):
+    """Raises if per-example loss weights are given: they scale the sensitivity.
+
+    DP-SGD clips each example's gradient to C; a weight w on its loss
+    multiplies that gradient AFTER nothing clips it (Keras applies sample
+    weights to the loss), so the example moves the sum by up to w C while
+    the privacy report claims C (How to DP-fy ML, Ponomareva et al. 2023,
+    Sec. 5.2: sensitivity). `class_weight={1: 50}` let one example contribute
+    50 C (issue 18). For imbalanced classes, resample the public class
+    frequencies into the model's bias, or weight classes inside a
+    per-example loss that is clipped afterwards (tfdp offers neither yet).
+
+    Args:
+      class_weight, sample_weight: what the caller passed (None: nothing).
+      where: the function named in the message.
+
+    Raises:
+      ValueError: if either is not None.
+    """
+    for name, value in (("class_weight", class_weight), ("sample_weight", sample_weight)):
+        if value is not None:
+            raise ValueError(
+                f"{where} does not take {name}: weighting an example's loss scales its "
+                "gradient after clipping, so one example could move the update by more than "
+                "l2_clip_norm and the reported epsilon would not hold. Remove it; for "
+                "imbalanced classes, resample the data or set the classifier's bias from "
+                "public class frequencies. (A third element of each batch is read only as "
+                "a 0/1 padding mask.)")
 
 
 class DPModel(keras.Model):
@@ -117,7 +149,11 @@ class DPModel(keras.Model):
     `[batch, augmult, height, width, channels]` (K views), `labels` is int
     `[batch]` and `mask` float32 `[batch]` is 1 for real examples and 0 for
     padding (padding contributes exactly nothing). `batch` may vary from step to
-    step (Poisson sampling).
+    step (Poisson sampling). The mask is never a weight: per-example loss
+    weights (Keras' `class_weight`, `sample_weight`) would scale an example's
+    sensitivity, so `fit` and `train_on_batch` refuse them, `train_step`
+    asserts that the mask is 0/1, and the clipped sum reads it as `mask > 0`
+    whatever it holds (issue 18).
 
     Metrics: `loss`, `accuracy` (on the mean logits of the views), `grad_norm`
     (mean pre-clip norm of the clipped units: examples, or microbatches) and
@@ -211,8 +247,12 @@ class DPModel(keras.Model):
         """`keras.Model.fit` on a `tf.data.Dataset` of logical batches (see the class doc).
 
         Raises:
-          ValueError: if `x` is not a (distributed) `tf.data.Dataset`.
+          ValueError: if `x` is not a (distributed) `tf.data.Dataset`, or if
+            `class_weight` or `sample_weight` is given (`refuse_example_weights`).
         """
+        bound = inspect.signature(keras.Model.fit).bind(self, x, *args, **kwargs).arguments
+        refuse_example_weights(bound.get("class_weight"), bound.get("sample_weight"),
+                               where="DPModel.fit")
         if not isinstance(x, (tf.data.Dataset, tf.distribute.DistributedDataset)):
             raise ValueError(
                 f"DPModel.fit takes a tf.data.Dataset of Poisson batches, got "
@@ -224,6 +264,23 @@ class DPModel(keras.Model):
         # only warn that it is ignored for a Dataset.
         kwargs.setdefault("shuffle", False)
         return super().fit(x, *args, **kwargs)
+
+    def train_on_batch(self, x, y=None, sample_weight=None, class_weight=None,
+                       return_dict=False):
+        """`keras.Model.train_on_batch`: one DP-SGD step on one logical batch.
+
+        `sample_weight`, if given, is the padding mask: float or bool `[batch]`
+        of 0 (padding) and 1 (a real example) only.
+
+        Raises:
+          ValueError: on `class_weight`, or a `sample_weight` with a value other
+            than 0 and 1 (`refuse_example_weights`).
+        """
+        refuse_example_weights(class_weight, None, where="DPModel.train_on_batch")
+        if sample_weight is not None and not np.all(np.isin(np.asarray(sample_weight), (0, 1))):
+            refuse_example_weights(None, sample_weight, where="DPModel.train_on_batch")
+        return super().train_on_batch(x, y, sample_weight=sample_weight,
+                                      return_dict=return_dict)
 
     def compile(self, optimizer, **kwargs):
         """Compiles with `optimizer` and creates the DP state.
@@ -324,6 +381,12 @@ class DPModel(keras.Model):
         if mask is None:
             mask = tf.ones(tf.shape(labels)[:1], tf.float32)
         mask = tf.cast(mask, tf.float32)
+        # Tell a user who passed weights (the sum uses the mask as 0/1 whatever this says).
+        tf.debugging.assert_equal(
+            mask * (1.0 - mask), tf.zeros_like(mask),
+            message="The third element of a training batch is the padding mask and must be 0 "
+                    "or 1: per-example weights scale the sensitivity (DPModel refuses "
+                    "class_weight and sample_weight).")
         summed, stats = self.clip_and_accumulate(images, labels, mask)
         gradients = self.scale_update(self.add_noise(summed))
         self.optimizer.apply_gradients(zip(gradients, self.trainable_variables))
@@ -343,7 +406,8 @@ class DPModel(keras.Model):
         Args:
           images: `[batch, ...]` this replica's slice (one view or K views).
           labels: int `[batch]`.
-          mask: float32 `[batch]`, 0 on padding.
+          mask: float32 `[batch]`, 0 on padding; any value > 0 counts as 1 (a
+            mask, never a weight).
 
         Returns:
           `(summed, stats)`: `summed[i]` float32 of `trainable_variables[i]`'s
@@ -351,6 +415,8 @@ class DPModel(keras.Model):
           the logical batch. `stats` are the metric sums (loss, correct,
           pre-clip norms, clipped units, examples, clipped units count).
         """
+        # 0/1 by construction: a mask is never a weight (`refuse_example_weights`).
+        mask = tf.cast(tf.cast(mask, tf.float32) > 0, tf.float32)
         if self.mechanism.num_microbatches:
             return self._microbatch_clipped_sum(images, labels, mask)
         zeros = [tf.zeros_like(v) for v in self.trainable_variables]

@@ -5,12 +5,13 @@ example's gradient NORM, but not its gradient. Each layer's contribution to
 `|g_i|^2` follows from its input activations and its output gradients, which
 one forward and one backward pass of the summed loss give for the whole batch
 (`tfdp.dp.ghost_norms`: Goodfellow 2015; Li et al. 2022; Bu et al. 2022).
-With the clip factors known, the clipped sum is one batched backward pass of
-the loss with example i weighted by its factor. Here that pass is done layer
-by layer ("book-keeping", Bu et al. 2022, Sec. 3.2): each layer's variables
-get the vector-Jacobian product of their own small sub-graph with the already
-computed output gradients times the factors, so the backward pass through the
-network runs only once.
+With the clip factors known, each layer's share of the clipped sum is
+`sum_i factor_i * gradient_i`, which its rule gives from the same activations
+and output gradients as the norm ("book-keeping", Bu et al. 2022, Sec. 3.2):
+from the per-example gradients it held, or in float64 from its rows. So the
+backward pass through the network runs only once, and the vector added for an
+example is the one whose norm was clipped (`tfdp.dp.ghost_norms`, "Rounding":
+the norms are float64 and never too small).
 
 How the activations and output gradients are captured. The wrapped Keras
 model is re-built with `keras.models.clone_model(..., call_function=...)`
@@ -61,9 +62,9 @@ class Site:
       forward: `(*inputs) -> output`, the site's computation.
       norms: `(inputs, output, output_grad, num_views) -> (squares, weighted_sum)`:
         the per-example squared gradient norm of `variables`, float32
-        `[batch]`, and, if the rule built the per-example gradients,
-        `weighted_sum(factors) -> [sum_i factors[i] * gradient_i]` (aligned with
-        `variables`), else None (`tfdp.dp.ghost_norms`).
+        `[batch]` (float64 for the `tfdp.dp.ghost_norms` rules), and
+        `weighted_sum(factors) -> [sum_i factors[i] * gradient_i]` (float32,
+        aligned with `variables`).
       num_inputs: how many input tensors `forward` takes.
       layer_name: for messages.
     """
@@ -165,8 +166,6 @@ def _as_list(norms):
 
     def wrapped(*args):
         squares, weighted_sum = norms(*args)
-        if weighted_sum is None:
-            return squares, None
         return squares, lambda factors: [weighted_sum(factors)]
 
     return wrapped
@@ -270,7 +269,7 @@ def _ws_conv2d(layer, inputs, recorder):
 
     def norms(ins, out, g, k):
         return ghost_norms.ws_kernel_sq_norms(ghost_norms.conv2d_patches(ins[0], **geometry),
-                                              out, g, layer.kernel, epsilon=layer.epsilon,
+                                              g, layer.kernel, epsilon=layer.epsilon,
                                               num_views=k)
 
     z = recorder.site(layer, [layer.kernel], [inputs], convolve, norms)
@@ -483,33 +482,33 @@ class GhostClipping:
             self._context.backward = None
         # The backward pass; its gradient functions compute every site's norms.
         tape.gradient(total, backward.outputs, unconnected_gradients=tf.UnconnectedGradients.ZERO)
-        sites, output_grads, computed = [], [], []
+        sites, computed = [], []
         for index, (site, inputs, keep) in enumerate(self._sites_with_inputs(outputs[1:])):
             if keep:
-                grad, result = backward.result(index, site, inputs)
+                _, result = backward.result(index, site, inputs)
                 sites.append((site, inputs, None))
-                output_grads.append(grad)
                 computed.append(result)
+        # Float64 from here to the factors: the rules' squares are float64 and never below
+        # the exact ones (tfdp.dp.ghost_norms, "Rounding"); so is their sum, up to the
+        # relative n u of adding n non-negative terms, which the last factor covers.
         squares = [tf.maximum(sq, 0.0) for sq, _ in computed]
         fallback = []
         if self.fallback_variables:
             fallback, _ = clipping.per_example_gradients(
                 example_loss_fn, self.fallback_variables, (images, labels))
-            squares.append(tf.square(clipping.global_l2_norms(fallback)))
-        norms = tf.sqrt(tf.add_n(squares))
+            squares.append(tf.cast(tf.square(clipping.global_l2_norms(fallback)),
+                                   ghost_norms.NORM_DTYPE))
+        norms = tf.sqrt(tf.add_n(squares)) * (1.0 + (len(squares) + 2) * 2.0**-53)
+        mask = tf.cast(mask, norms.dtype)
         factors = clipping.clip_factors(norms, l2_clip_norm, normalize=normalize) * mask
-        clipped = tf.cast(norms > l2_clip_norm, tf.float32) * mask
+        clipped = tf.cast(norms > l2_clip_norm, tf.float32) * tf.cast(mask, tf.float32)
         summed = {}
         for v, g in zip(self.fallback_variables, fallback):
-            summed[id(v)] = clipping.weighted_sum(factors, g)
-        row_factors = tf.repeat(factors, num_views)
-        for (site, ins, _), g, (_, weighted_sum) in zip(sites, output_grads, computed):
-            if weighted_sum is None:  # Gram form: a backward pass through this site
-                sums = _weighted_vjp(site, ins, g, row_factors)
-            else:
-                sums = weighted_sum(factors)
-            for v, s in zip(site.variables, sums):
+            summed[id(v)] = clipping.weighted_sum(tf.cast(factors, tf.float32), g)
+        for (site, _, _), (_, weighted_sum) in zip(sites, computed):
+            for v, s in zip(site.variables, weighted_sum(factors)):
                 summed[id(v)] = s
+        norms = tf.cast(norms, tf.float32)
         mean_logits = tf.reduce_mean(tf.reshape(logits, [-1, num_views, logits.shape[-1]]), 1)
         return [summed[id(v)] for v in self.variables], norms, clipped, losses, mean_logits
 
@@ -519,26 +518,6 @@ class GhostClipping:
         for site, keep in zip(self.sites, self._keep):
             yield site, list(tensors[position:position + site.num_inputs]), keep
             position += site.num_inputs + 1
-
-
-def _weighted_vjp(site, inputs, output_grad, row_factors):
-    """`sum_i f_i dL_i/d(variables)` through this site alone.
-
-    Rows with factor 0 (padding, non-finite gradients) are zeroed in the
-    inputs and the output gradients, so that an inf or nan there cannot
-    reach the sum (as `tfdp.dp.clipping.clip_factors` promises).
-    """
-    keep = row_factors > 0
-    safe = [tf.where(_expand(keep, x), x, tf.zeros_like(x)) for x in inputs]
-    weighted = tf.math.multiply_no_nan(output_grad, _expand(row_factors, output_grad))
-    with tf.GradientTape() as tape:
-        output = site.forward(*safe)
-    return tape.gradient(output, list(site.variables), output_gradients=weighted,
-                         unconnected_gradients=tf.UnconnectedGradients.ZERO)
-
-
-def _expand(vector, like):
-    return tf.reshape(vector, [-1] + [1] * (like.shape.rank - 1))
 
 
 def _single_input(model):

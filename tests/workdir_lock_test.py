@@ -1,0 +1,154 @@
+"""Real processes in one workdir (`python -m tfdp.main`): the lock, and a kill while exporting.
+
+Two runs side by side on TFDS mock data, 2 steps each:
+
+* A pauses after step 1; a second run B in the same workdir is refused
+  (exit 2) and names A's pid; A is SIGKILLed, and the same command resumes
+  and finishes (the kernel dropped the lock with A).
+* E pauses inside the SavedModel write (the export's files are on disk, not
+  yet renamed into place) and is SIGKILLed: the workdir must not look
+  finished, and the same command again writes the export, the report and
+  FINISHED without training again.
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+_WRAPPER = r'''
+import os, sys, time
+pause = os.environ.get("TFDP_TEST_PAUSE")
+
+def wait():
+    open(os.environ["TFDP_TEST_PAUSED_FILE"], "w").close()
+    time.sleep(600)
+
+if pause == "step":  # right after step 1
+    from tfdp.training import callbacks
+    original = callbacks.ProgressLog.on_train_batch_end
+    def on_train_batch_end(self, batch, logs=None):
+        original(self, batch, logs)
+        wait()
+    callbacks.ProgressLog.on_train_batch_end = on_train_batch_end
+elif pause == "export":  # the SavedModel written to its temporary folder
+    import keras
+    archive_class = type(keras.export.ExportArchive())
+    original_write_out = archive_class.write_out
+    def write_out(self, filepath, **kwargs):
+        original_write_out(self, filepath, **kwargs)
+        wait()
+    archive_class.write_out = write_out
+from tfdp import data
+with data.mock_data(num_examples=64):
+    from tfdp import main
+    sys.argv = ["tfdp.main"] + sys.argv[1:]
+    main.run()
+'''
+
+_PARAMS = ["NUM_EXAMPLES = 64", "BATCH_SIZE = 16", "TARGET_EPSILON = None",
+           "NOISE_MULTIPLIER = 1.0"]
+
+
+def _start(wrapper, workdir, **env):
+    command = [sys.executable, str(wrapper), f"--workdir={workdir}",
+               "--gin_file=fashion_mnist.gin", "--gin_file=smoke.gin",
+               *[f"--gin_param={p}" for p in _PARAMS]]
+    return subprocess.Popen(command, env={**os.environ, **env}, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _wait_for(proc, paused):
+    deadline = time.time() + 300
+    while not paused.exists():
+        assert proc.poll() is None, proc.communicate()[1][-4000:]
+        assert time.time() < deadline, "the run never reached its pause"
+        time.sleep(0.2)
+
+
+def _kill(proc):
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+
+
+def _finish(proc):
+    _, stderr = proc.communicate(timeout=600)
+    assert proc.returncode == 0, stderr[-4000:]
+
+
+def _listing(workdir):
+    return sorted(os.path.relpath(os.path.join(root, name), workdir)
+                  for root, dirs, files in os.walk(workdir) for name in dirs + files)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("runs")
+    wrapper = root / "run_tfdp.py"
+    wrapper.write_text(_WRAPPER)
+    holder = _start(wrapper, root / "a", TFDP_TEST_PAUSE="step",
+                    TFDP_TEST_PAUSED_FILE=str(root / "paused_a"))
+    exporting = _start(wrapper, root / "e", TFDP_TEST_PAUSE="export",
+                       TFDP_TEST_PAUSED_FILE=str(root / "paused_e"))
+    result = {"holder_pid": holder.pid}
+    _wait_for(holder, root / "paused_a")
+    listing = _listing(root / "a")
+    second = _start(wrapper, root / "a")
+    result["second"] = (second.communicate(timeout=600), second.returncode)
+    result["unchanged_by_second"] = _listing(root / "a") == listing
+    _kill(holder)
+    resumed = _start(wrapper, root / "a")
+    _wait_for(exporting, root / "paused_e")
+    _kill(exporting)
+    result["killed_in_export"] = _listing(root / "e")
+    finishing = _start(wrapper, root / "e")
+    _finish(resumed)
+    _finish(finishing)
+    return root, result
+
+
+def test_a_second_run_in_a_locked_workdir_exits_2_and_names_the_holder(runs):
+    # Before: both runs trained and exported, and metrics.jsonl mixed them.
+    root, result = runs
+    (_, stderr), returncode = result["second"]
+    assert returncode == 2, stderr[-4000:]
+    assert (f"is in use by another run (pid {result['holder_pid']} on {socket.gethostname()}"
+            in stderr), stderr[-2000:]
+    assert "Traceback" not in stderr
+    assert result["unchanged_by_second"]
+
+
+def test_a_killed_holder_leaves_no_lock_and_the_same_command_resumes(runs):
+    root, _ = runs
+    report = json.loads((root / "a" / "privacy_report.json").read_text())
+    assert report["steps"] == 2
+    assert json.loads((root / "a" / "FINISHED").read_text())["steps"] == 2
+    assert not (root / "a" / ".tfdp.lock").exists()
+    steps = [json.loads(line)["step"]
+             for line in (root / "a" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [2]  # one run, not two mixed
+
+
+def test_a_kill_while_exporting_leaves_an_unfinished_workdir_that_the_rerun_finishes(runs):
+    # Before: the report was written before the SavedModel, so the killed workdir had
+    # privacy_report.json without export/, and every rerun said "unchanged".
+    root, result = runs
+    killed = result["killed_in_export"]
+    assert "FINISHED" not in killed and "privacy_report.json" not in killed
+    assert "export" not in killed
+    assert "checkpoints/ckpt-2.index" in killed
+    assert any(name.startswith(".export.tmp-") for name in killed)  # the unfinished write
+    workdir = root / "e"
+    assert (workdir / "export" / "saved_model.pb").exists()
+    assert json.loads((workdir / "FINISHED").read_text())["steps"] == 2
+    assert json.loads((workdir / "privacy_report.json").read_text())["steps"] == 2
+    assert not [name for name in os.listdir(workdir) if ".tmp-" in name or ".old-" in name]
+    steps = [json.loads(line)["step"] for line in
+             (workdir / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [2]  # not trained again

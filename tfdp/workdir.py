@@ -1,0 +1,386 @@
+"""One workdir, one run: the lock, the refusal of a used workdir, checkpoint checks, FINISHED.
+
+The trainer (`tfdp.experiment.train_and_evaluate`) keeps four promises about
+its workdir, and this module holds the code of each:
+
+1. **One run at a time** (`locked`): the chief holds an exclusive
+   `fcntl.flock` on `WORKDIR/.tfdp.lock` for the whole run. A second run in
+   the same workdir is refused (exit 2) with the holder's pid, host and start
+   time, which the holder writes into the lock file. The kernel drops the lock
+   when its process dies, even on SIGKILL, so a rerun after a kill resumes.
+2. **No second run in a used workdir** (`earlier_run_outputs`): a workdir
+   with outputs of an earlier run (metrics, report, export, TensorBoard
+   events, checkpoint files) but no checkpoint that resumes it is refused:
+   training again would train a second model on the same data with fresh
+   coins, while the report would count one run.
+3. **Corrupt checkpoints are named** (`resume_checkpoint`): the checkpoint
+   to resume is read in full before anything is built or written; a
+   truncated `.index` or `.data` file is named, with what to do.
+4. **Finished is one atomic fact** (`write_finished`, `finished`): the file
+   `FINISHED` is written (to a temporary name, then renamed) only after the
+   SavedModel and the report are complete and read back. A workdir without
+   it is not finished, whatever else it holds; a rerun whose checkpoint has
+   every step but no FINISHED writes the export and the report again.
+
+Pure Python except `resume_checkpoint` (which reads checkpoints with
+TensorFlow, imported there), so the CLI can check the lock cheaply.
+"""
+
+import contextlib
+import datetime
+import errno
+import fcntl
+import glob
+import json
+import os
+import re
+import shutil
+import socket
+
+LOCK_FILE = ".tfdp.lock"
+FINISHED_FILE = "FINISHED"
+CHECKPOINT_DIR = "checkpoints"
+# Outputs only a run writes; any of them without a resumable checkpoint marks a used workdir.
+# (data_normalization.json is not one: it is written before the first checkpoint, and a
+# run killed in between reuses it rather than releasing the statistics again.)
+RUN_OUTPUTS = ("metrics.jsonl", "privacy_report.json", "privacy_report.md", "export",
+               "tensorboard", "operative_config.gin", FINISHED_FILE)
+
+
+class WorkdirError(ValueError):
+    """A workdir that this run cannot use, or a run stopped by a failed write.
+
+    A ValueError, as every error tfdp reports to the user: the CLI prints its
+    message, without a traceback, and exits 2.
+    """
+
+
+class WorkdirLockedError(WorkdirError):
+    """Another process holds the workdir's lock."""
+
+
+def check_local(workdir):
+    """Refuses a workdir URL (gs://, s3://, ...).
+
+    The lock is an `fcntl.flock`, which needs a local (or mounted) file
+    system; an object store has none, and running without a lock would let
+    two runs mix their outputs. Train into a local workdir and copy it, or
+    mount the bucket (e.g. gcsfuse).
+
+    Raises:
+      WorkdirError: for a path with a `scheme://` prefix.
+    """
+    if re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*://", str(workdir)):
+        raise WorkdirError(
+            f"--workdir={workdir} is a URL; tfdp locks its workdir (one run at a time) with "
+            "fcntl, which needs a local or mounted file system. Use a local workdir and copy "
+            "it once FINISHED is written, or mount the bucket (e.g. with gcsfuse).")
+
+
+@contextlib.contextmanager
+def locked(workdir):
+    """Holds an exclusive lock on `workdir` for the block; creates the workdir.
+
+    The lock file `.tfdp.lock` holds the holder's pid, host and start time
+    while it runs, and is deleted when the block ends. If the block fails and
+    the workdir was created here and holds nothing else, the workdir is
+    removed again, so that a refused run leaves nothing behind.
+
+    Raises:
+      WorkdirLockedError: another process holds the lock; the message names it.
+      WorkdirError: the workdir cannot be created or written (read-only, full,
+        a file in the way, no permission).
+    """
+    workdir = os.fspath(workdir)
+    created = not os.path.isdir(workdir)
+    path = os.path.join(workdir, LOCK_FILE)
+    try:
+        os.makedirs(workdir, exist_ok=True)
+        fd = _acquire(path)
+    except WorkdirLockedError:
+        raise
+    except OSError as e:
+        raise WorkdirError(
+            f"Cannot write into the workdir {workdir}: {e.strerror or e} "
+            f"({type(e).__name__}). Choose a writable workdir (--workdir), or free space "
+            "on its disk.") from None
+    try:
+        yield workdir
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(path)  # while still holding it: see _acquire
+        os.close(fd)
+        if created:
+            with contextlib.suppress(OSError):
+                os.rmdir(workdir)  # only if empty: this run wrote nothing that stays
+
+
+def _acquire(path):
+    """Opens and flocks `path`; returns the fd. Retries if the file was replaced meanwhile.
+
+    The holder deletes the lock file before it closes it, so a process that
+    opened the old file and got its lock after the holder closed it sees that
+    the path now names another file (or none) and tries again.
+    """
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            os.close(fd)
+            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise
+            raise WorkdirLockedError(
+                f"The workdir {os.path.dirname(path)} is in use by another run "
+                f"({_holder(path)}). One workdir holds one run: wait for that run to end, or "
+                "use another workdir. (The lock is released when that process ends, even if "
+                "it is killed.)") from None
+        try:
+            same = os.fstat(fd).st_ino == os.stat(path).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        os.close(fd)
+    holder = {"pid": os.getpid(), "host": socket.gethostname(),
+              "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds")}
+    os.ftruncate(fd, 0)
+    os.write(fd, json.dumps(holder).encode())
+    os.fsync(fd)
+    return fd
+
+
+def _holder(path):
+    try:
+        with open(path) as f:
+            holder = json.load(f)
+        return f"pid {holder['pid']} on {holder['host']}, started {holder['started']}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "a process that has not yet written its pid"
+
+
+def earlier_run_outputs(workdir):
+    """Outputs of an earlier run found in `workdir` (sorted names), ignoring its lock.
+
+    Any of `RUN_OUTPUTS` (an empty `tensorboard/` or `export/` folder too) and
+    any file in `checkpoints/` other than an interrupted save's `*_temp`
+    folder.
+    """
+    if not os.path.isdir(workdir):
+        return []
+    found = [name + ("/" if os.path.isdir(os.path.join(workdir, name)) else "")
+             for name in RUN_OUTPUTS if os.path.lexists(os.path.join(workdir, name))]
+    checkpoints = os.path.join(workdir, CHECKPOINT_DIR)
+    if os.path.isdir(checkpoints):
+        found += [f"{CHECKPOINT_DIR}/{name}" for name in sorted(os.listdir(checkpoints))
+                  if not name.endswith("_temp")]
+    return sorted(found)
+
+
+def refuse_used_workdir(workdir, found):
+    """Raises WorkdirError naming `found` (from `earlier_run_outputs`)."""
+    hint = ""
+    if any(name.startswith(f"{CHECKPOINT_DIR}/") for name in found):
+        hint = (f" Its {CHECKPOINT_DIR}/ holds files but no checkpoint state to resume "
+                f"({CHECKPOINT_DIR}/checkpoint names the latest one); if you moved it, put it "
+                "back to resume that run.")
+    raise WorkdirError(
+        f"The workdir {workdir} holds outputs of an earlier run ({', '.join(found)}) but no "
+        "checkpoint that resumes it. Training again here would train a second model on the "
+        "same data with new secret coins, while the report would count only one run. Use a "
+        f"new workdir for a new run; nothing was changed.{hint}")
+
+
+def checkpoint_files(prefix):
+    """The files of the checkpoint `prefix` (e.g. `.../ckpt-4`): its .index and .data shards."""
+    return sorted(glob.glob(glob.escape(prefix) + ".index")
+                  + glob.glob(glob.escape(prefix) + ".data-*"))
+
+
+def resume_checkpoint(checkpoint_dir):
+    """The checkpoint to resume: the newest listed one whose files exist, read in full.
+
+    The checkpoint state (`checkpoints/checkpoint`) lists the kept
+    checkpoints. A listed checkpoint whose files are all gone (the user moved
+    them aside, as a corrupt-checkpoint error suggests) is skipped, with a
+    warning, for the next older one. The chosen checkpoint is read in full
+    (its index and every tensor), so a truncated file is found here, before
+    anything is built or written, and named.
+
+    Why resuming from an older checkpoint is not an extra release: the
+    checkpoint holds the secret sampling seed and the noise generator's state,
+    and the batches of step t are a function of (seed, t) only
+    (`tfdp.data.train_batches`), so the replayed steps draw the same batches
+    and the same noise as the first time. This is what happens after every
+    kill between two checkpoints (tests/resume_test.py checks that the replay
+    ends with identical weights, ledger and noise state). The privacy ledger
+    in the checkpoint counts the steps of the one stream, and the report's
+    epsilon covers them once.
+
+    Args:
+      checkpoint_dir: the workdir's `checkpoints/`.
+
+    Returns:
+      The checkpoint prefix (str), or None if there is no checkpoint state.
+
+    Raises:
+      WorkdirError: the state file cannot be read, or the newest existing
+        checkpoint is corrupt; the message names the file, any older intact
+        checkpoint, and what to do.
+    """
+    import tensorflow as tf  # pylint: disable=g-import-not-at-top
+
+    state_file = os.path.join(checkpoint_dir, "checkpoint")
+    if not os.path.exists(state_file):
+        return None
+    try:
+        state = tf.train.get_checkpoint_state(checkpoint_dir)
+    except Exception as e:  # pylint: disable=broad-except  (text-proto parse errors)
+        raise WorkdirError(
+            f"The checkpoint state {state_file} cannot be read ({e}). Restore it from a "
+            "backup, or use a new workdir.") from None
+    listed = list(state.all_model_checkpoint_paths) if state else []
+    if state and state.model_checkpoint_path and state.model_checkpoint_path not in listed:
+        listed.append(state.model_checkpoint_path)
+    listed = [p if os.path.isabs(p) else os.path.join(checkpoint_dir, p) for p in listed]
+    existing = [p for p in listed if checkpoint_files(p)]
+    if not existing:
+        return None
+    newest = existing[-1]
+    for skipped in listed[listed.index(newest) + 1:]:
+        _warn(f"Checkpoint {skipped} is listed in {state_file} but its files are gone; "
+              f"resuming from {newest}.")
+    problem = checkpoint_problem(newest)
+    if problem is None:
+        return newest
+    older = next((p for p in reversed(existing[:-1]) if checkpoint_problem(p) is None), None)
+    files = " ".join(checkpoint_files(newest))
+    if older:
+        what = (
+            f"The earlier checkpoint {older} is intact. To resume from it, move the files of "
+            f"{os.path.basename(newest)} out of the workdir (mv {files} SOMEWHERE/) and run "
+            "the same command again: the steps after it are replayed with the same secret "
+            "batches and noise, so nothing is released twice. Or use a new workdir.")
+    else:
+        what = ("No earlier checkpoint is intact: this run cannot be resumed. Use a new "
+                "workdir.")
+    raise WorkdirError(f"The checkpoint {newest} is corrupt: {problem}. {what}")
+
+
+def checkpoint_problem(prefix):
+    """None if every tensor of the checkpoint `prefix` reads back, else what is wrong."""
+    import tensorflow as tf  # pylint: disable=g-import-not-at-top
+
+    index = prefix + ".index"
+    if not os.path.exists(index):
+        return f"{index} is missing"
+    try:
+        reader = tf.train.load_checkpoint(prefix)
+    except (tf.errors.OpError, ValueError, IndexError, RuntimeError) as e:
+        return f"{index} cannot be read ({_first_line(e)}; a truncated file?)"
+    try:
+        for name in reader.get_variable_to_shape_map():
+            reader.get_tensor(name)
+    except (tf.errors.OpError, ValueError, IndexError, RuntimeError) as e:
+        data = ", ".join(p for p in checkpoint_files(prefix) if ".data-" in p) or (
+            prefix + ".data-*")
+        return f"{data} cannot be read ({_first_line(e)}; a truncated file?)"
+    return None
+
+
+def _first_line(error):
+    message = getattr(error, "message", None) or str(error)
+    return " ".join(message.strip().splitlines()[0].split())[:300]
+
+
+def _warn(message):
+    from absl import logging  # pylint: disable=g-import-not-at-top
+
+    logging.warning("%s", message)
+
+
+def remove_partial_checkpoints(checkpoint_dir, before):
+    """After a failed save: removes what this run wrote that no checkpoint state lists.
+
+    A save that fails (a full disk, a read-only folder) leaves `ckpt-N_temp/`
+    and maybe part of `ckpt-N.*`, which would look like progress. Only
+    entries that were not in `checkpoint_dir` when the run started (`before`)
+    are removed, and only those of checkpoints the state does not list.
+    """
+    if not os.path.isdir(checkpoint_dir):
+        return
+    listed = set()
+    state_file = os.path.join(checkpoint_dir, "checkpoint")
+    if os.path.exists(state_file):
+        with contextlib.suppress(OSError):
+            with open(state_file) as f:
+                listed = set(re.findall(r'"(?:[^"]*/)?(ckpt-\d+)"', f.read()))
+    for name in sorted(set(os.listdir(checkpoint_dir)) - set(before)):
+        base = re.match(r"(ckpt-\d+)", name)
+        if name == "checkpoint" or (base and base.group(1) in listed and
+                                    not name.endswith("_temp")):
+            continue
+        path = os.path.join(checkpoint_dir, name)
+        with contextlib.suppress(OSError):
+            if os.path.isdir(path):
+                shutil.rmtree(path)
+            else:
+                os.unlink(path)
+    with contextlib.suppress(OSError):
+        os.rmdir(checkpoint_dir)  # only if it is empty now
+
+
+def finished(workdir):
+    """The FINISHED record if the workdir holds a finished run, else None.
+
+    Finished means: `FINISHED` exists and every file it lists is there.
+    """
+    path = os.path.join(workdir, FINISHED_FILE)
+    try:
+        with open(path) as f:
+            record = json.load(f)
+    except (OSError, ValueError):
+        return None
+    files = record.get("files", []) if isinstance(record, dict) else []
+    if not files or not all(os.path.exists(os.path.join(workdir, name)) for name in files):
+        return None
+    return record
+
+
+def write_finished(workdir, record):
+    """Writes `FINISHED` (a JSON `record` that lists its `files`) atomically, last.
+
+    Written to a temporary name, flushed to disk and renamed, so FINISHED is
+    either absent or complete.
+    """
+    path = os.path.join(workdir, FINISHED_FILE)
+    tmp = path + f".tmp-{os.getpid()}"
+    try:
+        with open(tmp, "w") as f:
+            json.dump(record, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+
+
+def remove_stale_temporaries(workdir):
+    """Removes what a killed finish left: `.export.tmp-*`, `.export.old-*`, `.report.tmp-*`.
+
+    Called under the lock, so no other process is writing them.
+    """
+    for pattern in (".export.tmp-*", ".export.old-*", ".report.tmp-*", FINISHED_FILE + ".tmp-*"):
+        for path in glob.glob(os.path.join(glob.escape(workdir), pattern)):
+            if os.path.isdir(path):
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+
+
+def clear_finished(workdir):
+    """Removes FINISHED, before a run changes what it certified (more steps, a re-export)."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(os.path.join(workdir, FINISHED_FILE))
