@@ -13,6 +13,9 @@ out=${1:?usage: bash benchmarks/audit_fashion_mnist.sh OUT_DIR [NAME ...]}
 shift
 mkdir -p "$out"
 wanted=" $* "
+# The host line (CPU flags, oneDNN on or off) that every time below depends on.
+python -c "import sys; sys.path.insert(0, sys.argv[1]); from tfdp import host; print(host.describe_host())" \
+  "$(dirname "$0")/.." | tee "$out/host.txt"
 data=()
 if [ -n "${DATA_DIR:-}" ]; then data=("--gin_param=tfdp.train_and_evaluate.data_dir='$DATA_DIR'"); fi
 

@@ -33,6 +33,7 @@ if _REPO_ROOT not in sys.path:
 import numpy as np  # noqa: E402
 from scipy import special, stats  # noqa: E402
 
+from tfdp import host  # noqa: E402
 from tfdp.accounting import audit  # noqa: E402
 
 DELTA = 1e-5
@@ -76,6 +77,7 @@ def main(argv=None):
     rng = np.random.default_rng(args.seed)
     m = args.num_canaries
 
+    print(host.describe_host() + "\n")
     print("## 1. Soundness, exact: (epsilon, delta) randomized response, all r = m guessed\n")
     print("| r = m | epsilon | delta | P[bound > epsilon] | beta |\n|---|---|---|---|---|")
     for r in (100, 1000):

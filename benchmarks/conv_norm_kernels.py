@@ -18,10 +18,14 @@ import argparse
 import statistics
 import time
 
-import numpy as np
-import tensorflow as tf
+from tfdp import host
 
-from tfdp.dp import ghost_norms
+host.enable_onednn()  # before TensorFlow's import, which reads TF_ENABLE_ONEDNN_OPTS
+
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+from tfdp.dp import ghost_norms  # noqa: E402
 
 
 def variants(batch, height, width, channels, filters):
@@ -61,6 +65,7 @@ def main():
     parser.add_argument("--rounds", type=int, default=7)
     args = parser.parse_args()
     shape = [int(v) for v in args.shape.split(",")]
+    print(host.describe_host())
     fns = variants(*shape)
     a, b = fns["patches (tfdp)"]().numpy(), fns["grouped filter gradient"]().numpy()
     print(f"shape {shape}: max relative difference of the norms {np.max(np.abs(a - b) / a):.1e}")

@@ -17,6 +17,23 @@ process, TensorFlow runtime included); the script prints the ratios to plain.
 
     python benchmarks/dp_step_speed.py memory --model=wrn16_4 --batch_size=64
 
+oneDNN on and off: TensorFlow reads TF_ENABLE_ONEDNN_OPTS once, at import, so
+each round runs one `speed` process with it set to 0 and one with 1 (in
+alternating order), each timing `--steps` steps of every variant after warm-up;
+the script prints the medians over rounds and the median of the paired on/off
+ratios (BUILD.md, "oneDNN on and off"):
+
+    python benchmarks/dp_step_speed.py onednn --model=tramer_cnn --batch_size=512 --rounds=3
+
+Where a step's time goes: `profile` traces `--steps` steps of one variant with
+`tf.profiler` (after warm-up) and prints the share of each op type, and of each
+op-name prefix (`--scope_depth` components), in the summed op time (all threads):
+
+    python benchmarks/dp_step_speed.py profile --model=wrn16_4 --batch_size=32 --variant=ghost
+
+Every mode prints the host line first (`tfdp.host.describe_host()`: CPU flags,
+oneDNN on or off and why).
+
 `--jit_compile` compiles every step with XLA. `--ablate_kernel_norms` (speed
 only, a diagnosis, never a DP step) replaces every dense, conv and WS-conv
 kernel's per-example squared norm with zero, so that the ghost step's time
@@ -27,21 +44,29 @@ without the kernel norms can be compared with plain:
 """
 
 import argparse
+import collections
+import glob
 import json
+import os
 import resource
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
-import keras
-import numpy as np
-import tensorflow as tf
+from tfdp import host
 
-from tfdp import accounting
-from tfdp import models
-from tfdp.dp import ghost_norms
-from tfdp.training.dp_model import DPModel
+host.enable_onednn()  # before TensorFlow's import, which reads TF_ENABLE_ONEDNN_OPTS
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+from tfdp import accounting  # noqa: E402
+from tfdp import models  # noqa: E402
+from tfdp.dp import ghost_norms  # noqa: E402
+from tfdp.training.dp_model import DPModel  # noqa: E402
 
 MODELS = {
     # Tramer & Boneh's Fashion-MNIST CNN (fashion_mnist.gin), 26,010 parameters.
@@ -78,18 +103,17 @@ def build_step(variant, model_name, batch_size, jit_compile):
 def ablate_kernel_norms():
     """Benchmark-only: every kernel's per-example squared norm becomes 0 (wrong clipping).
 
-    The clipped sum then takes the weighted backward pass through each kernel.
+    The rules' weighted sums are kept; TensorFlow prunes the norm work they do
+    not share.
     """
-    def zeros(output_grads, num_views):
-        return tf.zeros([tf.shape(output_grads)[0] // num_views]), None
+    def zero_squares(rule):
+        def ablated(*args, **kwargs):
+            squares, weighted_sum = rule(*args, **kwargs)
+            return tf.zeros_like(squares), weighted_sum
+        return ablated
 
-    ghost_norms.kernel_sq_norms = (
-        lambda rows, output_grads, *, num_views=1: zeros(output_grads, num_views))
-    ghost_norms.conv2d_kernel_sq_norms = (
-        lambda inputs, output_grads, *, num_views=1, **geometry: zeros(output_grads, num_views))
-    ghost_norms.ws_kernel_sq_norms = (
-        lambda rows, outputs, output_grads, kernel, *, epsilon, num_views=1:
-        zeros(output_grads, num_views))
+    for name in ("kernel_sq_norms", "conv2d_kernel_sq_norms", "ws_kernel_sq_norms"):
+        setattr(ghost_norms, name, zero_squares(getattr(ghost_norms, name)))
 
 
 def speed(args):
@@ -107,6 +131,10 @@ def speed(args):
             for _ in range(args.steps):
                 step()
             seconds[variant].append((time.perf_counter() - start) / args.steps)
+    if args.json:  # for `onednn`: the host line and each round's seconds per step
+        print(json.dumps({"host": host.describe_host(), "seconds": seconds}))
+        return
+    print(host.describe_host())
     print(f"{args.model}, B = {args.batch_size}, {args.rounds} interleaved rounds of "
           f"{args.steps} steps, jit_compile={args.jit_compile}"
           + (", kernel norms ablated (not DP)" if args.ablate_kernel_norms else ""))
@@ -118,6 +146,80 @@ def speed(args):
             s / p for s, p in zip(seconds[variant], seconds.get("plain", seconds[variant])))
         print(f"| {variant} | {rates[0]:,.1f} | {statistics.median(rates):,.1f} | "
               f"{rates[-1]:,.1f} | {ratio:.2f}x |")
+
+
+def onednn(args):
+    rates = {setting: {v: [] for v in args.variants} for setting in ("0", "1")}
+    hosts = {}
+    for round_index in range(args.rounds):
+        for setting in ("0", "1") if round_index % 2 == 0 else ("1", "0"):
+            env = dict(os.environ, **{host.ENV_VAR: setting})
+            env.pop(host.SET_BY_TFDP_VAR, None)  # this script, not tfdp's default, sets it
+            command = [sys.executable, __file__, "speed", "--json", "--rounds=1",
+                       f"--steps={args.steps}", f"--model={args.model}",
+                       f"--batch_size={args.batch_size}", f"--variants={','.join(args.variants)}"
+                       ] + (["--jit_compile"] if args.jit_compile else [])
+            out = subprocess.run(command, check=True, capture_output=True, text=True,
+                                 env=env).stdout
+            result = json.loads(out.strip().splitlines()[-1])
+            hosts[setting] = result["host"]
+            for variant in args.variants:
+                rates[setting][variant].append(args.batch_size / result["seconds"][variant][0])
+    print(hosts["0"])
+    print(hosts["1"])
+    print(f"{args.model}, B = {args.batch_size}, {args.rounds} rounds, each one process with "
+          f"{host.ENV_VAR}=0 and one with =1 (alternating order), {args.steps} steps of every "
+          f"variant per process, jit_compile={args.jit_compile}")
+    print("| variant | ex/s, oneDNN off (median) | ex/s, oneDNN on (median) | on / off "
+          "(median of paired rounds) | each round: off, on |")
+    print("|---|---|---|---|---|")
+    for variant in args.variants:
+        off, on = rates["0"][variant], rates["1"][variant]
+        ratio = statistics.median(b / a for a, b in zip(off, on))
+        rounds = "; ".join(f"{a:,.1f}, {b:,.1f}" for a, b in zip(off, on))
+        print(f"| {variant} | {statistics.median(off):,.1f} | {statistics.median(on):,.1f} | "
+              f"{ratio:.2f}x | {rounds} |")
+
+
+def profile(args):
+    from tensorflow.tsl.profiler.protobuf import xplane_pb2  # pylint: disable=g-import-not-at-top
+
+    step = build_step(args.variant, args.model, args.batch_size, args.jit_compile)
+    step()
+    step()
+    logdir = tempfile.mkdtemp(prefix="dp_step_profile_")
+    start = time.perf_counter()
+    tf.profiler.experimental.start(logdir)
+    for _ in range(args.steps):
+        step()
+    tf.profiler.experimental.stop()
+    seconds = (time.perf_counter() - start) / args.steps
+    space = xplane_pb2.XSpace()
+    [path] = glob.glob(os.path.join(logdir, "**", "*.xplane.pb"), recursive=True)
+    with open(path, "rb") as f:
+        space.ParseFromString(f.read())
+    by_type, by_scope = collections.Counter(), collections.Counter()
+    for plane in space.planes:
+        for line in plane.lines:
+            for event in line.events:
+                name = plane.event_metadata[event.metadata_id].name
+                op_name, _, op_type = name.rpartition(":")  # TF op events: "op_name:OpType"
+                if not op_name or " " in name or "::" in name:  # not runtime events
+                    continue
+                by_type[op_type] += event.duration_ps
+                by_scope["/".join(op_name.split("/")[:args.scope_depth])] += event.duration_ps
+    total = sum(by_type.values())
+    print(host.describe_host())
+    print(f"{args.model}, B = {args.batch_size}, {args.variant}: {args.steps} profiled steps, "
+          f"{seconds:.2f} s per step (profiler on); summed op time {total / 1e12 / args.steps:.2f} "
+          "s per step over all threads")
+    tables = (("op type", by_type), (f"op-name prefix ({args.scope_depth})", by_scope))
+    for title, counter in tables:
+        print(f"| {title} | share of op time | s per step |")
+        print("|---|---|---|")
+        for key, ps in counter.most_common(args.top):
+            print(f"| {key} | {100 * ps / total:.1f}% | {ps / 1e12 / args.steps:.3f} |")
+        print()
 
 
 def peak_rss(args):
@@ -136,6 +238,7 @@ def memory(args):
                    f"--steps={args.steps}"] + (["--jit_compile"] if args.jit_compile else [])
         out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
         peaks[variant] = json.loads(out.strip().splitlines()[-1])["peak_rss_gb"]
+    print(host.describe_host())
     print(f"{args.model}, B = {args.batch_size}, peak RSS after {args.steps} steps, "
           f"one process per variant")
     print("| variant | peak RSS (GB) | / plain |")
@@ -146,20 +249,27 @@ def memory(args):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("mode", choices=("speed", "memory", "peak_rss"))
+    parser.add_argument("mode", choices=("speed", "onednn", "profile", "memory", "peak_rss"))
     parser.add_argument("--model", choices=sorted(MODELS), default="tramer_cnn")
     parser.add_argument("--batch_size", type=int, default=512)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--variants", default=",".join(VARIANTS),
                         help="comma-separated subset of " + ",".join(VARIANTS))
-    parser.add_argument("--variant", choices=VARIANTS, help="peak_rss only")
+    parser.add_argument("--variant", choices=VARIANTS, help="profile and peak_rss only")
+    parser.add_argument("--top", type=int, default=15, help="profile only: rows per table")
+    parser.add_argument("--scope_depth", type=int, default=2,
+                        help="profile only: op-name components that make a prefix")
     parser.add_argument("--jit_compile", action="store_true")
     parser.add_argument("--ablate_kernel_norms", action="store_true",
                         help="speed only: zero kernel norms, to time the rest (not DP)")
+    parser.add_argument("--json", action="store_true",
+                        help="speed only: print the raw seconds as one JSON line (for onednn)")
     args = parser.parse_args()
     args.variants = args.variants.split(",")
-    {"speed": speed, "memory": memory, "peak_rss": peak_rss}[args.mode](args)
+    modes = {"speed": speed, "onednn": onednn, "profile": profile, "memory": memory,
+             "peak_rss": peak_rss}
+    modes[args.mode](args)
 
 
 if __name__ == "__main__":

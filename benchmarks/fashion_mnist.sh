@@ -13,6 +13,9 @@ out=${1:?usage: bash benchmarks/fashion_mnist.sh OUT_DIR [NAME ...]}
 shift
 mkdir -p "$out"
 wanted=" $* "
+# The host line (CPU flags, oneDNN on or off) that every time below depends on.
+python -c "import sys; sys.path.insert(0, sys.argv[1]); from tfdp import host; print(host.describe_host())" \
+  "$(dirname "$0")/.." | tee "$out/host.txt"
 
 run() {
   local name=$1

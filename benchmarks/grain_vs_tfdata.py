@@ -26,11 +26,16 @@ import time
 
 from absl import app
 from absl import flags
-import numpy as np
-import tensorflow as tf
-import tensorflow_datasets as tfds
 
-from tfdp import data
+from tfdp import host
+
+host.enable_onednn()  # before TensorFlow's import, which reads TF_ENABLE_ONEDNN_OPTS
+
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+import tensorflow_datasets as tfds  # noqa: E402
+
+from tfdp import data  # noqa: E402
 
 _DATA_DIR = flags.DEFINE_string("data_dir", None, "Where synthetic_imagenet is.", required=True)
 _BATCH_SIZE = flags.DEFINE_integer("batch_size", 256, "Expected (Poisson) batch size B.")
@@ -105,6 +110,7 @@ def _measure(variant):
 
 def main(argv):
     del argv
+    print(host.describe_host())
     variants = list(_VARIANTS.value)
     startup = {v: [] for v in variants}
     speed = {v: [] for v in variants}

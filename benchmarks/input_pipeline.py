@@ -34,6 +34,10 @@ import time
 from absl import app
 from absl import flags
 
+from tfdp import host
+
+host.enable_onednn()  # before any worker imports TensorFlow (workers inherit the variable)
+
 _DATA_DIRS = flags.DEFINE_list("data_dirs", None, "TFDS data dirs holding synthetic_imagenet.")
 _BATCH_SIZE = flags.DEFINE_integer("batch_size", 256, "Expected (Poisson) batch size B.")
 _NUM_STEPS = flags.DEFINE_integer("num_steps", 30, "Batches read per measurement.")
@@ -144,6 +148,7 @@ def main(argv):
         return
     if not _DATA_DIRS.value:
         raise app.UsageError("--data_dirs is required.")
+    print(host.describe_host())
     cells = [(stage, d) for d in _DATA_DIRS.value for stage in _STAGES.value]
     results = {cell: [] for cell in cells}
     for r in range(_ROUNDS.value):

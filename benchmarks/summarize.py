@@ -6,6 +6,9 @@ Per run: epsilon (at delta), steps, final and max-over-evaluations test accuracy
 last parameters (Tramer & Boneh select the max; tfdp reports both), the EMA and AugTest
 accuracy where the run evaluated them, and the wall time of the whole command.
 
+First the host line(s) the runs logged (`tfdp.host.describe_host()`: CPU flags,
+oneDNN on or off), which every wall time depends on.
+
 Then, for runs repeated with other seeds (`NAME` and `NAME_seed<k>`), the mean and sample
 standard deviation of their final accuracy: the run-to-run noise.
 """
@@ -72,12 +75,28 @@ def _repeat_table(out, names):
         print("\n".join(rows))
 
 
+def _hosts(out, names):
+    """Maps each host line found in the runs' NAME.log to the runs that logged it."""
+    hosts = collections.defaultdict(list)
+    for name in names:
+        try:
+            with open(os.path.join(out, name + ".log"), errors="replace") as f:
+                found = re.search(r"host: .*", f.read())
+        except OSError:
+            found = None
+        hosts[found.group(0) if found else "host not recorded in the run's log"].append(name)
+    return hosts
+
+
 def main(out):
+    names = [name for name in sorted(os.listdir(out))
+             if os.path.exists(os.path.join(out, name, "privacy_report.json"))]
+    for line, runs in _hosts(out, names).items():
+        print(f"{line} ({', '.join(runs)})")
+    print()
     print("| run | epsilon | steps | B | sigma | test acc (final) | test acc (max) "
           "| EMA acc (final) | AugTest acc (final) | wall time |")
     print("|---|---|---|---|---|---|---|---|---|---|")
-    names = [name for name in sorted(os.listdir(out))
-             if os.path.exists(os.path.join(out, name, "privacy_report.json"))]
     for name in names:
         print(_row(out, name))
     _repeat_table(out, names)

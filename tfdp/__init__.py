@@ -6,7 +6,15 @@ The privacy facts of a run live in `tfdp.accounting.DPMechanism`.
 
 `make_private` and `PrivateTraining` are imported on first use, so that
 `import tfdp.accounting` (and `tools/privacy.py`) never imports TensorFlow.
+
+Importing tfdp turns TensorFlow's oneDNN kernels on (`TF_ENABLE_ONEDNN_OPTS=1`)
+when TensorFlow is not yet imported and the user did not set the variable;
+`tfdp.host` says why (they are off by default on AVX2-only CPUs).
 """
+
+from tfdp import host as _host
+
+_host.enable_onednn()
 
 __all__ = ["PrivateTraining", "make_private"]
 

@@ -26,6 +26,7 @@ from absl import logging
 from tfdp import accounting
 from tfdp import augment
 from tfdp import data
+from tfdp import host
 from tfdp import models
 from tfdp import workdir as workdir_lib
 from tfdp.dp import coins
@@ -245,6 +246,8 @@ def train_and_evaluate(
     dist = distribute.make_strategy(strategy)
     if deterministic:
         tf.config.experimental.enable_op_determinism()
+    # Once per run: the CPU flags and oneDNN state that every time in the log depends on.
+    logging.info("%s", host.describe_host())
 
     # 1. The mechanism and every other setting, before any I/O.
     checkpoint_every_steps = _checkpoint_interval(checkpoint_every_steps, eval_every_steps)

@@ -24,6 +24,12 @@ from absl import app
 from absl import flags
 from absl import logging
 
+from tfdp import host
+
+# Before anything imports TensorFlow, which reads TF_ENABLE_ONEDNN_OPTS at import
+# (`import tfdp` has already done it; this says so where the trainer starts).
+host.enable_onednn()
+
 FLAGS = flags.FLAGS
 flags.DEFINE_multi_string("gin_file", [], "Gin config file(s), in order; a bare name "
                           "is looked up in tfdp's gin/ folder.")

@@ -36,6 +36,10 @@ _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _REPO_ROOT not in sys.path:
     sys.path.insert(0, _REPO_ROOT)
 
+from tfdp import host  # noqa: E402
+
+host.enable_onednn()  # before TensorFlow's import (gradient, input), unless the user chose
+
 import numpy as np  # noqa: E402
 
 from tfdp import accounting  # noqa: E402

@@ -118,9 +118,58 @@ def _model_with_shared_layer():
     return keras.Model(inputs, keras.layers.Dense(10)(shared(shared(inputs))))
 
 
+class _CallsDense(keras.layers.Layer):
+    """A layer without a rule that calls a Dense layer which is also called outside it."""
+
+    def __init__(self, dense, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = dense
+
+    def call(self, x):
+        return x + self.dense(x)
+
+
+def _model_with_dense_inside_a_custom_layer():
+    inputs = keras.Input((5,))
+    dense = keras.layers.Dense(5, activation="tanh", name="twice")
+    x = _CallsDense(dense, name="custom")(dense(inputs))
+    return keras.Model(inputs, keras.layers.Dense(10)(x))
+
+
+def _model_with_lambda_weight_tying():
+    # The Lambda reads the encoder's kernel (a tied decoder): a second use of it.
+    inputs = keras.Input((5,))
+    encoder = keras.layers.Dense(4, activation="tanh", name="encoder")
+    decoder = keras.layers.Lambda(lambda h: keras.ops.matmul(h, keras.ops.transpose(
+        encoder.kernel)), name="tied_decoder")
+    return keras.Model(inputs, keras.layers.Dense(10)(decoder(encoder(inputs))))
+
+
+def _model_with_an_op_on_a_kernel():
+    # The same tying with a Keras op in the functional graph instead of a Lambda.
+    inputs = keras.Input((5,))
+    encoder = keras.layers.Dense(5, activation="tanh", name="encoder")
+    tied = keras.ops.matmul(encoder(inputs), encoder.kernel)
+    return keras.Model(inputs, keras.layers.Dense(10)(tied))
+
+
+def _model_sharing_a_layer_with_a_nested_model():
+    shared = keras.layers.Dense(5, activation="tanh", name="shared")
+    inner_inputs = keras.Input((5,))
+    inner = keras.Model(inner_inputs, keras.layers.Dense(5, name="inner_dense")(
+        shared(inner_inputs)), name="inner")
+    inputs = keras.Input((5,))
+    return keras.Model(inputs, keras.layers.Dense(10)(inner(shared(inputs))))
+
+
 @pytest.mark.parametrize("builder, shape, fallback", [
     (_model_with_unruled_layer, (6, 6, 1), ["unruled/scale"]),
     (_model_with_shared_layer, (5,), ["shared/kernel", "shared/bias"]),
+    # Issue 18, Sec. 3: a gradient that also flows through a use no rule taps.
+    (_model_with_dense_inside_a_custom_layer, (5,), ["twice/kernel", "twice/bias"]),
+    (_model_with_lambda_weight_tying, (5,), ["encoder/kernel"]),
+    (_model_with_an_op_on_a_kernel, (5,), ["encoder/kernel"]),
+    (_model_sharing_a_layer_with_a_nested_model, (5,), ["shared/kernel", "shared/bias"]),
 ])
 def test_layers_without_a_usable_rule_keep_the_vectorized_path(builder, shape, fallback):
     keras.utils.set_random_seed(0)
@@ -129,6 +178,66 @@ def test_layers_without_a_usable_rule_keep_the_vectorized_path(builder, shape, f
     ghost, fast, slow = _ghost_and_vectorized(model, images, labels, tf.ones([4]))
     assert [v.path for v in ghost.fallback_variables] == fallback
     np.testing.assert_allclose(fast[1].numpy(), slow[1].numpy(), rtol=RTOL)
+    _assert_same_sum(fast[0], slow[0])
+
+
+def _dense_then(norm, **kwargs):
+    def build():
+        inputs = keras.Input((4, 6))
+        x = norm(**kwargs)(keras.layers.Dense(8, activation="tanh")(inputs))
+        return keras.Model(inputs, keras.layers.Dense(10)(keras.layers.Flatten()(x)))
+    return build
+
+
+def _nested_models(scale_inputs=False):
+    # A functional and a Sequential model inside a functional one.
+    inner_inputs = keras.Input((6,))
+    inner = keras.Model(inner_inputs, keras.layers.Dense(5, activation="tanh")(inner_inputs),
+                        name="inner")
+    sequential = keras.Sequential([keras.Input((5,)), keras.layers.Dense(5, activation="tanh"),
+                                   keras.layers.LayerNormalization()], name="sequential")
+    inputs = keras.Input((6,))
+    x = sequential(inner(inputs / 2.0 if scale_inputs else inputs))  # a Keras op node
+    return keras.Model(inputs, keras.layers.Dense(10)(x))
+
+
+@pytest.mark.parametrize("builder, shape", [
+    # Issue 18, Sec. 4: normalizations with one of their two variables.
+    (_dense_then(keras.layers.LayerNormalization, scale=False), (4, 6)),
+    (_dense_then(keras.layers.LayerNormalization, center=False), (4, 6)),
+    (_dense_then(keras.layers.GroupNormalization, groups=2, center=False), (4, 6)),
+    (_dense_then(keras.layers.GroupNormalization, groups=2, scale=False), (4, 6)),
+    # Nested models are inlined, so their layers get rules.
+    (_nested_models, (6,)),
+    # A Keras op in the functional graph (`inputs / 2`) is called unchanged.
+    (lambda: _nested_models(scale_inputs=True), (6,)),
+], ids=["ln_no_scale", "ln_no_center", "gn_no_center", "gn_no_scale", "nested", "op_node"])
+def test_rule_covered_variants_equal_the_vectorized_path(builder, shape):
+    keras.utils.set_random_seed(0)
+    model = builder()
+    images, labels = _inputs(shape, 1.0)
+    ghost, fast, slow = _ghost_and_vectorized(model, images, labels, tf.constant([1., 0, 1, 1]))
+    assert not ghost.fallback_variables
+    np.testing.assert_allclose(fast[1].numpy(), slow[1].numpy(), rtol=RTOL)
+    np.testing.assert_allclose(fast[4].numpy(), slow[4].numpy(), rtol=RTOL, atol=1e-5)
+    _assert_same_sum(fast[0], slow[0])
+
+
+def _model_without_a_rule():
+    inputs = keras.Input((6, 6, 1))
+    return keras.Model(inputs, _Scale(name="unruled")(keras.layers.Flatten()(inputs)))
+
+
+def test_ghost_on_a_model_without_any_rule_equals_the_vectorized_path():
+    # Issue 18, Sec. 4: the tapped model's only output is the logits.
+    keras.utils.set_random_seed(0)
+    images, labels = _inputs((6, 6, 1), 1.0)
+    ghost, fast, slow = _ghost_and_vectorized(_model_without_a_rule(), images, labels,
+                                              tf.ones([4]))
+    assert not ghost.sites
+    np.testing.assert_allclose(fast[1].numpy(), slow[1].numpy(), rtol=RTOL)
+    np.testing.assert_allclose(fast[3].numpy(), slow[3].numpy(), rtol=RTOL)
+    np.testing.assert_allclose(fast[4].numpy(), slow[4].numpy(), rtol=RTOL)
     _assert_same_sum(fast[0], slow[0])
 
 
@@ -170,11 +279,17 @@ def test_auto_takes_the_ghost_path_and_gives_the_vectorized_update():
     _assert_same_update(ghost, vectorized)
 
 
-def test_auto_takes_the_vectorized_path_when_a_layer_has_no_rule(caplog):
+@pytest.mark.parametrize("builder, shape, named", [
+    (_model_with_unruled_layer, (6, 6, 1), "unruled"),
+    (_model_with_dense_inside_a_custom_layer, (5,), "twice"),
+    (_model_with_lambda_weight_tying, (5,), "encoder"),
+    (_model_sharing_a_layer_with_a_nested_model, (5,), "shared"),
+])
+def test_auto_takes_the_vectorized_path_when_a_layer_has_no_rule(builder, shape, named, caplog):
     with caplog.at_level(logging.WARNING):
-        dp, _ = _update(_model_with_unruled_layer, "auto", _inputs((6, 6, 1), 1.0))
+        dp, _ = _update(builder, "auto", _inputs(shape, 1.0))
     assert dp.clipping_path == "vectorized"
-    assert "unruled" in caplog.text
+    assert named in caplog.text
 
 
 def test_ghost_logs_the_fallback_layers_once(caplog):
@@ -205,6 +320,25 @@ def test_microbatches_and_subclassed_models_use_the_vectorized_path():
     dp = DPModel(model, _mechanism(), clipping="auto")
     dp.compile(optimizer="sgd")
     assert dp.clipping_path == "vectorized"
+
+
+@pytest.mark.parametrize("model_policy, wrapper_policy", [
+    ("mixed_float16", "float32"),  # the model computes in float16
+    ("float32", "mixed_float16"),  # compile would wrap the optimizer in loss scaling
+    ("mixed_bfloat16", "float32"),
+])
+def test_mixed_precision_is_refused_with_a_message(model_policy, wrapper_policy):
+    # Issue 18, Sec. 4: it crashed on the ghost path (float16 logits against float32
+    # norms) and would have divided the vectorized update by Keras' loss scale.
+    previous = keras.config.dtype_policy()
+    try:
+        keras.config.set_dtype_policy(model_policy)
+        model = models.build_tramer_cnn(10)
+        keras.config.set_dtype_policy(wrapper_policy)
+        with pytest.raises(ValueError, match=r"mixed precision.*set_dtype_policy\('float32'\)"):
+            DPModel(model, _mechanism())
+    finally:
+        keras.config.set_dtype_policy(previous)
 
 
 def test_clipping_is_validated_and_in_the_config():

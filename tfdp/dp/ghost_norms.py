@@ -34,8 +34,8 @@ Every rule returns `(squares, weighted_sum)`: the squared norms, float64
 `[batch]`, never below the exact ones (see "Rounding" below), and a function
 `weighted_sum(factors)` that returns `sum_i factors[i] * gradient_i` for
 each parameter, float32, from the same per-example gradients: those the
-rule held (direct-form kernels, biases, scales), or, for kernels that hold
-none, in float64 from the same rows and output gradients (the
+rule held (direct-form kernels, biases, scales), or, for Gram-form kernels,
+in float64 from the same rows and output gradients (the
 "book-keeping" of Bu et al. 2022, Sec. 3.2, without a second backward
 pass). A zero factor drops its example even where its gradient is inf or
 nan (as `tfdp.dp.clipping.weighted_sum`).
@@ -122,37 +122,19 @@ def _static_rows(tensor: tf.Tensor, num_views: int) -> Optional[int]:
 def choose_form(rows: Optional[int], fan_in: int, fan_out: int) -> str:
     """`GRAM` when R (fan_in + fan_out) < fan_in * fan_out / 2, else `DIRECT`.
 
-    The direct form costs R fan_in fan_out per example, and its per-example
-    gradients can also give the clipped sum (`holds_per_example`), replacing
-    the weight-gradient backward pass of that cost; the Gram form costs
-    R^2 (fan_in + fan_out) on top of that backward pass. So the direct form
-    is the faster one unless the Gram form is more than twice cheaper, which
-    happens for large kernels over few positions (WRN-16-4's last stage:
-    590k vs 164k per example), where building the per-example gradients
-    would also take the most memory. An unknown R (dynamic positions) takes
-    the direct form.
+    The direct form builds every example's gradient (R fan_in fan_out per
+    example, in float32) and holds it until the clip factors are known: the
+    clipped sum then adds exactly the vectors whose norms were clipped. The
+    Gram form costs R^2 (fan_in + fan_out) per example for the norms, in
+    float64 (its terms cancel, see "Rounding"), and R fan_in fan_out float64
+    for the clipped sum; it is used where it is more than twice cheaper and
+    the per-example gradients would take the most memory: large kernels over
+    few positions (WRN-16-4's last stage: 590k vs 164k per example). An
+    unknown R (dynamic positions) takes the direct form.
     """
     if rows is not None and fan_in * fan_out > 2 * rows * (fan_in + fan_out):
         return GRAM
     return DIRECT
-
-
-# Per-example gradients of at most this many floats are always held (64 KB).
-_SMALL_GRADIENT = 2**14
-
-
-def holds_per_example(fan_in: int, fan_out: int, held_instead: Optional[int]) -> bool:
-    """Whether a direct-form kernel keeps its per-example gradients for the sum.
-
-    Held, they give the clipped sum without a backward pass, but they stay in
-    memory until every example's clip factor is known. They are held when
-    small, or when no larger than what the weighted backward pass through
-    the layer would hold instead (its input and output gradients,
-    `held_instead` floats per example); WRN-16-4's 128-channel convolutions
-    (147k vs 66k) take the backward pass.
-    """
-    size = fan_in * fan_out
-    return size <= _SMALL_GRADIENT or held_instead is None or size <= held_instead
 
 
 # -- Kernels --------------------------------------------------------------------
@@ -175,19 +157,16 @@ class Rows:
       fan_in: F, W's first dimension.
       order: None, or an int array `[F]`: column f of `a` multiplies row
         `order[f]` of W (see `conv2d_patches`).
-      input_floats: the size of one view of the layer input the rows come
-        from (not of the patches), or None if not static.
     """
 
     blocks: Tuple[Callable[[], tf.Tensor], ...]
     fan_in: int
     order: Optional[np.ndarray] = None
-    input_floats: Optional[int] = None
 
     @classmethod
     def of(cls, inputs: tf.Tensor) -> "Rows":
         """The rows of a dense layer's input `[batch * K, ..., fan_in]`, one block."""
-        return cls((lambda: inputs,), inputs.shape[-1], None, _static_size(inputs))
+        return cls((lambda: inputs,), inputs.shape[-1], None)
 
     def to_kernel_rows(self, tensor: tf.Tensor) -> tf.Tensor:
         """`tensor` [F, ...] indexed like `a`'s columns -> indexed like W's rows."""
@@ -225,11 +204,16 @@ def _one_block_at_a_time(rows: Rows, num_views: int, fn) -> list:
 # that (a, g) define; the excess is n u rho^2 of it (rho = S / |gradient|, about
 # sqrt(R) for typical inputs: below 1e-10 relative).
 #
-# The clipped sum is built from the same gradient: held per-example gradients are
-# float32 roundings of the float64 ones (|round(h)| <= |h| (1 + 2^-24)), and
-# kernels that are not held get their weighted sum in float64 from the same rows
-# (`_weighted_rows_sum`), never from a separate float32 backward pass, whose
-# rounding (relative 2^-24 R rho) the norm would not bound.
+# The clipped sum adds exactly the vectors whose norms were clipped. Direct-form
+# kernels build each example's gradient in float32 and hold it: its squared norm
+# is summed in float64 (no cancellation), and the sum adds these float32 vectors
+# (WS: projected in float64, then rounded to float32, |round(v)| <= |v|(1 + 2^-24)).
+# Gram-form kernels never build it: their weighted sum is computed in float64 from
+# the same rows (`_weighted_rows_sum`), never by a separate float32 backward pass,
+# whose rounding (up to R u32 S per example, 1e-4 relative on ordinary images) the
+# norm would not bound. Cost: `BUILD.md`, "Ghost norms in float64".
+#
+# TPUs have no float64: there, use clipping="vectorized".
 
 NORM_DTYPE = tf.float64
 _UNIT_ROUNDOFF = 2.0**-53
@@ -251,61 +235,68 @@ def _sum_of_squares(t: tf.Tensor) -> tf.Tensor:
 
 @dataclasses.dataclass
 class _KernelTerms:
-    """What one pass over a kernel's rows gives, all float64 (see `_kernel_terms`)."""
+    """What one pass over a kernel's rows gives (see `_kernel_terms`)."""
 
-    squares: tf.Tensor  # [batch] |h|^2 as computed (no bound added)
-    bound_sum: tf.Tensor  # [batch] S = sum_r |a_r| |g_r|
-    per_example: Optional[List[tf.Tensor]]  # if held: h^T per block, [batch, fan_out, F_k]
-    along_ones: Optional[tf.Tensor]  # with `unit`: [batch, fan_out], 1 . h_o
-    along_unit: Optional[tf.Tensor]  # with `unit`: [batch, fan_out], unit_o . h_o
+    squares: tf.Tensor  # float64 [batch], |h|^2 as computed (no bound added)
+    bound_sum: tf.Tensor  # float64 [batch], bounds every partial result (see "Rounding")
+    g_rows: tf.Tensor  # float64 [batch, R, fan_out], the (scaled) output gradients
+    per_example: Optional[tf.Tensor]  # direct form: h^T [batch, fan_out, F], held
+    along_ones: Optional[tf.Tensor]  # Gram form with `unit`: float64 [batch, fan_out], 1 . h_o
+    along_unit: Optional[tf.Tensor]  # Gram form with `unit`: float64 [batch, fan_out], u_o . h_o
 
 
-def _kernel_terms(rows: Rows, g_rows: tf.Tensor, form: str, num_views: int, *,
-                  hold: bool, unit: Optional[tf.Tensor] = None) -> _KernelTerms:
-    """`|h|^2` of `h = sum_r a_r g_r^T` per example, in float64, and what WS needs.
+def _kernel_terms(rows: Rows, output_grads: tf.Tensor, num_views: int, *,
+                  scale: Optional[tf.Tensor] = None,
+                  unit: Optional[tf.Tensor] = None) -> _KernelTerms:
+    """`|h|^2` of `h = sum_r a_r g_r^T` per example, and what WS needs.
 
-    `g_rows`: float64 `[batch, R, fan_out]`. The direct form builds h, one
-    float64 `[batch, fan_out, F_k]` per block of `rows`, TRANSPOSED (`g^T a`
-    is 20-40% faster than `a^T g` on CPU), and keeps the blocks if `hold`;
-    the Gram form never builds it: `|h|^2 = sum (A A^T) * (G G^T)` (Li et al.
-    2022, eq. (4)). `unit`: float64 `[F, fan_out]` in a's column order; then
-    also `1 . h_o` and `unit_o . h_o` for every output channel o, from h
-    (direct) or as `sum_r (sum_k a_rk) g_ro` and `sum_r (a_r . unit_o) g_ro`
-    (Gram).
+    `g_r` is the float32 output gradient, times `scale` (float64 `[fan_out]`,
+    WS) if given. `choose_form` picks one of two ways from the static shapes:
+    - direct: h is built in float32, one `[batch, fan_out, F_k]` block of
+      `rows` at a time, TRANSPOSED (`g^T a` is 20-40% faster than `a^T g` on
+      CPU), and HELD: the clipped sum adds exactly these h, so the norm is
+      theirs, with the squares summed in float64 (a sum of squares cannot
+      cancel; `bound_sum` = |h|). With `scale`, h is scaled (and later
+      projected) in float64.
+    - Gram: h is never built: `|h|^2 = sum (A A^T) * (G G^T)` in float64 (Li
+      et al. 2022, eq. (4)); `bound_sum` = S = sum_r |a_r| |g_r|. With `unit`
+      (float64 `[F, fan_out]` in a's column order) also `1 . h_o = sum_r
+      (sum_k a_rk) g_ro` and `u_o . h_o = sum_r (a_r . u_o) g_ro`.
     """
+    fan_out = output_grads.shape[-1]
+    form = choose_form(_static_rows(output_grads, num_views), rows.fan_in, fan_out)
+    g32 = example_rows(output_grads, num_views)
+    g_rows = _wide(g32) if scale is None else _wide(g32) * scale
     first_column = [0]  # the blocks come in order: where the next one starts in a
 
-    def fn(a):
-        a = _wide(a)
-        first, first_column[0] = first_column[0], first_column[0] + a.shape[-1]
-        block_unit = None if unit is None else unit[first:first + a.shape[-1]]
-        parts = {"row_sq": tf.reduce_sum(tf.square(a), axis=-1)}
-        if form == DIRECT:
-            h = tf.matmul(g_rows, a, transpose_a=True)
-            parts["sq"] = _sum_of_squares(h)
-            if hold:
-                parts["h"] = h
-            if unit is not None:
-                parts["ones"] = tf.reduce_sum(h, axis=-1)
-                parts["unit"] = tf.einsum("bof,fo->bo", h, block_unit)
-        else:
-            parts["gram"] = tf.matmul(a, a, transpose_b=True)
-            if unit is not None:
-                parts["ones"] = tf.einsum("br,bro->bo", tf.reduce_sum(a, axis=-1), g_rows)
-                parts["unit"] = tf.reduce_sum(
-                    tf.einsum("brf,fo->bro", a, block_unit) * g_rows, axis=1)
+    def direct(a32):
+        h = tf.matmul(g32, a32, transpose_a=True)
+        if scale is not None:
+            h = _wide(h) * scale[:, None]
+        return {"h": h, "sq": _sum_of_squares(_wide(h))}
+
+    def gram(a32):
+        first, first_column[0] = first_column[0], first_column[0] + a32.shape[-1]
+        a = _wide(a32)
+        parts = {"row_sq": tf.reduce_sum(tf.square(a), axis=-1),
+                 "gram": tf.matmul(a, a, transpose_b=True)}
+        if unit is not None:
+            parts["ones"] = tf.einsum("br,bro->bo", tf.reduce_sum(a, axis=-1), g_rows)
+            parts["unit"] = tf.reduce_sum(
+                tf.einsum("brf,fo->bro", a, unit[first:first + a32.shape[-1]]) * g_rows, axis=1)
         return parts
 
-    parts = _one_block_at_a_time(rows, num_views, fn)
+    parts = _one_block_at_a_time(rows, num_views, direct if form == DIRECT else gram)
     add = lambda key: tf.add_n([p[key] for p in parts])  # noqa: E731
-    g_sq = tf.reduce_sum(tf.square(g_rows), axis=-1)  # [batch, R]
-    bound_sum = tf.reduce_sum(tf.sqrt(add("row_sq") * g_sq), axis=1)
     if form == DIRECT:
         squares = add("sq")
-    else:
-        g_gram = tf.matmul(g_rows, g_rows, transpose_b=True)
-        squares = tf.reduce_sum(add("gram") * g_gram, axis=[1, 2])
-    return _KernelTerms(squares, bound_sum, [p["h"] for p in parts] if hold else None,
+        return _KernelTerms(squares, tf.sqrt(squares), g_rows,
+                            tf.concat([p["h"] for p in parts], axis=-1), None, None)
+    g_gram = tf.matmul(g_rows, g_rows, transpose_b=True)
+    squares = tf.reduce_sum(add("gram") * g_gram, axis=[1, 2])
+    g_sq = tf.reduce_sum(tf.square(g_rows), axis=-1)  # [batch, R]
+    bound_sum = tf.reduce_sum(tf.sqrt(add("row_sq") * g_sq), axis=1)
+    return _KernelTerms(squares, bound_sum, g_rows, None,
                         add("ones") if unit is not None else None,
                         add("unit") if unit is not None else None)
 
@@ -339,13 +330,15 @@ def _summer(blocks, squares, finish=None):
 
 
 def _weighted_rows_sum(rows: Rows, g_rows: tf.Tensor, num_views: int, finish):
-    """`weighted_sum(factors)` of a kernel whose per-example gradients are not held.
+    """`weighted_sum(factors)` of a Gram-form kernel (per-example gradients not built).
 
-    `sum_i factors[i] h_i = sum_{i, r} factors[i] a_ir g_ir^T`, float64, from
-    the same rows and output gradients as the norms, built again one block at
-    a time. Rows of a zero factor are zeroed first, so that an inf or nan
-    there cannot reach the sum. `finish` gets float64 `[F, fan_out]` (a's
-    column order).
+    `sum_i factors[i] h_i = sum_{i, r} factors[i] a_ir g_ir^T`, in float64,
+    from the same rows and output gradients (`g_rows`, float64 `[batch, R,
+    fan_out]`) as the norms, built again one block at a time: never a
+    separate float32 backward pass, whose rounding (up to R u32 S per
+    example) the float64 norm would not bound. Rows of a zero factor are
+    zeroed first, so that an inf or nan there cannot reach the sum. `finish`
+    gets float64 `[F, fan_out]` (a's column order).
     """
 
     def weighted_sum(factors):
@@ -361,17 +354,6 @@ def _weighted_rows_sum(rows: Rows, g_rows: tf.Tensor, num_views: int, finish):
         return finish(tf.concat(_one_block_at_a_time(rows, num_views, block_sum), axis=0))
 
     return weighted_sum
-
-
-def _form(rows: Rows, output_grads: tf.Tensor, num_views: int) -> str:
-    return choose_form(_static_rows(output_grads, num_views), rows.fan_in,
-                       output_grads.shape[-1])
-
-
-def _holds(rows: Rows, output_grads: tf.Tensor) -> bool:
-    grads = _static_size(output_grads)
-    instead = None if rows.input_floats is None or grads is None else rows.input_floats + grads
-    return holds_per_example(rows.fan_in, output_grads.shape[-1], instead)
 
 
 def kernel_sq_norms(rows: Rows, output_grads: tf.Tensor, *, num_views: int = 1):
@@ -392,17 +374,14 @@ def kernel_sq_norms(rows: Rows, output_grads: tf.Tensor, *, num_views: int = 1):
       `(squares, weighted_sum)`: float64 `[batch]`; `weighted_sum(factors)`
       gives float32 `[F, fan_out]` in W's row order.
     """
-    g_rows = _wide(example_rows(output_grads, num_views))
-    form = _form(rows, output_grads, num_views)
-    hold = form == DIRECT and _holds(rows, output_grads)
-    terms = _kernel_terms(rows, g_rows, form, num_views, hold=hold)
+    terms = _kernel_terms(rows, output_grads, num_views)
     squares = _with_rounding_bound(terms.squares, terms.bound_sum, _kernel_rounding_terms(
         rows.fan_in, output_grads.shape[-1], _static_rows(output_grads, num_views)))
     to_kernel = lambda summed: rows.to_kernel_rows(tf.cast(summed, tf.float32))  # noqa: E731
-    if hold:
-        held = [tf.cast(h, tf.float32) for h in terms.per_example]
-        return squares, _summer(held, squares, lambda summed: to_kernel(tf.transpose(summed)))
-    return squares, _weighted_rows_sum(rows, g_rows, num_views, to_kernel)
+    if terms.per_example is not None:  # the held float32 gradients
+        return squares, _summer(terms.per_example, squares,
+                                lambda summed: to_kernel(tf.transpose(summed)))
+    return squares, _weighted_rows_sum(rows, terms.g_rows, num_views, to_kernel)
 
 
 def _same_padding(size, kernel, stride, dilation):
@@ -438,11 +417,10 @@ def conv2d_patches(inputs: tf.Tensor, *, kernel_size, strides, dilation_rate,
     (kh, kw), (sh, sw), (dh, dw) = kernel_size, strides, dilation_rate
     height, width, channels = inputs.shape[1:]
     fan_in = kh * kw * channels
-    input_floats = _static_size(inputs)
     if height is None or width is None or not (sh == sw and (sh == 1 or dh == dw == 1)):
         return Rows((lambda: tf.image.extract_patches(
             inputs, sizes=[1, kh, kw, 1], strides=[1, sh, sw, 1], rates=[1, dh, dw, 1],
-            padding=padding.upper()),), fan_in, None, input_floats)
+            padding=padding.upper()),), fan_in, None)
     if padding.lower() == "same":
         pad_h = _same_padding(height, kh, sh, dh)
         pad_w = _same_padding(width, kw, sw, dw)
@@ -472,7 +450,7 @@ def conv2d_patches(inputs: tf.Tensor, *, kernel_size, strides, dilation_rate,
 
     if out_h * out_w * fan_in <= _BLOCK_FLOATS:
         slices = [[piece for row in slices for piece in row]]
-    return Rows(tuple(block(row) for row in slices), fan_in, order, input_floats)
+    return Rows(tuple(block(row) for row in slices), fan_in, order)
 
 
 def conv2d_kernel_sq_norms(
@@ -567,10 +545,7 @@ def ws_kernel_sq_norms(
     scale = tf.math.rsqrt(tf.maximum(variance, epsilon))
     on_sphere = tf.cast(variance >= epsilon, NORM_DTYPE)
     unit = centered * scale * on_sphere  # u_o, or 0 below epsilon; [F, fan_out]
-    g_rows = _wide(example_rows(output_grads, num_views)) * scale  # s_o g_ro
-    form = _form(rows, output_grads, num_views)
-    hold = form == DIRECT and _holds(rows, output_grads)
-    terms = _kernel_terms(rows, g_rows, form, num_views, hold=hold, unit=unit)
+    terms = _kernel_terms(rows, output_grads, num_views, scale=scale, unit=unit)
     rounding_terms = _kernel_rounding_terms(fan_in, fan_out, _static_rows(output_grads, num_views))
 
     def project(h):  # P_o h_o for every o; h float64 [..., fan_out, F]
@@ -582,8 +557,8 @@ def ws_kernel_sq_norms(
         summed = rows.to_kernel_rows(tf.transpose(tf.cast(summed, tf.float32)))
         return tf.reshape(summed, kernel.shape)
 
-    if hold:
-        projected = project(tf.concat(terms.per_example, axis=-1))  # [batch, fan_out, F]
+    if terms.per_example is not None:
+        projected = project(terms.per_example)  # [batch, fan_out, F]
         squares = _with_rounding_bound(_sum_of_squares(projected), terms.bound_sum,
                                        rounding_terms)
         return squares, _summer(tf.cast(projected, tf.float32), squares, to_kernel)
@@ -591,7 +566,8 @@ def ws_kernel_sq_norms(
     squares = _with_rounding_bound(terms.squares - tf.reduce_sum(removed, axis=1),
                                    terms.bound_sum, rounding_terms)
     return squares, _weighted_rows_sum(
-        rows, g_rows, num_views, lambda summed: to_kernel(project(tf.transpose(summed))))
+        rows, terms.g_rows, num_views,
+        lambda summed: to_kernel(project(_wide(tf.transpose(summed)))))
 
 
 # -- Broadcast parameters: biases, offsets and scales -------------------------

@@ -62,6 +62,39 @@ def _mixes_examples(layer):
     return any("BatchNorm" in cls.__name__ for cls in type(layer).__mro__)
 
 
+def validate_float32(layer):
+    """Raises if `layer`, or any layer nested in it, computes in float16 or bfloat16.
+
+    tfdp does not support mixed precision. Its per-example norms and clip
+    factors are float32: in float16 a norm is accurate to only about 1e-3, so
+    a clipped contribution could exceed C (and on the ghost path the float16
+    activations do not even meet the float32 factors). Under "mixed_float16"
+    Keras' `compile` also wraps the optimizer in a `LossScaleOptimizer`,
+    which would divide the noisy clipped sum by its loss scale.
+
+    Args:
+      layer: a `keras.layers.Layer` (a `keras.Model`, or a `DPModel` itself,
+        whose own dtype policy decides the loss scaling).
+
+    Raises:
+      ValueError: naming every such layer (path and dtype policy), with the fix.
+    """
+    offenders = [
+        f"{path} ({current.dtype_policy.name})"
+        for path, current in iter_layers(layer)
+        if getattr(current, "compute_dtype", "float32") in ("float16", "bfloat16")
+    ]
+    if offenders:
+        raise ValueError(
+            "tfdp does not support mixed precision; these layers compute in float16 or "
+            "bfloat16: " + ", ".join(offenders) + ". Per-example norms and clipping must "
+            "be float32 (a float16 norm can come out too small, so an example could "
+            "contribute more than l2_clip_norm, and Keras' loss scaling would rescale the "
+            "update). Call keras.config.set_dtype_policy('float32') before building the "
+            "model and the DPModel."
+        )
+
+
 def validate_dp_model(model, *, check_inputs=None, atol=1e-5):
     """Raises if `model` has a layer that mixes examples across the batch.
 
@@ -79,7 +112,8 @@ def validate_dp_model(model, *, check_inputs=None, atol=1e-5):
          (including synchronized BatchNorm) or any class whose name contains
          "BatchNorm". `LayerNormalization`, `GroupNormalization`,
          `UnitNormalization` and `Normalization` (fixed statistics) are per
-         example and accepted.
+         example and accepted. A layer that computes in float16 or bfloat16
+         (mixed precision) is rejected too (`validate_float32`).
       2. Functional, if `check_inputs` is given: the model in training mode on
          the whole batch must equal the model on each example alone (within
          `atol`). This also catches custom layers that reduce over the batch
@@ -102,7 +136,8 @@ def validate_dp_model(model, *, check_inputs=None, atol=1e-5):
 
     Raises:
       ValueError: naming every offending layer (path and class), with the fix;
-        or, for the functional check, naming the first example whose output
+        naming every mixed-precision layer (`validate_float32`); or, for the
+        functional check, naming the first example whose output
         depends on the rest of the batch.
     """
     offenders = [
@@ -117,6 +152,7 @@ def validate_dp_model(model, *, check_inputs=None, atol=1e-5):
             + ". "
             + _FIX_HINT
         )
+    validate_float32(model)
 
     if check_inputs is None:
         return

@@ -176,7 +176,8 @@ class DPModel(keras.Model):
 
     Raises:
       ValueError: on a model that mixes examples (`tfdp.models.validate_dp_model`:
-        BatchNorm), a `mechanism` that is not a DPMechanism, an
+        BatchNorm), mixed precision in the model or in the global dtype policy
+        (`tfdp.models.validate_float32`), a `mechanism` that is not a DPMechanism, an
         `accumulation_steps` < 1, an `ema_decay` outside [0, 1), or an
         unknown `clipping`.
 
@@ -197,6 +198,7 @@ class DPModel(keras.Model):
         **kwargs,
     ):
         super().__init__(**kwargs)
+        models.validate_float32(self)  # its own policy: compile would add loss scaling
         if not isinstance(mechanism, accounting.DPMechanism):
             raise ValueError(
                 f"mechanism must be a tfdp.accounting.DPMechanism (e.g. from "

@@ -23,9 +23,21 @@ bias, a gain, a normalization's scale and offset), and returns, beside the
 output, each site's inputs and output. The re-built model therefore returns
 the logits and every site's tensors; `tape.gradient` of the summed loss with
 respect to the site outputs gives the output gradients. Nested functional
-models are inlined. A layer without a rule (or an instance its rule cannot
-handle, e.g. a LoRA kernel) is called unchanged and its variables keep the
-vectorized per-example gradients of `tfdp.dp.clipping`; the log says so once.
+and Sequential models are inlined (`_inline_nested`), unless called with a
+mask or an explicit `training`. A layer without a rule (or an instance its
+rule cannot handle, e.g. a LoRA kernel) is called unchanged and its variables
+keep the vectorized per-example gradients of `tfdp.dp.clipping`; the log says
+so once.
+
+Which variables may use a site. A site's norms and weighted sum see only
+the gradient that flows through that site. So a variable keeps its site only
+if (1) no other site holds it (a shared layer falls back) and (2) the
+gradient of the logits reaches it through no other path: a layer without a
+rule that calls a tapped layer, a `Lambda` or a Keras op that reads
+`layer.kernel` (weight tying), a subclassed model sharing a layer. (2) is
+checked on the tapped model's own graph, with the sites cut, not by listing
+cases (`GhostClipping._sole_uses`); every other variable falls back, and
+`clipping="auto"` then takes the vectorized path for the whole model.
 
 Rules (`register`): Dense, Conv2D, WSConv2D, ScaledWSConv2D,
 GroupNormalization, LayerNormalization and NFResBlock (whose rule replays its
@@ -123,12 +135,19 @@ class _Backward:
 
 
 class _Recorder:
-    """Collects the sites of one tapped call and the layers left to the fallback."""
+    """Collects the sites of one tapped call and the layers left to the fallback.
 
-    def __init__(self, backward=None):
+    With `cut`, every site's forward pass reads its variables through
+    `tf.stop_gradient` (a `keras.StatelessScope`), so that no gradient reaches
+    them through a site: `GhostClipping._sole_uses` then sees only
+    the other uses.
+    """
+
+    def __init__(self, backward=None, cut=False):
         self.sites: List[Tuple[Site, List[tf.Tensor], tf.Tensor]] = []
         self.uncovered: List[Tuple[str, str]] = []
         self.backward = backward
+        self.cut = cut
 
     def call(self, layer, inputs):
         """Calls `layer` on `inputs`, through its rule if it has trainable variables."""
@@ -144,15 +163,23 @@ class _Recorder:
             self.uncovered.append((layer.name, str(reason)))
             return layer(inputs)
 
-    def site(self, layer, variables, inputs, forward, norms):
+    def site(self, layer, variables, inputs, forward, norms, *, listed=False):
         """Runs `forward(*inputs)`, records it as a site, and returns its output.
 
         `norms` returns a `tfdp.dp.ghost_norms` rule's `(squares, weighted_sum)`
-        for one variable, or for several with `weighted_sum` returning a list
-        (see `Site`).
+        for one variable; with `listed`, `weighted_sum` returns a list, one
+        sum per variable (see `Site`), for any number of variables.
         """
-        output = forward(*inputs)
-        if len(variables) == 1:
+        if self.cut:
+            with keras.StatelessScope(
+                    state_mapping=[(v, tf.stop_gradient(v.value)) for v in variables]):
+                output = forward(*inputs)
+        else:
+            output = forward(*inputs)
+        if not listed:
+            if len(variables) != 1:  # a rule's bug, not an unsupported layer
+                raise ValueError(f"{layer.name}: a site of {len(variables)} variables needs "
+                                 "listed=True (a weighted_sum that returns one sum each).")
             norms = _as_list(norms)
         spec = Site(tuple(variables), forward, norms, len(inputs), layer.name)
         self.sites.append((spec, list(inputs), output))
@@ -189,7 +216,8 @@ class TappedLayer(keras.layers.Layer):
         self.context = context  # threading.local: `.backward` of the current clipped_sum
 
     def call(self, inputs):
-        recorder = _Recorder(getattr(self.context, "backward", None))
+        recorder = _Recorder(getattr(self.context, "backward", None),
+                             cut=getattr(self.context, "cut", False))
         output = recorder.call(self.layer, inputs)
         self.record.sites = [spec for spec, _, _ in recorder.sites]
         self.record.uncovered = recorder.uncovered
@@ -300,7 +328,7 @@ def _normalization_site(layer, inputs, recorder, normalize, gamma, beta):
         return (tf.add_n([squares for squares, _ in parts]),
                 lambda factors: [weighted_sum(factors) for _, weighted_sum in parts])
 
-    return recorder.site(layer, variables, [inputs], layer, norms)
+    return recorder.site(layer, variables, [inputs], layer, norms, listed=True)
 
 
 @register(keras.layers.GroupNormalization)
@@ -384,6 +412,7 @@ class GhostClipping:
         for layer, _ in self._tapped:
             self._uncovered += layer.record.uncovered
         self._keep = self._unshared_sites()
+        self._keep = self._sole_uses(self._keep)
         covered = {id(v) for site, keep in zip(self.sites, self._keep) if keep
                    for v in site.variables}
         self.fallback_variables = [v for v in self.variables if id(v) not in covered]
@@ -408,6 +437,61 @@ class GhostClipping:
             keep.append(alone)
         return keep
 
+    def _sole_uses(self, keep):
+        """`keep`, without the sites whose variables the loss also reaches elsewhere.
+
+        A kept site's variables must get their whole gradient through the
+        site: the norms and the weighted sum see nothing else. Rather than
+        enumerate the ways a variable can be used elsewhere (a layer without
+        a rule that calls a tapped layer or reads its kernel, a `Lambda` or a
+        Keras op on `layer.kernel` (weight tying), a subclassed model that
+        shares a layer, ...), this checks the property itself, on the graph
+        that `clipped_sum` differentiates: the tapped model is traced once
+        (in a `tf.function`, not run; in each replica's context under a
+        tf.distribute strategy) with every site's forward pass reading
+        its variables through `tf.stop_gradient`, and `tape.gradient` of the
+        logits is taken with respect to the kept variables. The tape records
+        every differentiable read of a trainable variable, wherever it
+        happens, so a gradient that is not None is a path from the variable
+        to the logits outside every site, and that site falls back. The check
+        is structural (None or not), not numerical: a path whose gradient
+        happens to be zero at some input still counts. It errs only on the
+        safe side: a read the cut misses (a site reading `variable.handle`
+        directly) makes its site fall back.
+        """
+        kept = [v for site, k in zip(self.sites, keep) if k for v in site.variables]
+        if not kept:
+            return keep
+        connected = []
+
+        def replica(images):  # the context is per replica thread
+            self._context.cut = True
+            try:
+                with tf.GradientTape() as tape:
+                    logits = tf.nest.flatten(self.tapped_model(images, training=True))[0]
+            finally:
+                self._context.cut = False
+            grads = tape.gradient(logits, kept)
+            connected.extend(id(v) for v, g in zip(kept, grads) if g is not None)
+            return logits
+
+        def trace(images):
+            if tf.distribute.in_cross_replica_context():  # compile() under strategy.scope()
+                return tf.distribute.get_strategy().run(replica, (images,))
+            return replica(images)
+
+        spec = tf.TensorSpec(self.tapped_model.inputs[0].shape, tf.float32)
+        tf.function(trace, autograph=False).get_concrete_function(spec)
+        elsewhere = set(connected)
+        result = []
+        for site, k in zip(self.sites, keep):
+            if k and any(id(v) in elsewhere for v in site.variables):
+                self._uncovered.append((site.layer_name, "variables also used where no rule "
+                                        "taps them (a layer without a rule, a Lambda or an op)"))
+                k = False
+            result.append(k)
+        return result
+
     def _inline(self, model, inputs):
         """Calls `model`'s layers on `inputs` one by one, through `_call_layer`."""
         if isinstance(model, keras.Sequential):
@@ -424,17 +508,51 @@ class GhostClipping:
                 f"tapped: {error}") from error
         return clone.output
 
+    def _inline_nested(self, model, inputs):
+        """`_inline` for a model nested in another: its tapped layers' tensors reach the top.
+
+        clone_model builds a new Functional from its result, which on inputs
+        that are not a `keras.Input` clones the graph, so the nested model is
+        inlined on an Input of its own, and the resulting model, returning its
+        output and its tapped layers' tensors, is called on `inputs`.
+        """
+        start, uncovered = len(self._tapped), len(self._uncovered)
+        inner_inputs = keras.Input(batch_shape=inputs.shape, dtype=inputs.dtype)
+        try:
+            output = self._inline(model, inner_inputs)
+        except UnsupportedModel:
+            del self._tapped[start:], self._uncovered[uncovered:]
+            raise
+        tapped = self._tapped[start:]
+        inlined = keras.Model(inner_inputs, [output] + [t for _, outs in tapped for t in outs],
+                              name=f"{model.name}_inlined")
+        flat = tf.nest.flatten(inlined(inputs))
+        position = 1
+        for index, (layer, outs) in enumerate(tapped, start):
+            self._tapped[index] = (layer, flat[position:position + len(outs)])
+            position += len(outs)
+        return flat[0]
+
     def _call_layer(self, layer, *args, **kwargs):
-        """clone_model's call_function: taps every layer that has trainable variables."""
-        if isinstance(layer, keras.Model) and len(args) == 1 and not kwargs:
+        """clone_model's call_function: taps every layer that has trainable variables.
+
+        `layer` may also be a Keras op of the functional graph (`inputs / 255`),
+        which has no variables of its own (it may read some: `_sole_uses`).
+        clone_model calls a nested model with `mask=None`; it is inlined
+        unless it gets a mask or an explicit `training` (which its layers
+        would then have to see).
+        """
+        plain = len(args) == 1 and kwargs.get("mask") is None and set(kwargs) <= {
+            "mask", "training"}
+        if (isinstance(layer, keras.Model) and plain and kwargs.get("training") is None
+                and len(getattr(layer, "outputs", None) or ()) == 1):
             try:
-                return self._inline(layer, args[0])
+                return self._inline_nested(layer, args[0])
             except UnsupportedModel:
                 pass  # a subclassed model: one layer without a rule
-        if not layer.trainable_variables:
+        if not getattr(layer, "trainable_variables", None):
             return layer(*args, **kwargs)
-        if ghost_norms.find_layer_rule(layer) is None or len(args) != 1 or set(kwargs) - {
-                "training"}:
+        if ghost_norms.find_layer_rule(layer) is None or not plain:
             self._uncovered.append((layer.name, f"no rule for {type(layer).__name__}"))
             return layer(*args, **kwargs)
         tapped = TappedLayer(layer, self._context, name=f"tapped_{len(self._tapped)}_{layer.name}")
@@ -472,7 +590,8 @@ class GhostClipping:
         self._context.backward = backward
         try:
             with tf.GradientTape() as tape:
-                outputs = self.tapped_model(views, training=True)
+                # A list even without sites (a one-output model returns a tensor).
+                outputs = tf.nest.flatten(self.tapped_model(views, training=True))
                 logits = outputs[0]
                 losses = tf.reduce_mean(tf.reshape(
                     loss_fn(tf.repeat(tf.cast(labels, tf.int32), num_views), logits),
