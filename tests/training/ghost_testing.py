@@ -77,6 +77,17 @@ class UnruledScale(keras.layers.Layer):
         return x * self.scale
 
 
+class CallsLayer(keras.layers.Layer):
+    """A layer without a rule that calls another layer (used elsewhere too): `tanh(inner(x))`."""
+
+    def __init__(self, inner, **kwargs):
+        super().__init__(**kwargs)
+        self.inner = inner
+
+    def call(self, x):
+        return keras.ops.tanh(self.inner(x))
+
+
 # -- The float64 brute-force reference ----------------------------------------
 
 
