@@ -56,6 +56,18 @@ def test_the_same_command_again_returns_the_finished_report_untouched(copy, fini
     assert _snapshot(copy) == before
 
 
+def test_a_relative_workdir_is_found_again_by_the_same_command(copy, finished, run_smoke,
+                                                              monkeypatch):
+    # README's command uses --workdir=workdirs/fashion_mnist. Before: TensorFlow's
+    # checkpoint state joined the relative folder into the paths it returned, tfdp joined
+    # it once more, found no checkpoint, and refused its own finished workdir as "used".
+    monkeypatch.chdir(copy.parent)
+    before = _snapshot(copy)
+    report = run_smoke(copy.name, ["fashion_mnist.gin"], PARAMS)
+    assert report == json.loads(json.dumps(finished[1]))
+    assert _snapshot(copy) == before
+
+
 def test_more_steps_extend_the_run(copy, run_smoke):
     report = run_smoke(copy, ["fashion_mnist.gin"], [*PARAMS, "NUM_STEPS = 4"])
     assert report["steps"] == 4

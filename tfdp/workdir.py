@@ -230,6 +230,9 @@ def resume_checkpoint(checkpoint_dir):
     """
     import tensorflow as tf  # pylint: disable=g-import-not-at-top
 
+    # Absolute: get_checkpoint_state joins a relative folder into the paths it returns,
+    # which would then be joined twice below (README's --workdir is relative).
+    checkpoint_dir = os.path.abspath(checkpoint_dir)
     state_file = os.path.join(checkpoint_dir, "checkpoint")
     if not os.path.exists(state_file):
         return None

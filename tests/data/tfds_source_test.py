@@ -154,13 +154,18 @@ def test_a_dataset_converted_in_place_is_read_from_its_array_record_files(tmp_pa
                                   data.read_split(reference).images)
 
 
+def _copy_and_first_train_shard(prepared_dir, tmp_path):
+    """A copy of a prepared data_dir, and the path of one of its train shards."""
+    copy = tmp_path / "data"
+    shutil.copytree(prepared_dir, copy)
+    return copy, next((copy / synthetic_imagenet.DATASET_NAME).rglob("*train.array_record*"))
+
+
 def test_a_half_prepared_folder_names_the_missing_file_and_the_command(
         synthetic_imagenet_dir, tmp_path):
     # A preparation cut short (or a copy missing a shard) used to open fine and fail on
     # the first batch deep inside training, after the workdir was written.
-    copy = tmp_path / "data"
-    shutil.copytree(synthetic_imagenet_dir, copy)
-    shard = next((copy / synthetic_imagenet.DATASET_NAME).rglob("*train.array_record*"))
+    copy, shard = _copy_and_first_train_shard(synthetic_imagenet_dir, tmp_path)
     shard.unlink()
     with pytest.raises(data.DatasetNotFoundError,
                        match=rf"only partly prepared: split 'train' needs {shard.name}, which "
@@ -175,9 +180,7 @@ def test_a_half_prepared_folder_names_the_missing_file_and_the_command(
 def test_a_truncated_shard_is_named_before_anything_is_read(synthetic_imagenet_dir, tmp_path):
     # Before: opened fine, then a 200-line "Corrupted Riegeli/records file" traceback at
     # the first batch, after the workdir's first checkpoint was written.
-    copy = tmp_path / "data"
-    shutil.copytree(synthetic_imagenet_dir, copy)
-    shard = next((copy / synthetic_imagenet.DATASET_NAME).rglob("*train.array_record*"))
+    copy, shard = _copy_and_first_train_shard(synthetic_imagenet_dir, tmp_path)
     with open(shard, "r+b") as f:
         f.truncate(shard.stat().st_size // 2)
     with pytest.raises(data.DatasetNotFoundError,

@@ -26,7 +26,7 @@ def _per_example(loss_of_example, variable, batch):
     for i in range(batch):
         with tf.GradientTape() as tape:
             loss = loss_of_example(i)
-        grads.append(tape.gradient(loss, variable).numpy())
+        grads.append(tf.convert_to_tensor(tape.gradient(loss, variable)).numpy())  # or slices
     return np.stack(grads)
 
 
@@ -182,6 +182,120 @@ def test_ws_kernel_below_epsilon_has_no_sphere_term(form):
     per_example = _per_example(lambda i: tf.reduce_sum(conv(x[i:i + 1]) * g[i:i + 1]),
                                kernel, 2)
     _check(result, per_example, factors=[1.0, 0.5])
+
+
+# -- Einsum, depthwise and embedding kernels (issue 20, Sec. 5) --------------------
+
+EINSUM_CASES = [  # (equation, input shape without batch, kernel shape)
+    ("abc,cde->abde", (4, 6), (6, 2, 3)),  # attention's query/key/value projections
+    ("abcd,cde->abe", (4, 2, 3), (2, 3, 5)),  # attention's output projection
+    ("ab,bc->ac", (5,), (5, 3)),  # Dense
+    ("abcd,de->abce", (2, 3, 4), (4, 2)),  # two position axes
+]
+
+
+@pytest.mark.parametrize("equation, in_shape, kernel_shape", EINSUM_CASES)
+@pytest.mark.parametrize("num_views", [1, 2])
+def test_einsum_kernel(form, equation, in_shape, kernel_shape, num_views):
+    batch = 3
+    x = _normal(batch * num_views, *in_shape)
+    kernel = tf.Variable(_normal(*kernel_shape))
+    g = _normal(*tf.einsum(equation, x, kernel).shape)
+
+    def loss(i):
+        rows = slice(i * num_views, (i + 1) * num_views)
+        return tf.reduce_sum(tf.einsum(equation, x[rows], kernel) * g[rows])
+
+    result = ghost_norms.einsum_kernel_sq_norms(x, g, equation, kernel_shape,
+                                                num_views=num_views)
+    _check(result, _per_example(loss, kernel, batch), factors=[0.5, 0.0, 2.0])
+
+
+@pytest.mark.parametrize("equation", [
+    "abc,dce->abde",  # the kernel does not contract its leading axes
+    "abc,cde->abed",  # the output's kernel axes reordered
+    "abc,acd->abd",  # the batch axis in the kernel
+    "...b,bc->...c",  # an ellipsis
+    "abc,cd->ad",  # a position axis summed away
+])
+def test_einsum_equations_outside_the_rule_are_refused(equation):
+    with pytest.raises(ghost_norms.UnsupportedLayer, match="einsum equation"):
+        ghost_norms.einsum_kernel_geometry(equation, len(equation.split(",")[1].split("-")[0]))
+
+
+def test_einsum_contracting_several_trailing_axes_is_a_flattened_dense():
+    assert ghost_norms.einsum_kernel_geometry("abc,bcd->ad", 3) == (1, 2)
+
+
+DEPTHWISE_CASES = [  # (kernel, strides, dilation, padding, size, depth_multiplier)
+    ((3, 3), (1, 1), (1, 1), "same", 6, 1),
+    ((3, 3), (2, 2), (1, 1), "same", 7, 2),
+    ((4, 4), (2, 2), (1, 1), "valid", 8, 1),  # space-to-depth patch order
+    ((3, 3), (1, 1), (2, 2), "valid", 7, 2),  # dilation
+    ((2, 3), (1, 2), (1, 1), "same", 6, 1),  # unequal strides: extract_patches
+]
+
+
+@pytest.mark.parametrize("kernel_size, strides, dilation, padding, size, multiplier",
+                         DEPTHWISE_CASES)
+@pytest.mark.parametrize("num_views", [1, 2])
+def test_depthwise_kernel(kernel_size, strides, dilation, padding, size, multiplier,
+                          num_views):
+    batch, channels = 3, 3
+    x = _normal(batch * num_views, size, size, channels)
+    kernel = tf.Variable(_normal(*kernel_size, channels, multiplier))
+
+    def conv(inputs):
+        return tf.nn.depthwise_conv2d(inputs, kernel, [1, *strides, 1], padding.upper(),
+                                      dilations=dilation)
+
+    g = _normal(*conv(x).shape)
+
+    def loss(i):
+        rows = slice(i * num_views, (i + 1) * num_views)
+        return tf.reduce_sum(conv(x[rows]) * g[rows])
+
+    result = ghost_norms.depthwise_kernel_sq_norms(
+        x, g, kernel_size=kernel_size, strides=strides, dilation_rate=dilation,
+        padding=padding, depth_multiplier=multiplier, num_views=num_views)
+    _check(result, _per_example(loss, kernel, batch), factors=[1.0, 0.25, 0.0])
+
+
+@pytest.mark.parametrize("num_views", [1, 2])
+def test_embedding_table_with_repeated_ids(num_views):
+    # Example 0 repeats id 2 (its two output gradients add in row 2), example 1 has
+    # distinct ids, example 2 one id everywhere.
+    batch, vocabulary, dim = 3, 6, 4
+    ids = np.array([[2, 5, 2, 0], [1, 3, 4, 0], [5, 5, 5, 5]])
+    ids = tf.constant(np.repeat(ids, num_views, axis=0)[:, :, None] * np.ones((1, 1, 2), int))
+    table = tf.Variable(_normal(vocabulary, dim))
+    g = _normal(batch * num_views, 4, 2, dim)
+
+    def loss(i):
+        rows = slice(i * num_views, (i + 1) * num_views)
+        return tf.reduce_sum(tf.gather(table, ids[rows]) * g[rows])
+
+    per_example = _per_example(loss, table, batch)
+    result = ghost_norms.embedding_sq_norms(ids, g, vocabulary, num_views=num_views)
+    _check(result, per_example, factors=[0.5, 0.0, 2.0])
+
+
+def test_embedding_negative_ids_are_the_rows_keras_takes():
+    # keras.ops.take maps id -1 to row vocabulary - 1: ids -1 and 5 of a 6-row table are
+    # the same row, so their output gradients add before the norm (taken apart, the norm
+    # would be |g_0|^2 + |g_1|^2, too small when they point the same way).
+    vocabulary = 6
+    ids = tf.constant([[-1, 5], [-2, 0]])
+    table = tf.Variable(_normal(vocabulary, 3))
+    g = tf.constant([[[1.0, 2.0, 0.0], [1.0, 2.0, 0.0]], [[0.0, 1.0, 1.0], [1.0, 0.0, 0.0]]])
+
+    def loss(i):
+        from keras import ops
+        return tf.reduce_sum(ops.take(table, ids[i], axis=0) * g[i])
+
+    result = ghost_norms.embedding_sq_norms(ids, g, vocabulary)
+    _check(result, _per_example(loss, table, 2), factors=[1.0, 0.5])
+    assert result[0].numpy()[0] == pytest.approx(20.0)  # |(2, 4, 0)|^2, not 5 + 5
 
 
 # -- Broadcast parameters ------------------------------------------------------
@@ -350,3 +464,53 @@ def test_scale_and_bias_norms_never_come_out_too_small(case, scale):
     _assert_never_too_small(squares, np.sum(terms.sum(axis=1) ** 2, axis=1),
                             np.sum(np.sqrt(np.sum(terms ** 2, axis=-1)), axis=1), weighted_sum,
                             a.shape[0] // views)
+
+
+def test_ws_kernel_with_one_input_has_no_gradient():
+    # With fan-in 1, W - mean(W) = 0 whatever W is: the gradient is exactly 0, and so is
+    # the norm (the rounding bound, relative to |h| * epsilon^-1/2, used to add 7e-5).
+    kernel = tf.Variable(_normal(1, 1, 1, 3))
+    x = 255.0 * tf.ones([2, 5, 5, 1])
+    g = _normal(2, 5, 5, 3)
+    rows = ghost_norms.conv2d_patches(x, kernel_size=(1, 1), strides=(1, 1),
+                                      dilation_rate=(1, 1), padding="same")
+    result = ghost_norms.ws_kernel_sq_norms(rows, g, kernel, epsilon=1e-4)
+    per_example = _per_example(
+        lambda i: tf.reduce_sum(tf.nn.conv2d(x[i:i + 1], _standardize(kernel, 1e-4), 1, "SAME")
+                                * g[i:i + 1]), kernel, 2)
+    np.testing.assert_array_equal(per_example, 0.0)
+    np.testing.assert_array_equal(result[0].numpy(), [0.0, 0.0])
+    np.testing.assert_array_equal(result[1](tf.constant([1.0, 1.0])).numpy(), 0.0)
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(_cancelling_rows())
+def test_depthwise_kernel_norms_never_come_out_too_small(case):
+    # A 1x1 depthwise kernel over a's rows as pixels: channel c's gradient is
+    # sum_r a_rc g_rc, whose terms cancel (held float32 per-example gradients).
+    a, g, views, _, _ = case
+    g = g[..., :1] * tf.ones_like(a)  # one output gradient per channel (M = 1)
+    squares, weighted_sum = ghost_norms.depthwise_kernel_sq_norms(
+        a[:, :, None, :], g[:, :, None, :], kernel_size=(1, 1), strides=(1, 1),
+        dilation_rate=(1, 1), padding="valid", depth_multiplier=1, num_views=views)
+    terms = (a * g).numpy().astype(np.longdouble).reshape(-1, views * a.shape[1], a.shape[2])
+    _assert_never_too_small(squares, np.sum(terms.sum(axis=1) ** 2, axis=1),
+                            np.sum(np.sqrt(np.sum(terms ** 2, axis=-1)), axis=1), weighted_sum,
+                            a.shape[0] // views, held=True, rows=views * a.shape[1])
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(_cancelling_rows(), st.integers(1, 4))
+def test_embedding_norms_never_come_out_too_small(case, vocabulary):
+    # Few distinct ids, so that the output gradients of equal ids (which cancel) add up.
+    a, g, views, _, seed = case
+    ids = np.random.default_rng(seed).integers(0, vocabulary, a.shape[:2])
+    squares, weighted_sum = ghost_norms.embedding_sq_norms(tf.constant(ids), g, vocabulary,
+                                                           num_views=views)
+    rows = views * a.shape[1]
+    g64 = g.numpy().astype(np.longdouble).reshape(-1, rows, g.shape[-1])
+    ids = ids.reshape(-1, rows)
+    exact = np.array([sum(np.sum(g64[i][ids[i] == v].sum(axis=0) ** 2)
+                          for v in range(vocabulary)) for i in range(len(ids))])
+    terms = np.sum(np.sqrt(np.sum(g64 ** 2, axis=-1)), axis=1)
+    _assert_never_too_small(squares, exact, terms, weighted_sum, len(ids), held=True, rows=rows)

@@ -47,6 +47,34 @@ def test_rejects_batch_norm_with_a_clear_message():
     assert "De et al. 2022" in message and "Sec. 5.5.1" in message
 
 
+def test_a_trainable_batch_norm_is_refused_with_how_to_freeze_it():
+    model = _conv_model(keras.layers.BatchNormalization(name="bn"))
+    with pytest.raises(ValueError, match=r"model/bn.*layer\.trainable = False"):
+        validate_dp_model(model)
+
+
+@pytest.mark.parametrize("synchronized", [False, True])
+def test_accepts_a_frozen_batch_norm(synchronized):
+    # Keras 3 runs a BatchNormalization with trainable=False in inference mode even
+    # with training=True: it normalizes with its moving statistics, per example.
+    bn = keras.layers.BatchNormalization(synchronized=synchronized, name="bn")
+    model = _conv_model(bn)
+    bn.trainable = False
+    images = np.random.default_rng(0).normal(size=(3, 8, 8, 3)).astype(np.float32)
+    validate_dp_model(model, check_inputs=images)  # does not raise
+
+
+def test_a_frozen_batch_norm_subclass_is_still_refused():
+    class MyBatchNorm(keras.layers.BatchNormalization):  # may override call
+        pass
+
+    bn = MyBatchNorm(name="my_bn")
+    model = _conv_model(bn)
+    bn.trainable = False
+    with pytest.raises(ValueError, match="model/my_bn"):
+        validate_dp_model(model)
+
+
 def test_rejects_synchronized_batch_norm():
     model = _conv_model(keras.layers.BatchNormalization(synchronized=True, name="sync_bn"))
     with pytest.raises(ValueError, match="model/sync_bn"):

@@ -18,8 +18,10 @@ from tests.training import ghost_testing
 RTOL = 1e-5
 LOSS = ghost_testing.LOSS
 FAMILIES = ghost_testing.FAMILIES
+LOOP_FAMILIES = ghost_testing.LOOP_FAMILIES
 _example_loss_fn = ghost_testing.example_loss_fn
 _nf_blocks = ghost_testing.nf_blocks
+_vit_block = ghost_testing.vit_block
 
 
 def _inputs(shape, scale, batch=4, num_views=None, seed=0):
@@ -65,6 +67,88 @@ def test_norms_and_clipped_sum_equal_the_vectorized_path(family, num_views):
     np.testing.assert_array_equal(clipped.numpy(), slow[2].numpy())
     assert clipped.numpy()[2] == 0
     _assert_same_sum(summed, slow[0])
+
+
+def _per_example_loop(model, images, labels):
+    """Per-example gradients `[batch, ...]` and losses and logits, one example at a time."""
+    example_loss = _example_loss_fn(model)
+    grads, losses, logits = [], [], []
+    for i in range(images.shape[0]):
+        with tf.GradientTape() as tape:
+            loss, (_, mean_logits) = example_loss((images[i], labels[i]))
+        grads.append([tf.convert_to_tensor(g) for g in
+                      tape.gradient(loss, model.trainable_variables)])
+        losses.append(loss)
+        logits.append(mean_logits)
+    return [tf.stack(g) for g in zip(*grads)], tf.stack(losses), tf.stack(logits)
+
+
+@pytest.mark.parametrize("num_views", [None, 2])
+@pytest.mark.parametrize("family", sorted(LOOP_FAMILIES))
+def test_attention_and_embeddings_equal_the_per_example_loop(family, num_views):
+    builder, shape, scale = LOOP_FAMILIES[family]
+    keras.utils.set_random_seed(0)
+    model = builder()
+    images, labels = _inputs(shape, scale, num_views=num_views)
+    mask = tf.constant([1.0, 1.0, 0.0, 1.0])
+    ghost = ghost_clipping.GhostClipping(model, model.trainable_variables)
+    assert not ghost.fallback_variables  # every layer has a rule
+    summed, norms, clipped, losses, logits = ghost.clipped_sum(
+        images, labels, mask, l2_clip_norm=0.5, normalize=False, loss_fn=LOSS,
+        example_loss_fn=None)
+    grads, slow_losses, slow_logits = _per_example_loop(model, images, labels)
+    slow_summed, slow_norms, slow_clipped = clipping.clipped_sum(grads, 0.5, mask=mask)
+    np.testing.assert_allclose(norms.numpy(), slow_norms.numpy(), rtol=RTOL)
+    np.testing.assert_allclose(losses.numpy(), slow_losses.numpy(), rtol=RTOL, atol=1e-6)
+    np.testing.assert_allclose(logits.numpy(), slow_logits.numpy(), rtol=RTOL, atol=1e-5)
+    np.testing.assert_array_equal(clipped.numpy(), slow_clipped.numpy())
+    _assert_same_sum(summed, slow_summed)
+
+
+def test_multi_head_attention_rule_replays_the_layer():
+    keras.utils.set_random_seed(0)
+    model = _vit_block()
+    ghost = ghost_clipping.GhostClipping(model, model.trainable_variables)
+    images, _ = _inputs((6, 5), 1.0)
+    np.testing.assert_allclose(ghost.tapped_model(images)[0].numpy(), model(images).numpy(),
+                               rtol=1e-5, atol=1e-6)
+    attention = model.get_layer("attention")
+    for dense in (attention.query_dense, attention.key_dense, attention.value_dense,
+                  attention.output_dense):  # kernel and bias sites of each projection
+        assert sum(site.layer_name == dense.name for site in ghost.sites) == 2
+
+
+@pytest.mark.parametrize("layer, call", [
+    (lambda: keras.layers.MultiHeadAttention(2, 4, dropout=0.1), lambda l, x: l(x, x)),
+    (lambda: keras.layers.MultiHeadAttention(2, 4), lambda l, x: l(x, x,
+                                                                   use_causal_mask=True)),
+    (lambda: keras.layers.Embedding(7, 4, mask_zero=True), lambda l, x: l(x[:, :, 0])),
+    (lambda: keras.layers.EinsumDense("abc,dc->abd", (5, 3)), lambda l, x: l(x)),
+])
+def test_layers_outside_the_new_rules_fall_back(layer, call):
+    inputs = keras.Input((5, 4))
+    instance = layer()
+    x = call(instance, inputs)
+    model = keras.Model(inputs, keras.layers.Dense(3)(keras.layers.Flatten()(x)))
+    ghost = ghost_clipping.GhostClipping(model, model.trainable_variables)
+    assert ghost.fallback_variables
+    assert instance.name in [name for name, _ in ghost.uncovered_layers]
+
+
+def test_a_masked_input_keeps_attention_unchanged_and_on_the_fallback():
+    # Masking upstream: MultiHeadAttention reads the mask inside its call, which the
+    # replay would drop (the tapped model would compute another function).
+    inputs = keras.Input((5, 4))
+    x = keras.layers.Masking(0.0)(inputs)
+    x = keras.layers.MultiHeadAttention(2, 4, name="attention")(x, x)
+    model = keras.Model(inputs, keras.layers.Dense(3)(keras.layers.GlobalAveragePooling1D()(x)))
+    ghost = ghost_clipping.GhostClipping(model, model.trainable_variables)
+    assert ("attention", "called with a mask, keyword arguments or several inputs") in \
+        ghost.uncovered_layers
+    images = np.random.default_rng(0).normal(size=(2, 5, 4)).astype(np.float32)
+    images[:, 3:] = 0.0  # masked positions
+    np.testing.assert_allclose(ghost.tapped_model(images)[0].numpy(), model(images).numpy(),
+                               rtol=1e-5, atol=1e-6)
 
 
 def test_padding_does_not_change_the_other_examples():
@@ -395,3 +479,88 @@ def test_an_unknown_clipping_path_is_refused_before_the_workdir_is_touched(run_s
     with pytest.raises(ValueError, match="clipping must be one of"):
         run_smoke(workdir, ["fashion_mnist.gin"], ["tfdp.train_and_evaluate.clipping = 'fast'"])
     assert not workdir.exists()
+
+
+# -- Frozen BatchNorm (issue 20, Sec. 4) -----------------------------------------
+
+
+def _model_with_frozen_batch_norm(num_classes=10):
+    """Conv -> frozen BatchNorm (pretrained-looking moving statistics) -> Dense."""
+    inputs = keras.Input((6, 6, 2))
+    x = keras.layers.Conv2D(4, 3, name="conv")(inputs)
+    bn = keras.layers.BatchNormalization(name="frozen_bn")
+    x = keras.layers.ReLU()(bn(x))
+    x = keras.layers.GlobalAveragePooling2D()(x)
+    model = keras.Model(inputs, keras.layers.Dense(num_classes)(x))
+    rng = np.random.default_rng(3)
+    for variable in (bn.gamma, bn.beta, bn.moving_mean):
+        variable.assign(rng.normal(size=4).astype(np.float32))
+    bn.moving_variance.assign(rng.uniform(0.5, 2.0, 4).astype(np.float32))
+    bn.trainable = False
+    return model
+
+
+def _brute_force_norms(model, images, labels):
+    """Per-example gradient norms, one example at a time."""
+    norms = []
+    for i in range(images.shape[0]):
+        with tf.GradientTape() as tape:
+            loss = LOSS(labels[i:i + 1], model(images[i:i + 1], training=True))
+        grads = tape.gradient(loss, model.trainable_variables)
+        norms.append(np.sqrt(sum(np.sum(g.numpy() ** 2) for g in grads)))
+    return np.array(norms)
+
+
+def test_frozen_batch_norm_is_a_layer_without_trainable_variables_on_the_ghost_path():
+    keras.utils.set_random_seed(0)
+    model = _model_with_frozen_batch_norm()
+    images, labels = _inputs((6, 6, 2), 1.0)
+    ghost, fast, slow = _ghost_and_vectorized(model, images, labels, tf.ones([4]))
+    assert not ghost.fallback_variables
+    expected = _brute_force_norms(model, images, labels)
+    np.testing.assert_allclose(fast[1].numpy(), expected, rtol=RTOL)
+    np.testing.assert_allclose(slow[1].numpy(), expected, rtol=RTOL)
+    _assert_same_sum(fast[0], slow[0])
+
+
+def test_a_frozen_batch_norm_trains_under_dp_model_and_keeps_its_statistics():
+    data = _inputs((6, 6, 2), 1.0, batch=4)
+    updates = {}
+    for clipping_path in ("ghost", "vectorized"):
+        dp, updates[clipping_path] = _update(_model_with_frozen_batch_norm, clipping_path, data)
+        assert dp.clipping_path == clipping_path
+        bn = dp.model.get_layer("frozen_bn")
+        keras.utils.set_random_seed(0)
+        fresh = _model_with_frozen_batch_norm().get_layer("frozen_bn")
+        for name in ("moving_mean", "moving_variance", "gamma", "beta"):
+            np.testing.assert_array_equal(getattr(bn, name).numpy(),
+                                          getattr(fresh, name).numpy())
+        assert any(np.any(u != 0) for u in updates[clipping_path])
+    _assert_same_update(updates["ghost"], updates["vectorized"])
+
+
+def test_a_trainable_batch_norm_is_refused_by_dp_model():
+    inputs = keras.Input((6, 6, 2))
+    x = keras.layers.BatchNormalization(name="bn")(keras.layers.Conv2D(4, 3)(inputs))
+    model = keras.Model(inputs, keras.layers.Dense(10)(keras.layers.Flatten()(x)))
+    with pytest.raises(ValueError, match=r"bn \(BatchNormalization\).*layer\.trainable = False"):
+        DPModel(model, _mechanism())
+
+
+def test_a_vit_block_trains_under_dp_model_on_the_ghost_path(caplog):
+    # clipping='auto' takes the ghost path: every layer, attention included, has a rule
+    # (no per-example loop warning).
+    with caplog.at_level(logging.WARNING):
+        dp, update = _update(_vit_block, "auto", _inputs((6, 5), 1.0, batch=4))
+    assert dp.clipping_path == "ghost"
+    assert "keep tf.vectorized_map" not in caplog.text
+    assert all(np.all(np.isfinite(u)) for u in update) and any(np.any(u != 0) for u in update)
+
+
+@pytest.mark.slow
+def test_xla_step_of_the_vit_block_equals_the_graph_step():
+    # Static shapes in the attention and embedding rules: XLA compiles the ghost step.
+    data = _inputs((6, 5), 1.0, batch=4)
+    _, compiled = _update(_vit_block, "ghost", data, jit_compile=True)
+    _, graph = _update(_vit_block, "ghost", data)
+    _assert_same_update(compiled, graph)

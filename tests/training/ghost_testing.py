@@ -12,6 +12,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from keras import ops
+
 from tfdp import models
 
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
@@ -49,6 +51,44 @@ def layer_norm_model(num_classes=10):
     return keras.Model(inputs, keras.layers.Dense(num_classes)(x))
 
 
+def depthwise_model(num_classes=10):
+    """Depthwise convolutions (ConvNeXt, EfficientNet): strided, dilated, multiplied."""
+    inputs = keras.Input((7, 7, 2))
+    x = keras.layers.DepthwiseConv2D(3, strides=2, padding="same", depth_multiplier=2)(inputs)
+    x = keras.layers.DepthwiseConv2D(2, dilation_rate=2, activation="relu")(x)
+    x = keras.layers.Conv2D(4, 1, use_bias=False)(x)
+    x = keras.layers.GlobalAveragePooling2D()(x)
+    return keras.Model(inputs, keras.layers.Dense(num_classes)(x))
+
+
+def _positions(x):
+    """0 .. T-1 for every example of `x` [batch, T, d] (float; Embedding casts to int)."""
+    return ops.cumsum(ops.ones_like(x[:, :, 0]), axis=1) - 1.0
+
+
+def vit_block(num_classes=10):
+    """A tiny ViT: patch projection, position Embedding, pre-norm attention and MLP."""
+    inputs = keras.Input((6, 5))  # 6 patches of 5 values
+    x = keras.layers.Dense(8, name="patches")(inputs)
+    x = x + keras.layers.Embedding(6, 8, name="position")(_positions(inputs))
+    h = keras.layers.LayerNormalization()(x)
+    x = x + keras.layers.MultiHeadAttention(2, 4, name="attention")(h, h)
+    h = keras.layers.LayerNormalization()(x)
+    h = keras.layers.Dense(16, activation="gelu")(h)
+    x = x + keras.layers.Dense(8)(h)
+    x = keras.layers.GlobalAveragePooling1D()(keras.layers.LayerNormalization()(x))
+    return keras.Model(inputs, keras.layers.Dense(num_classes)(x))
+
+
+def token_embedding_model(num_classes=10):
+    """Token ids (repeated within an example) through an Embedding and an EinsumDense."""
+    inputs = keras.Input((5,))  # ids in [0, 7): uniform floats, truncated
+    x = keras.layers.Embedding(7, 4, name="tokens")(inputs)
+    x = keras.layers.EinsumDense("abc,cde->abde", (5, 2, 3), bias_axes="de")(x)
+    x = keras.layers.EinsumDense("abcd,cde->abe", (5, 6), bias_axes="e")(x)
+    return keras.Model(inputs, keras.layers.Dense(num_classes)(keras.layers.Flatten()(x)))
+
+
 # Every model family tfdp trains, at small sizes; inputs in the model's units.
 FAMILIES = {
     "tramer_cnn": (lambda: models.build_tramer_cnn(10), (28, 28, 1), 255.0),
@@ -64,6 +104,17 @@ FAMILIES = {
                                                      norm_order="conv_relu_gn"), (8, 8, 3), 255.0),
     "nf_resnet_blocks": (nf_blocks, (8, 8, 3), 1.0),
     "layer_norm": (layer_norm_model, (4, 6), 1.0),
+    # Issue 20, Sec. 5: the layers of pretrained backbones.
+    "depthwise": (depthwise_model, (7, 7, 2), 255.0),
+}
+
+# Models with EinsumDense (MultiHeadAttention): their reference is a loop over examples,
+# not tf.vectorized_map. Under vectorized_map, Keras' ops.einsum fast path for
+# "abc,cde->abde" (a broadcast tf.matmul with output_type) gives the LAST example wrong
+# outputs and corrupts memory (TF 2.21, Keras 3.15; see the report of issue 20).
+LOOP_FAMILIES = {
+    "vit_block": (vit_block, (6, 5), 1.0),
+    "token_embedding": (token_embedding_model, (5,), 7.0),
 }
 
 

@@ -14,6 +14,9 @@ clipping; Kong, Ribero & Velegkas 2024 for convolutions):
 | dense / conv kernel          | sum_r a_r g_r^T over rows r          | `kernel_sq_norms`            |
 | conv kernel (rows: patches)  | the above                            | `conv2d_kernel_sq_norms`     |
 | weight-standardized kernel   | the above, chained through WS        | `ws_kernel_sq_norms`         |
+| einsum kernel (EinsumDense)  | the above, input/output as rows      | `einsum_kernel_sq_norms`     |
+| depthwise conv kernel        | sum_r a_rc g_rc^T per channel c      | `depthwise_kernel_sq_norms`  |
+| embedding table              | g_r scattered into row id_r          | `embedding_sq_norms`         |
 | bias, offset (beta)          | sum_r g_r                            | `broadcast_sq_norms`         |
 | scale (gamma, gain, skip)    | sum_r x_r * g_r                      | `broadcast_sq_norms`         |
 
@@ -537,6 +540,10 @@ def ws_kernel_sq_norms(
     """
     fan_out = kernel.shape[-1]
     fan_in = math.prod(kernel.shape[:-1])
+    if fan_in == 1:  # W - mean(W) is 0 whatever W is: the gradient is exactly 0
+        batch = tf.shape(output_grads)[0] // num_views
+        return (tf.zeros([batch], NORM_DTYPE),
+                lambda factors: tf.zeros(kernel.shape, tf.float32))
     w = _wide(tf.reshape(tf.convert_to_tensor(kernel), [fan_in, fan_out]))
     if rows.order is not None:
         w = tf.gather(w, rows.order)  # W's rows in the order of a's columns
@@ -611,3 +618,188 @@ def broadcast_sq_norms(
                                    size + 2 * (rows if rows is not None else 2**20) + 8)
     return squares, _summer(tf.cast(per_example, tf.float32), squares,
                             lambda summed: tf.reshape(summed, parameter_shape))
+
+
+# -- Kernels of other shapes: einsum, depthwise, embedding tables -------------
+
+
+def einsum_kernel_geometry(equation: str, kernel_rank: int) -> Tuple[int, int]:
+    """`(example_axes, contracted)` of an EinsumDense equation that `kernel_sq_norms` covers.
+
+    Covered: `"<free><contracted>,<contracted><kernel_free>-><free><kernel_free>"`:
+    the kernel contracts the LAST input axes, in order, and its other axes
+    are the LAST output axes, in order, after the input's free axes (the first
+    of which is the batch). Then `z = a @ W` with `a` the input reshaped to
+    `[..., prod(contracted)]` and W the kernel reshaped to `[prod(contracted),
+    prod(kernel_free)]`. Multi-head attention's projections are of this form
+    (`"abc,cde->abde"`, `"abcd,cde->abe"`), as is Dense (`"ab,bc->ac"`).
+
+    Args:
+      equation: the layer's einsum equation (no ellipsis).
+      kernel_rank: the kernel's rank, to check the equation against.
+
+    Returns:
+      `(len(free), len(contracted))`, the input's free and contracted axes.
+
+    Raises:
+      UnsupportedLayer: for any other equation (an ellipsis, an axis shared by
+        input, kernel and output, a reordered output): the layer keeps the
+        vectorized path.
+    """
+    parts = equation.replace(" ", "").split("->")
+    operands = parts[0].split(",") if len(parts) == 2 else []
+    if "." in equation or len(operands) != 2:
+        raise UnsupportedLayer(f"einsum equation {equation!r} is not 'input,kernel->output'")
+    (x, w), z = operands, parts[1]
+    contracted = "".join(c for c in x if c in w and c not in z)
+    free, kernel_free = x[:len(x) - len(contracted)], w[len(contracted):]
+    if (not contracted or not free or x != free + contracted or w != contracted + kernel_free
+            or z != free + kernel_free or len(set(x + w)) != len(x) + len(kernel_free)
+            or len(w) != kernel_rank):
+        raise UnsupportedLayer(
+            f"einsum equation {equation!r}: its kernel does not contract the input's last "
+            "axes into the output's last axes")
+    return len(free), len(contracted)
+
+
+def einsum_kernel_sq_norms(inputs: tf.Tensor, output_grads: tf.Tensor, equation: str,
+                           kernel_shape: Sequence[int], *, num_views: int = 1):
+    """Per-example squared norm of an EinsumDense kernel's gradient (`kernel_sq_norms`).
+
+    Args:
+      inputs: float32 `[batch * K, ...]`, the layer's input.
+      output_grads: float32 `[batch * K, ...]`, `dL/dz` of the einsum's output.
+      equation: the layer's equation, of the form `einsum_kernel_geometry` covers.
+      kernel_shape: the kernel's shape.
+      num_views: K.
+
+    Returns:
+      `(squares, weighted_sum)`: float64 `[batch]`; `weighted_sum(factors)`
+      gives float32 `kernel_shape`.
+
+    Raises:
+      UnsupportedLayer: for another equation (`einsum_kernel_geometry`).
+    """
+    free, contracted = einsum_kernel_geometry(equation, len(kernel_shape))
+    fan_in = math.prod(kernel_shape[:contracted])
+    fan_out = math.prod(kernel_shape[contracted:])
+    x_free, g_free = tf.shape(inputs)[:free], tf.shape(output_grads)[:free]
+    a = tf.reshape(inputs, tf.concat([x_free, [fan_in]], 0))
+    g = tf.reshape(output_grads, tf.concat([g_free, [fan_out]], 0))
+    a.set_shape(inputs.shape[:free].concatenate([fan_in]))
+    g.set_shape(output_grads.shape[:free].concatenate([fan_out]))
+    squares, weighted_sum = kernel_sq_norms(Rows.of(a), g, num_views=num_views)
+    return squares, lambda factors: tf.reshape(weighted_sum(factors), kernel_shape)
+
+
+def _held_sum(per_example: tf.Tensor, factors: tf.Tensor) -> tf.Tensor:
+    """`factors[i] * per_example[i]`, zero (even for inf or nan) where `factors[i] <= 0`."""
+    keep = tf.reshape(factors > 0, [-1] + [1] * (per_example.shape.rank - 1))
+    weights = tf.reshape(tf.cast(factors, per_example.dtype), keep.shape)
+    return tf.where(keep, per_example * weights, tf.zeros([], per_example.dtype))
+
+
+def depthwise_kernel_sq_norms(
+    inputs: tf.Tensor,
+    output_grads: tf.Tensor,
+    *,
+    kernel_size,
+    strides,
+    dilation_rate,
+    padding: str,
+    depth_multiplier: int,
+    num_views: int = 1,
+):
+    """Per-example squared norm of a DepthwiseConv2D kernel's gradient (NHWC).
+
+    Output channel `c * M + m` (M = depth_multiplier, as
+    `tf.nn.depthwise_conv2d`) is input channel c's patches times the kernel
+    slice `[kh, kw, c, m]`: the gradient is, for each channel,
+    `h_c = sum_r a_rc g_rc^T` over the example's K x P patches. It is built
+    directly (R kh kw C M per example, the cost of the convolution itself,
+    and the size of the kernel per example), in float32, one block of
+    `conv2d_patches` at a time, and HELD: its squared norm is summed in
+    float64 and the weighted sum adds exactly these gradients (the direct
+    form of the module's "Rounding").
+
+    Args:
+      inputs: float32 `[batch * K, height, width, channels]`.
+      output_grads: float32 `[batch * K, out_height, out_width, channels * M]`,
+        `dL/dz` of the depthwise convolution's output (before bias and activation).
+      kernel_size, strides, dilation_rate, padding: the convolution's.
+      depth_multiplier: M >= 1.
+      num_views: K.
+
+    Returns:
+      `(squares, weighted_sum)`: float64 `[batch]`; `weighted_sum(factors)`
+      gives float32 `[kh, kw, channels, M]`.
+    """
+    channels = inputs.shape[-1]
+    rows = conv2d_patches(inputs, kernel_size=kernel_size, strides=strides,
+                          dilation_rate=dilation_rate, padding=padding)
+    g = example_rows(output_grads, num_views)  # [batch, R, C * M]
+    g = tf.reshape(g, [tf.shape(g)[0], -1, channels, depth_multiplier])
+
+    def block(a):  # [batch, R, F_k], F_k = offsets_k * C with the channel innermost
+        a = tf.reshape(a, [tf.shape(a)[0], -1, a.shape[-1] // channels, channels])
+        return tf.einsum("brkc,brcm->bkcm", a, g)
+
+    h = tf.concat(_one_block_at_a_time(rows, num_views, block), axis=1)  # a's offset order
+    if rows.order is not None:  # the same offset for all channels: the order of offsets
+        h = tf.gather(h, np.argsort(rows.order[::channels] // channels), axis=1)
+    shape = [*kernel_size, channels, depth_multiplier]
+    h = tf.reshape(h, [-1, *shape])
+    squares = _sum_of_squares(_wide(h))
+    squares = _with_rounding_bound(squares, tf.sqrt(squares), math.prod(shape) + 8)
+    return squares, _summer(h, squares)
+
+
+def embedding_sq_norms(ids: tf.Tensor, output_grads: tf.Tensor, vocabulary_size: int, *,
+                       num_views: int = 1):
+    """Per-example squared norm of an embedding table's gradient (Embedding).
+
+    `z_r = E[id_r]`: example i's gradient is `g_r` added into row `id_r` of
+    a `[vocabulary_size, dim]` table, for each of its positions r (and
+    views). Its squared norm is `sum_{r, r': id_r = id_r'} g_r . g_r'`. That
+    Gram form would cancel, so instead the gradient's nonzero rows are held,
+    without a `[vocabulary_size, dim]` tensor per example: with the 0/1 matrix
+    `E_rr' = [id_r = id_r']` of the example's positions, `h = (first * E) g`
+    holds at the FIRST position of each distinct id the sum of that id's
+    output gradients, and 0 at repeats (R^2 dim per example, float32; static
+    shapes, so XLA compiles it). Its squared norm is a float64 sum of squares
+    (no cancellation) and the weighted sum scatters exactly these rows back
+    into the table (the direct form of the module's "Rounding").
+
+    Args:
+      ids: int (or float, truncated as `keras.layers.Embedding` does)
+        `[batch * K, ...]`, the layer's input; a negative id is row
+        `id + vocabulary_size`, as `keras.ops.take` reads it.
+      output_grads: float32 `[batch * K, ..., dim]`, `dL/dz`.
+      vocabulary_size: the table's number of rows.
+      num_views: K.
+
+    Returns:
+      `(squares, weighted_sum)`: float64 `[batch]`; `weighted_sum(factors)`
+      gives float32 `[vocabulary_size, dim]`.
+    """
+    dim = output_grads.shape[-1]
+    g = example_rows(output_grads, num_views)  # [batch, R, dim]
+    batch = tf.shape(g)[0]
+    ids = tf.reshape(tf.cast(ids, tf.int32), [batch, -1])  # [batch, R]
+    # keras.ops.take reads row id + vocabulary_size for a negative id: the same row must
+    # be the same id here, or its gradients would be normed apart (too small).
+    ids = tf.where(ids < 0, ids + vocabulary_size, ids)
+    same = tf.cast(tf.equal(ids[:, :, None], ids[:, None, :]), g.dtype)  # [batch, R, R]
+    earlier = tf.reduce_sum(tf.linalg.band_part(same, -1, 0), axis=-1) - 1.0  # r' < r, same id
+    first = tf.cast(tf.equal(earlier, 0.0), g.dtype)[:, :, None]
+    h = tf.matmul(same * first, g)  # [batch, R, dim], nonzero at first occurrences
+    squares = _sum_of_squares(_wide(h))
+    squares = _with_rounding_bound(squares, tf.sqrt(squares),
+                                   (h.shape[1] or 2**20) * dim + 8)
+
+    def weighted_sum(factors):
+        weighted = _held_sum(h, factors)
+        return tf.math.unsorted_segment_sum(tf.reshape(weighted, [-1, dim]),
+                                            tf.reshape(ids, [-1]), vocabulary_size)
+
+    return squares, weighted_sum

@@ -52,8 +52,41 @@ def iter_layers(layer):
         stack.extend((f"{path}/{child.name}", child) for child in reversed(children))
 
 
+_FREEZE_HINT = (
+    "A pretrained BatchNormalization may stay if it is frozen: set `layer.trainable = "
+    "False` on it (or on the model holding it) before building the DPModel; Keras 3 then "
+    "normalizes with its moving (public, pretrained) statistics even in training mode."
+)
+
+
+def is_frozen_batch_norm(layer):
+    """True for a `keras.layers.BatchNormalization` that runs in inference mode in every call.
+
+    Such a layer normalizes each example with its moving mean and variance,
+    which are fixed (public, pretrained) statistics, so it mixes no examples
+    and its statistics never change. Keras 3 runs a BatchNormalization with
+    `trainable=False` in inference mode even when called with
+    `training=True`: its `call` takes the batch moments only under
+    `if training and self.trainable:` (keras/src/layers/normalization/
+    batch_normalization.py, `BatchNormalization.call`, and the class doc's
+    "About setting `layer.trainable = False`"). Only the exact class is
+    trusted (synchronized or not: synchronization only changes the batch
+    moments, which a frozen layer never computes); a subclass may override
+    `call`.
+
+    Args:
+      layer: any `keras.layers.Layer`.
+
+    Returns:
+      bool.
+    """
+    return type(layer) is keras.layers.BatchNormalization and not layer.trainable
+
+
 def _mixes_examples(layer):
     """True for layers that compute statistics over the batch axis."""
+    if is_frozen_batch_norm(layer):
+        return False
     if isinstance(layer, keras.layers.BatchNormalization):
         # Also covers synchronized BatchNorm (BatchNormalization(synchronized=True),
         # Keras 3's SyncBatchNorm) and any subclass.
@@ -110,7 +143,11 @@ def validate_dp_model(model, *, check_inputs=None, atol=1e-5):
       1. Structural, always: every layer, recursively through nested models
          and sub-layers, is rejected if it is a `keras.layers.BatchNormalization`
          (including synchronized BatchNorm) or any class whose name contains
-         "BatchNorm". `LayerNormalization`, `GroupNormalization`,
+         "BatchNorm", unless it is a FROZEN `keras.layers.BatchNormalization`
+         (`trainable=False`, `is_frozen_batch_norm`): Keras 3 runs it in
+         inference mode even with `training=True`, so it normalizes with its
+         public pretrained statistics and mixes no examples (De et al. 2022,
+         Sec. 4, fine-tuning pretrained models). `LayerNormalization`, `GroupNormalization`,
          `UnitNormalization` and `Normalization` (fixed statistics) are per
          example and accepted. A layer that computes in float16 or bfloat16
          (mixed precision) is rejected too (`validate_float32`).
@@ -151,6 +188,8 @@ def validate_dp_model(model, *, check_inputs=None, atol=1e-5):
             + ", ".join(offenders)
             + ". "
             + _FIX_HINT
+            + " "
+            + _FREEZE_HINT
         )
     validate_float32(model)
 

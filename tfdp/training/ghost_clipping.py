@@ -40,8 +40,11 @@ cases (`GhostClipping._sole_uses`); every other variable falls back, and
 `clipping="auto"` then takes the vectorized path for the whole model.
 
 Rules (`register`): Dense, Conv2D, WSConv2D, ScaledWSConv2D,
-GroupNormalization, LayerNormalization and NFResBlock (whose rule replays its
-`call` with every sub-layer tapped). A rule matches its exact class only: a
+DepthwiseConv2D, EinsumDense, Embedding, GroupNormalization,
+LayerNormalization, NFResBlock and MultiHeadAttention (whose rules replay
+their `call` with every sub-layer tapped). A layer without trainable
+variables (a frozen BatchNormalization, a pooling) is called unchanged: it
+costs only the backward pass through it. A rule matches its exact class only: a
 subclass may change the forward pass, so it needs a rule of its own.
 """
 
@@ -161,6 +164,8 @@ class _Recorder:
             return rule(layer, inputs, self)
         except ghost_norms.UnsupportedLayer as reason:
             self.uncovered.append((layer.name, str(reason)))
+            if isinstance(inputs, list) and getattr(rule, "takes_several_inputs", False):
+                return layer(*inputs)  # the positional arguments of `_call_layer`
             return layer(inputs)
 
     def site(self, layer, variables, inputs, forward, norms, *, listed=False):
@@ -362,6 +367,85 @@ def _layer_norm(layer, inputs, recorder):
     return _normalization_site(layer, inputs, recorder, normalize, layer.gamma, layer.beta)
 
 
+@register(keras.layers.DepthwiseConv2D)
+def _depthwise_conv2d(layer, inputs, recorder):
+    _require(layer.data_format == "channels_last", "channels_first depthwise convolution")
+    geometry = dict(kernel_size=layer.kernel_size, strides=layer.strides,
+                    dilation_rate=layer.dilation_rate, padding=layer.padding,
+                    depth_multiplier=layer.depth_multiplier)
+    z = recorder.site(
+        layer, [layer.kernel], [inputs],
+        lambda x: ops.depthwise_conv(x, layer.kernel, strides=layer.strides,
+                                     padding=layer.padding, dilation_rate=layer.dilation_rate,
+                                     data_format=layer.data_format),
+        lambda ins, out, g, k: ghost_norms.depthwise_kernel_sq_norms(
+            ins[0], g, num_views=k, **geometry))
+    return _bias_and_activation(layer, z, recorder)
+
+
+@register(keras.layers.EinsumDense)
+def _einsum_dense(layer, inputs, recorder):
+    """`einsum(equation, x, kernel)` as rows times a matrix, for the equations it covers.
+
+    Multi-head attention's projections are covered (`ghost_norms.einsum_kernel_geometry`).
+    """
+    _require(not layer.lora_enabled and layer.quantization_mode is None,
+             "LoRA or quantized EinsumDense kernel")
+    kernel_shape = tuple(layer.kernel.shape)
+    ghost_norms.einsum_kernel_geometry(layer.equation, len(kernel_shape))  # or unsupported
+    output_shape = ops.einsum(layer.equation, inputs, layer.kernel).shape
+    _require(layer.bias is None or tuple(layer.bias.shape) == tuple(
+        output_shape[len(output_shape) - len(layer.bias.shape):]),
+        "EinsumDense bias broadcast inside the output's trailing axes")
+    z = recorder.site(
+        layer, [layer.kernel], [inputs], lambda x: ops.einsum(layer.equation, x, layer.kernel),
+        lambda ins, out, g, k: ghost_norms.einsum_kernel_sq_norms(
+            ins[0], g, layer.equation, kernel_shape, num_views=k))
+    return _bias_and_activation(layer, z, recorder)
+
+
+@register(keras.layers.Embedding)
+def _embedding(layer, inputs, recorder):
+    # A mask would have to reach the layers downstream, which the tapped call does not do.
+    _require(not layer.mask_zero, "Embedding with mask_zero")
+    _require(not layer.lora_enabled and layer.quantization_mode is None,
+             "LoRA or quantized Embedding")
+    table = layer.embeddings
+    return recorder.site(
+        layer, [table], [inputs], lambda ids: ops.take(table, ops.cast(ids, "int32"), axis=0),
+        lambda ins, out, g, k: ghost_norms.embedding_sq_norms(ins[0], g, layer.input_dim,
+                                                             num_views=k))
+
+
+@register(keras.layers.MultiHeadAttention)
+def _multi_head_attention(layer, inputs, recorder):
+    """Replays `MultiHeadAttention.call` with its four EinsumDense projections tapped.
+
+    Covers the plain layer: `(query, value[, key])` without masks, dropout,
+    gate or sliding window, attention over the sequence axis of rank-3 inputs.
+    The attention itself is `ops.dot_product_attention` with the layer's
+    1/sqrt(key_dim) scale, as the layer computes it; it has no variables.
+    `tests/training/ghost_clipping_test.py` checks that the replay equals the layer.
+    """
+    query, value, key = (list(inputs) + [None, None])[:3] if isinstance(
+        inputs, (list, tuple)) else (inputs, None, None)
+    _require(value is not None, "MultiHeadAttention called without a value")
+    key = value if key is None else key
+    config = layer.get_config()
+    _require(len(query.shape) == 3 and tuple(config["attention_axes"] or (1,)) == (1,),
+             "MultiHeadAttention over other axes than a rank-3 input's sequence")
+    _require(not config["dropout"] and not config.get("use_gate")
+             and config.get("sliding_window") is None,
+             "MultiHeadAttention with dropout, a gate or a sliding window")
+    attended = ops.dot_product_attention(
+        recorder.call(layer.query_dense, query), recorder.call(layer.key_dense, key),
+        recorder.call(layer.value_dense, value), scale=1.0 / float(layer.key_dim) ** 0.5)
+    return recorder.call(layer.output_dense, attended)
+
+
+_multi_head_attention.takes_several_inputs = True  # (query, value[, key]): `_call_layer`
+
+
 @register(NFResBlock)
 def _nf_res_block(block, inputs, recorder):
     """Replays `NFResBlock.call` with its convolutions tapped and the skip gain a site.
@@ -542,8 +626,14 @@ class GhostClipping:
         unless it gets a mask or an explicit `training` (which its layers
         would then have to see).
         """
-        plain = len(args) == 1 and kwargs.get("mask") is None and set(kwargs) <= {
-            "mask", "training"}
+        several = getattr(ghost_norms.find_layer_rule(layer), "takes_several_inputs", False)
+        # A Keras mask carried by an input (a Masking layer upstream) is read inside the
+        # layer's call (MultiHeadAttention); a TappedLayer would drop it: call it unchanged.
+        # (`_keras_mask` is where Keras' masking guide documents a tensor's mask; Keras 3
+        # exports no getter.)
+        masked = any(getattr(a, "_keras_mask", None) is not None for a in args)
+        plain = (len(args) == 1 or (several and len(args) <= 3)) and kwargs.get(
+            "mask") is None and set(kwargs) <= {"mask", "training"} and not masked
         if (isinstance(layer, keras.Model) and plain and kwargs.get("training") is None
                 and len(getattr(layer, "outputs", None) or ()) == 1):
             try:
@@ -553,10 +643,12 @@ class GhostClipping:
         if not getattr(layer, "trainable_variables", None):
             return layer(*args, **kwargs)
         if ghost_norms.find_layer_rule(layer) is None or not plain:
-            self._uncovered.append((layer.name, f"no rule for {type(layer).__name__}"))
+            reason = (f"no rule for {type(layer).__name__}" if ghost_norms.find_layer_rule(
+                layer) is None else "called with a mask, keyword arguments or several inputs")
+            self._uncovered.append((layer.name, reason))
             return layer(*args, **kwargs)
         tapped = TappedLayer(layer, self._context, name=f"tapped_{len(self._tapped)}_{layer.name}")
-        outputs = tapped(args[0])
+        outputs = tapped(args[0] if len(args) == 1 else list(args))
         self._tapped.append((tapped, outputs))
         return outputs[0]
 
