@@ -3,10 +3,12 @@
 Hypothesis generates small Keras functional models from every layer with a
 ghost-norm rule (Dense on 4-D inputs, Conv2D with strides, dilation and both
 paddings, WSConv2D, ScaledWSConv2D, GroupNormalization and LayerNormalization
-with and without scale and center, NFResBlock) and from layers that fall back
-to the vectorized path (DepthwiseConv2D, a custom layer without a rule), with
-random depth, Add / Concatenate branches, a layer used twice and nested
-functional models; and adversarial batches: near-constant images at 0 and at
+with and without scale and center, NFResBlock, DepthwiseConv2D (its rule came
+with issue 20; it was a fallback layer before)) and from a custom layer
+without a rule (the fallback), with random depth, Add / Concatenate branches,
+a layer used twice, nested functional models, a layer shared with a nested
+model and a Dense also called inside a rule-less layer (issue 18, §3); and
+adversarial batches: near-constant images at 0 and at
 255 with one or two entries off, pixel ranges from 1e-3 to 1e5, padding rows
 (mask 0) that hold copies, huge values or NaN, and augmult K in {1, 3}
 (images `[batch, K, H, W, C]`).
@@ -104,7 +106,7 @@ hypothesis.settings.register_profile(
 # input becomes "same"), so that every drawn spec builds.
 RULED = ["conv", "ws_conv", "scaled_ws_conv", "group_norm", "layer_norm", "dense", "nf_block"]
 STRUCTURE = ["add", "concatenate", "shared", "nested", "shared_with_nested", "called_inside"]
-FALLBACK = ["depthwise", "unruled"]
+FALLBACK = ["depthwise", "unruled"]  # DepthwiseConv2D has had a rule since issue 20
 
 
 @st.composite
