@@ -6,7 +6,6 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from keras import ops
 
 from tfdp import accounting
 from tfdp import models
@@ -14,107 +13,15 @@ from tfdp.dp import clipping
 from tfdp.training import ghost_clipping
 from tfdp.training.dp_model import DPModel
 
+from tests.training import ghost_testing
+
 RTOL = 1e-5
-LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
-
-
-def _example_loss_fn(model):
-    """DPModel's per-example loss (the mean over the example's views)."""
-    rank = len(model.inputs[0].shape)
-
-    def example_loss(example):
-        images, label = example
-        views = images if images.shape.rank == rank else images[tf.newaxis]
-        logits = model(tf.cast(views, tf.float32), training=True)
-        loss = tf.reduce_mean(LOSS(tf.fill([tf.shape(logits)[0]], tf.cast(label, tf.int32)),
-                                   logits))
-        return loss, (loss, tf.reduce_mean(logits, axis=0))
-
-    return example_loss
-
-
-def _nf_blocks(num_classes=10):
-    inputs = keras.Input((8, 8, 3))
-    x = models.ScaledWSConv2D(8, 3, padding="same", use_bias=False, name="stem")(inputs)
-    x = models.NFResBlock(16, strides=2, name="transition")(x)
-    x = models.NFResBlock(16, beta=1.02, name="identity")(x)
-    x = keras.layers.GlobalAveragePooling2D()(x)
-    return keras.Model(inputs, keras.layers.Dense(num_classes)(x))
-
-
-def _layer_norm_model(num_classes=10):
-    inputs = keras.Input((4, 6))
-    x = keras.layers.Dense(8, activation="tanh")(inputs)
-    x = keras.layers.LayerNormalization()(x)
-    x = keras.layers.Flatten()(x)
-    return keras.Model(inputs, keras.layers.Dense(num_classes)(x))
-
-
-def _depthwise_model(num_classes=10):
-    """Depthwise convolutions (ConvNeXt, EfficientNet): strided, dilated, multiplied."""
-    inputs = keras.Input((7, 7, 2))
-    x = keras.layers.DepthwiseConv2D(3, strides=2, padding="same", depth_multiplier=2)(inputs)
-    x = keras.layers.DepthwiseConv2D(2, dilation_rate=2, activation="relu")(x)
-    x = keras.layers.Conv2D(4, 1, use_bias=False)(x)
-    x = keras.layers.GlobalAveragePooling2D()(x)
-    return keras.Model(inputs, keras.layers.Dense(num_classes)(x))
-
-
-def _positions(x):
-    """0 .. T-1 for every example of `x` [batch, T, d] (float; Embedding casts to int)."""
-    return ops.cumsum(ops.ones_like(x[:, :, 0]), axis=1) - 1.0
-
-
-def _vit_block(num_classes=10):
-    """A tiny ViT: patch projection, position Embedding, pre-norm attention and MLP."""
-    inputs = keras.Input((6, 5))  # 6 patches of 5 values
-    x = keras.layers.Dense(8, name="patches")(inputs)
-    x = x + keras.layers.Embedding(6, 8, name="position")(_positions(inputs))
-    h = keras.layers.LayerNormalization()(x)
-    x = x + keras.layers.MultiHeadAttention(2, 4, name="attention")(h, h)
-    h = keras.layers.LayerNormalization()(x)
-    h = keras.layers.Dense(16, activation="gelu")(h)
-    x = x + keras.layers.Dense(8)(h)
-    x = keras.layers.GlobalAveragePooling1D()(keras.layers.LayerNormalization()(x))
-    return keras.Model(inputs, keras.layers.Dense(num_classes)(x))
-
-
-def _token_embedding_model(num_classes=10):
-    """Token ids (repeated within an example) through an Embedding and an EinsumDense."""
-    inputs = keras.Input((5,))  # ids in [0, 7): uniform floats, truncated
-    x = keras.layers.Embedding(7, 4, name="tokens")(inputs)
-    x = keras.layers.EinsumDense("abc,cde->abde", (5, 2, 3), bias_axes="de")(x)
-    x = keras.layers.EinsumDense("abcd,cde->abe", (5, 6), bias_axes="e")(x)
-    return keras.Model(inputs, keras.layers.Dense(num_classes)(keras.layers.Flatten()(x)))
-
-
-# Every model family tfdp trains, at small sizes; inputs in the model's units.
-FAMILIES = {
-    "tramer_cnn": (lambda: models.build_tramer_cnn(10), (28, 28, 1), 255.0),
-    "tramer_cifar_cnn": (lambda: models.build_tramer_cifar_cnn(10, input_shape=(16, 16, 3),
-                                                               size="small"), (16, 16, 3), 255.0),
-    "scatternet_linear": (lambda: models.build_scatternet_linear((7, 7, 81), 10, groups=27),
-                          (7, 7, 81), 1.0),
-    "scatternet_cnn": (lambda: models.build_scatternet_cnn((7, 7, 81), 10, groups=27),
-                       (7, 7, 81), 1.0),
-    "wrn_gn_ws": (lambda: models.build_wide_resnet(10, 1, 10, input_shape=(16, 16, 3)),
-                  (16, 16, 3), 255.0),
-    "wrn_relu_gn": (lambda: models.build_wide_resnet(10, 1, 10, input_shape=(8, 8, 3),
-                                                     norm_order="conv_relu_gn"), (8, 8, 3), 255.0),
-    "nf_resnet_blocks": (_nf_blocks, (8, 8, 3), 1.0),
-    "layer_norm": (_layer_norm_model, (4, 6), 1.0),
-    # Issue 20, Sec. 5: the layers of pretrained backbones.
-    "depthwise": (_depthwise_model, (7, 7, 2), 255.0),
-}
-
-# Models with EinsumDense (MultiHeadAttention): their reference is a loop over examples,
-# not tf.vectorized_map. Under vectorized_map, Keras' ops.einsum fast path for
-# "abc,cde->abde" (a broadcast tf.matmul with output_type) gives the LAST example wrong
-# outputs and corrupts memory (TF 2.21, Keras 3.15; see the report of issue 20).
-LOOP_FAMILIES = {
-    "vit_block": (_vit_block, (6, 5), 1.0),
-    "token_embedding": (_token_embedding_model, (5,), 7.0),
-}
+LOSS = ghost_testing.LOSS
+FAMILIES = ghost_testing.FAMILIES
+LOOP_FAMILIES = ghost_testing.LOOP_FAMILIES
+_example_loss_fn = ghost_testing.example_loss_fn
+_nf_blocks = ghost_testing.nf_blocks
+_vit_block = ghost_testing.vit_block
 
 
 def _inputs(shape, scale, batch=4, num_views=None, seed=0):

@@ -1,0 +1,482 @@
+"""Privacy fuzzer of the ghost-clipping path: no example contributes more than C.
+
+Hypothesis generates small Keras functional models from every layer with a
+ghost-norm rule (Dense on 4-D inputs, Conv2D with strides, dilation and both
+paddings, WSConv2D, ScaledWSConv2D, GroupNormalization and LayerNormalization
+with and without scale and center, NFResBlock, DepthwiseConv2D (its rule came
+with issue 20; it was a fallback layer before)) and from a custom layer
+without a rule (the fallback), with random depth, Add / Concatenate branches,
+a layer used twice, nested functional models, a layer shared with a nested
+model and a Dense also called inside a rule-less layer (issue 18, §3); and
+adversarial batches: near-constant images at 0 and at
+255 with one or two entries off, pixel ranges from 1e-3 to 1e5, padding rows
+(mask 0) that hold copies, huge values or NaN, and augmult K in {1, 3}
+(images `[batch, K, H, W, C]`).
+
+For every real example i it compares `GhostClipping.clipped_sum` (the path of
+DPModel's clipping="ghost" and "auto") with a float64 brute-force reference:
+the model rebuilt in float64 with the same weights, one GradientTape per
+example (`ghost_testing.float64_example_gradients`).
+
+Definitions.
+- contribution_i: what the fast path adds to the clipped sum for example i,
+  measured as the fast path's clipped sum (float32) with the mask set to
+  one-hot(i), every other row masked out; its L2 norm is taken in float64.
+  This is the sensitivity the accountant assumes to be <= C. A second view,
+  `factor_i * |g_i|_64` (the fast path's clip factor times the float64
+  brute-force norm), is printed with every failure.
+- norm_i: the fast path's pre-clip norm (`clipped_sum`'s `norms`).
+
+Assertions, for every real example:
+1. contribution_i <= C (1 + 1e-6).
+2. |norm_i - norm64_i| <= 1e-5 norm64_i where norm64_i > 1e-3 C. Where this
+   fails, the vectorized float32 path (`tfdp.dp.clipping`) is measured on
+   the same input. Its norm is the float32 forward and backward pass of the
+   same model, with no ghost rule, so its distance to the float64 norm is
+   rounding that every float32 path shares (a near-constant image makes a
+   kernel gradient `sum_r a_r g_r` a small difference of large terms; the
+   rounding of the float32 `g_r` alone then moves it by ~1e-4). The ghost
+   norm passes if it is within `1e-5 norm64_i + 2 |vec_i - norm64_i|` of the
+   float64 norm, i.e. no worse than twice the vectorized path's own
+   rounding. The relaxation is recorded with `hypothesis.note` and its size
+   is in the report of issue 18 (BUILD.md, "Privacy fuzzer (issue 18)").
+3. The contribution's direction: `|contribution_i - factor_i g_i|_64 <= 1e-2 C`
+   (relaxed the same way by the vectorized path's error, times the factor).
+   This catches a gradient silently dropped from the sum (issue 18, §3: there
+   the error is ~0.5 C), not rounding: on inputs where the float32 forward
+   pass itself is ill-conditioned (LayerNorm of a near-constant image, whose
+   `x - mean` loses 1% in float32 at 162 +- 1e-3), two float32 paths land
+   1e-3..1e-2 C apart by chance (one slow-profile case: ghost 5e-3 C, the
+   vectorized path 3e-4 C from float64).
+4. Padding: the clipped sum with the drawn mask equals the sum of the real
+   rows' contributions (to 1e-4 C per row), whatever the padding rows hold.
+
+How often the float32 relaxation of 2. and 3. applies, and by how much, is
+printed by `--hypothesis-show-statistics` ("norm relaxed", "direction
+relaxed" events): in 600 slow-profile examples about 5% of the cases, with
+both paths 1e-3..1 (relative) away from float64 on the same inputs (pixel
+ranges of 1e5, normalizations of near-constant activations).
+
+Profiles: "ghost-fuzz-fast" (default suite, derandomized, about a minute on
+a 2-core machine) and "ghost-fuzz-slow" (`-m slow`, random, many more
+examples). `GHOST_FUZZ_EXAMPLES=n` overrides the number of examples of the
+slow profile.
+
+Reproductions of issue 18, §1 are plain tests at the end.
+"""
+
+import os
+
+import hypothesis
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from hypothesis import strategies as st
+
+from tfdp import accounting
+from tfdp import models
+from tfdp.dp import clipping
+from tfdp.training import ghost_clipping
+from tfdp.training.dp_model import DPModel
+
+from tests.training import ghost_testing
+
+CONTRIBUTION_RTOL = 1e-6
+NORM_RTOL = 1e-5
+DIRECTION_TOL = 1e-2  # times C
+PADDING_TOL = 1e-4  # times C, per real row
+MIN_CLIP_NORM = 1e-12
+
+# No "explain" phase: it re-runs the failing case under coverage, minutes for TensorFlow.
+_PHASES = [hypothesis.Phase.explicit, hypothesis.Phase.generate, hypothesis.Phase.shrink]
+hypothesis.settings.register_profile(
+    "ghost-fuzz-fast", max_examples=80, deadline=None, derandomize=True, database=None,
+    print_blob=True, phases=_PHASES, suppress_health_check=list(hypothesis.HealthCheck))
+hypothesis.settings.register_profile(
+    "ghost-fuzz-slow", max_examples=int(os.environ.get("GHOST_FUZZ_EXAMPLES", 600)),
+    deadline=None, database=None, print_blob=True, phases=_PHASES,
+    suppress_health_check=list(hypothesis.HealthCheck))
+
+
+# -- Models -----------------------------------------------------------------------
+
+# Blocks of the generated models. Each is a dict with "kind" and its drawn parameters;
+# `_add_block` adapts them to the current shape (e.g. "valid" padding on a too small
+# input becomes "same"), so that every drawn spec builds.
+RULED = ["conv", "ws_conv", "scaled_ws_conv", "group_norm", "layer_norm", "dense", "nf_block"]
+STRUCTURE = ["add", "concatenate", "shared", "nested", "shared_with_nested", "called_inside"]
+FALLBACK = ["depthwise", "unruled"]  # DepthwiseConv2D has had a rule since issue 20
+
+
+@st.composite
+def blocks(draw):
+    kind = draw(st.sampled_from(RULED + STRUCTURE + FALLBACK))
+    block = {"kind": kind}
+    if kind in ("conv", "ws_conv", "scaled_ws_conv", "add", "concatenate", "shared", "nested",
+                "shared_with_nested", "called_inside"):
+        block["filters"] = draw(st.sampled_from([2, 4, 8, 16]))
+        block["kernel"] = draw(st.sampled_from([1, 2, 3]))
+        block["padding"] = draw(st.sampled_from(["same", "valid"]))
+        block["use_bias"] = draw(st.booleans())
+        block["activation"] = draw(st.sampled_from([None, "tanh", "relu"]))
+        step = draw(st.sampled_from(["plain", "stride", "dilation"]))
+        block["strides"] = 2 if step == "stride" else 1
+        block["dilation"] = 2 if step == "dilation" and kind == "conv" else 1
+    if kind in ("group_norm", "layer_norm", "nested"):
+        block["scale"] = draw(st.booleans())
+        block["center"] = draw(st.booleans())
+        block["groups"] = draw(st.sampled_from([1, 2, "channels"]))
+    if kind == "dense":
+        block["units"] = draw(st.sampled_from([2, 5, 12]))
+        block["activation"] = draw(st.sampled_from([None, "tanh"]))
+    if kind == "nf_block":
+        block["filters"] = draw(st.sampled_from([4, 8]))
+        block["strides"] = draw(st.sampled_from([1, 2]))
+    return block
+
+
+@st.composite
+def model_specs(draw):
+    return {
+        "input_shape": (draw(st.integers(5, 8)), draw(st.integers(5, 8)),
+                        draw(st.sampled_from([1, 3]))),
+        "blocks": draw(st.lists(blocks(), min_size=1, max_size=3)),
+        "head": draw(st.sampled_from(["flatten", "pool", "pool_hidden"])),
+        "num_classes": draw(st.sampled_from([2, 5, 10])),
+        "seed": draw(st.integers(0, 2**16)),
+    }
+
+
+def _conv_kwargs(block, size):
+    kernel, dilation, padding = block["kernel"], block["dilation"], block["padding"]
+    if min(size) < (kernel - 1) * dilation + 1:
+        padding = "same"
+    return dict(kernel_size=kernel, strides=block["strides"], dilation_rate=dilation,
+                padding=padding, use_bias=block["use_bias"])
+
+
+def _groups(block, channels):
+    groups = channels if block["groups"] == "channels" else block["groups"]
+    return groups if channels % groups == 0 else 1
+
+
+def _add_block(block, x):
+    kind, size, channels = block["kind"], x.shape[1:3], x.shape[-1]
+    layers = keras.layers
+    if kind == "conv":
+        return layers.Conv2D(block["filters"], activation=block["activation"],
+                             **_conv_kwargs(block, size))(x)
+    if kind in ("ws_conv", "scaled_ws_conv"):
+        cls = models.WSConv2D if kind == "ws_conv" else models.ScaledWSConv2D
+        kwargs = _conv_kwargs(block, size)
+        del kwargs["dilation_rate"]
+        return cls(block["filters"], activation=block["activation"], **kwargs)(x)
+    if kind == "group_norm":
+        return layers.GroupNormalization(groups=_groups(block, channels), scale=block["scale"],
+                                         center=block["center"])(x)
+    if kind == "layer_norm":
+        return layers.LayerNormalization(scale=block["scale"], center=block["center"])(x)
+    if kind == "dense":  # on the 4-D activations: every position is a row
+        return layers.Dense(block["units"], activation=block["activation"])(x)
+    if kind == "nf_block":
+        return models.NFResBlock(block["filters"], strides=block["strides"])(x)
+    if kind == "depthwise":
+        return layers.DepthwiseConv2D(3, padding="same", activation="tanh")(x)
+    if kind == "unruled":
+        return ghost_testing.UnruledScale()(x)
+    same = dict(block, padding="same", strides=1, dilation=1)
+    if kind in ("add", "concatenate"):
+        left = layers.Conv2D(block["filters"], activation=block["activation"],
+                             **_conv_kwargs(same, size))(x)
+        right = layers.Conv2D(block["filters"], 1, use_bias=False)(x)
+        merge = layers.Add() if kind == "add" else layers.Concatenate()
+        return merge([left, right])
+    if kind == "shared":  # one Conv2D called twice: its variables fall back
+        shared = layers.Conv2D(channels, activation="tanh", **_conv_kwargs(same, size))
+        return shared(shared(x))
+    if kind == "nested":  # a functional model used as a layer
+        inner_inputs = keras.Input(x.shape[1:])
+        y = layers.Conv2D(block["filters"], activation=block["activation"],
+                          **_conv_kwargs(same, size))(inner_inputs)
+        y = layers.GroupNormalization(groups=_groups(block, block["filters"]),
+                                      scale=block["scale"], center=block["center"])(y)
+        return keras.Model(inner_inputs, y)(x)
+    if kind == "shared_with_nested":  # one Conv2D inside a nested model and outside it
+        shared = layers.Conv2D(channels, activation="tanh", **_conv_kwargs(same, size))
+        inner_inputs = keras.Input(x.shape[1:])
+        return shared(keras.Model(inner_inputs, shared(inner_inputs))(x))
+    if kind == "called_inside":  # a Dense called directly and inside a layer without a rule
+        dense = layers.Dense(channels, activation=block["activation"])
+        return ghost_testing.CallsLayer(dense)(dense(x))
+    raise ValueError(kind)
+
+
+def build_model(spec):
+    """The Keras model of a drawn spec (deterministic: same spec, same architecture)."""
+    inputs = keras.Input(spec["input_shape"])
+    x = inputs
+    for block in spec["blocks"]:
+        x = _add_block(block, x)
+    if spec["head"] == "flatten":
+        x = keras.layers.Flatten()(x)
+    else:
+        x = keras.layers.GlobalAveragePooling2D()(x)
+        if spec["head"] == "pool_hidden":
+            x = keras.layers.Dense(6, activation="tanh")(x)
+    return keras.Model(inputs, keras.layers.Dense(spec["num_classes"])(x))
+
+
+# -- Batches ------------------------------------------------------------------------
+
+IMAGE_KINDS = ["constant_0", "constant_255", "constant_any", "uniform"]
+
+
+@st.composite
+def batches(draw, input_shape, num_classes):
+    """`(images float32 [batch, (K,) H, W, C], labels int32 [batch], mask float32 [batch])`."""
+    batch = draw(st.integers(1, 4))
+    views = draw(st.sampled_from([None, 1, 3]))
+    kind = draw(st.sampled_from(IMAGE_KINDS))
+    scale = draw(st.sampled_from([1e-3, 1.0, 255.0, 1e5]))
+    off = draw(st.sampled_from([1.0, -1.0, 1e-3, 0.5]))
+    num_off = draw(st.integers(1, 2))
+    real = draw(st.integers(0, batch - 1))  # one row is always real
+    mask = [i == real or draw(st.booleans()) for i in range(batch)]
+    padding = draw(st.sampled_from(["copy", "huge", "nan"]))
+    rng = np.random.default_rng(draw(st.integers(0, 2**16)))
+    shape = (batch, *(() if views is None else (views,)), *input_shape)
+    if kind == "uniform":
+        images = rng.uniform(0.0, scale, shape)
+    else:
+        value = {"constant_0": 0.0, "constant_255": 255.0}.get(kind, rng.uniform(0, 255))
+        images = np.full(shape, value)
+        flat = images.reshape(-1, int(np.prod(input_shape)))  # one row per view
+        for row in flat:
+            # One or two entries off (down from 255, up from 0).
+            positions = rng.choice(row.size, size=num_off, replace=False)
+            row[positions] += abs(off) if value == 0.0 else (-abs(off) if value == 255 else off)
+    for i in np.flatnonzero(~np.asarray(mask)):
+        if padding == "huge":
+            images[i] = 1e30
+        elif padding == "nan":
+            images[i] = np.nan
+    labels = rng.integers(0, num_classes, batch)
+    return (images.astype(np.float32), labels.astype(np.int32),
+            np.asarray(mask, np.float32))
+
+
+@st.composite
+def cases(draw):
+    spec = draw(model_specs())
+    images, labels, mask = draw(batches(spec["input_shape"], spec["num_classes"]))
+    clip_ratio = draw(st.sampled_from([0.01, 0.5, 0.99, 2.0]))
+    return spec, images, labels, mask, clip_ratio
+
+
+# -- The check ----------------------------------------------------------------------
+
+
+def _note(text):
+    """`hypothesis.note`, or print outside a Hypothesis test (plain tests, scripts)."""
+    if hypothesis.control.currently_in_test_context():
+        hypothesis.note(text)
+    else:
+        print(text)
+
+
+def _order(x, scale):
+    """`|x| / scale` as a power of ten, for event statistics."""
+    return f"1e{int(np.floor(np.log10(abs(x) / scale)))}" if x else "0"
+
+
+def _event(text):
+    if hypothesis.control.currently_in_test_context():
+        hypothesis.event(text)
+
+
+def _clipped_sum(ghost, model, images, labels, mask, l2_clip_norm):
+    return ghost.clipped_sum(tf.constant(images), tf.constant(labels), tf.constant(mask),
+                             l2_clip_norm=l2_clip_norm, normalize=False,
+                             loss_fn=ghost_testing.LOSS,
+                             example_loss_fn=ghost_testing.example_loss_fn(model))
+
+
+def _vectorized(model, images, labels):
+    """The vectorized float32 path's per-example gradients (tfdp.dp.clipping)."""
+    grads, _ = clipping.per_example_gradients(ghost_testing.example_loss_fn(model),
+                                              model.trainable_variables,
+                                              (tf.constant(images), tf.constant(labels)))
+    return [[np.asarray(g[i], np.float64) for g in grads] for i in range(len(labels))]
+
+
+def check_contributions(builder, images, labels, mask, *, clip_ratio=None, l2_clip_norm=None):
+    """Runs the four assertions of the module docstring; returns the worst contribution / C.
+
+    `l2_clip_norm` is C; or None, then C = `clip_ratio` times the median float64
+    norm of the real examples (so that some are clipped), but >= MIN_CLIP_NORM.
+    """
+    model = builder()
+    twin = ghost_testing.float64_twin(builder, model)
+    ghost = ghost_clipping.GhostClipping(model, model.trainable_variables)
+    real = np.flatnonzero(mask)
+    reference = ghost_testing.float64_example_gradients(twin, images[real], labels[real])
+    ref_norms = np.array([ghost_testing.global_norm64(g) for g in reference])
+    if l2_clip_norm is None:
+        # Not below MIN_CLIP_NORM: a norm under ~1e-19 underflows in the float32 squares of
+        # every path (tfdp.dp.clipping.global_l2_norms, also the vectorized path's), so a clip
+        # norm down there would test float32's range, not the ghost rules.
+        l2_clip_norm = max(clip_ratio * float(np.median(ref_norms)), MIN_CLIP_NORM)
+    c = l2_clip_norm
+    _note(f"C = {c:.6g}; fallback = {[v.path for v in ghost.fallback_variables]}")
+    vectorized = None  # measured only where a tolerance is not met
+
+    def vectorized_error(j, expected):
+        nonlocal vectorized
+        if vectorized is None:
+            vectorized = _vectorized(model, images[real], labels[real])
+        diff = [a - b for a, b in zip(vectorized[j], expected)]
+        return ghost_testing.global_norm64(vectorized[j]), ghost_testing.global_norm64(diff)
+
+    worst, total = 0.0, None
+    for j, i in enumerate(real):
+        one_hot = np.zeros_like(mask)
+        one_hot[i] = 1.0
+        summed, norms, _, _, _ = _clipped_sum(ghost, model, images, labels, one_hot, c)
+        contribution = [np.asarray(s.numpy(), np.float64) for s in summed]
+        total = contribution if total is None else [a + b for a, b in zip(total, contribution)]
+        size = ghost_testing.global_norm64(contribution)
+        norm, norm64 = float(norms[i]), ref_norms[j]
+        factor = float(clipping.clip_factors(norms[i:i + 1], c)[0])
+        what = (f"example {i}: contribution {size / c:.9f} C, factor * norm64 "
+                f"{factor * norm64 / c:.9f} C, norm {norm:.9g}, norm64 {norm64:.9g}")
+        _note(what)
+        worst = max(worst, size / c)
+        # 1. The sensitivity.
+        assert np.isfinite(size) and size <= c * (1 + CONTRIBUTION_RTOL), what
+        # 2. The norm.
+        if norm64 > 1e-3 * c and abs(norm - norm64) > NORM_RTOL * norm64:
+            vec_norm, _ = vectorized_error(j, reference[j])
+            allowed = NORM_RTOL * norm64 + 2 * abs(vec_norm - norm64)
+            _note(f"  norm off by {abs(norm - norm64) / norm64:.3g} (relative); the "
+                            f"vectorized float32 path by {abs(vec_norm - norm64) / norm64:.3g}")
+            _event(f"norm relaxed: ghost off by {_order(norm - norm64, norm64)}, vectorized "
+                   f"by {_order(vec_norm - norm64, norm64)} (relative)")
+            assert abs(norm - norm64) <= allowed, what + f"; vectorized norm {vec_norm:.9g}"
+        # 3. The direction: nothing dropped, nothing added.
+        expected = [factor * g for g in reference[j]]
+        error = ghost_testing.global_norm64([a - b for a, b in zip(contribution, expected)])
+        if error > DIRECTION_TOL * c:
+            _, vec_error = vectorized_error(j, reference[j])
+            _note(f"  direction off by {error / c:.3g} C; vectorized gradient off by "
+                            f"{factor * vec_error / c:.3g} C")
+            _event(f"direction relaxed: ghost off by {_order(error, c)} C, vectorized by "
+                   f"{_order(factor * vec_error, c)} C")
+            assert error <= DIRECTION_TOL * c + 2 * factor * vec_error, (
+                what + f"; |contribution - factor * g64| = {error / c:.3g} C")
+    # 4. Padding rows contribute nothing, whatever they hold.
+    summed = _clipped_sum(ghost, model, images, labels, mask, c)[0]
+    error = ghost_testing.global_norm64([np.asarray(s.numpy(), np.float64) - t
+                                         for s, t in zip(summed, total)])
+    assert error <= PADDING_TOL * c * len(real), f"masked sum off by {error / c:.3g} C"
+    _event(f"fallback variables: {bool(ghost.fallback_variables)}")
+    _event(f"worst contribution: {'> 1 - 1e-6' if worst > 1 - 1e-6 else '<= 1 - 1e-6'} C")
+    return worst
+
+
+@hypothesis.settings(hypothesis.settings.get_profile("ghost-fuzz-fast"))
+@hypothesis.given(cases())
+def test_fuzz_every_contribution_is_at_most_c(case):
+    spec, images, labels, mask, clip_ratio = case
+    keras.utils.set_random_seed(spec["seed"])
+    check_contributions(lambda: build_model(spec), images, labels, mask, clip_ratio=clip_ratio)
+
+
+@pytest.mark.slow
+@hypothesis.settings(hypothesis.settings.get_profile("ghost-fuzz-slow"))
+@hypothesis.given(cases())
+def test_fuzz_every_contribution_is_at_most_c_long(case):
+    spec, images, labels, mask, clip_ratio = case
+    keras.utils.set_random_seed(spec["seed"])
+    check_contributions(lambda: build_model(spec), images, labels, mask, clip_ratio=clip_ratio)
+
+
+# -- Issue 18, §1: the reproductions, on DPModel's default path ----------------------
+
+
+class _Recording(DPModel):
+    """A DPModel whose step keeps its clipped sum (no noise; SGD(0) leaves the weights)."""
+
+    def add_noise(self, summed):
+        for kept, s in zip(self.kept.variables, summed):
+            kept.assign(s)
+        return summed
+
+
+def dp_model_contributions(builder, images, labels, l2_clip_norm):
+    """Each example's contribution / C on DPModel(clipping='auto'): one step per example.
+
+    A batch of one real example is the one-hot mask of the module docstring
+    (no layer mixes examples). Returns `(contributions [n], clipping_path)`.
+    """
+    keras.utils.set_random_seed(0)
+    model = builder()
+    mechanism = accounting.DPMechanism(num_examples=1000, batch_size=1, num_steps=10,
+                                       noise_multiplier=1.0, l2_clip_norm=l2_clip_norm,
+                                       delta=1e-5)
+    dp = _Recording(model, mechanism, clipping="auto")
+    dp.compile(optimizer=keras.optimizers.SGD(0.0))
+    holder = type("Kept", (), {})()  # not an attribute Keras tracks
+    holder.variables = [tf.Variable(tf.zeros_like(v)) for v in model.trainable_variables]
+    dp.kept = holder
+    contributions = []
+    for x, y in zip(images, labels):
+        dp.train_on_batch(x[np.newaxis], np.array([y]))
+        contributions.append(ghost_testing.global_norm64(
+            [v.numpy() for v in holder.variables]) / l2_clip_norm)
+    return np.array(contributions), dp.clipping_path
+
+
+def _one_entry_off(shape, base, value):
+    """Images at `base` with one entry at `value`, one image per entry: [H*W*C, H, W, C]."""
+    size = int(np.prod(shape))
+    images = np.full((size, size), base, np.float32)
+    np.fill_diagonal(images, value)
+    return images.reshape(size, *shape)
+
+
+def _conv_group_norm(cls, input_shape, *, strides, groups, pool):
+    def build():
+        inputs = keras.Input(input_shape)
+        x = cls(16, 3, strides=strides)(inputs)
+        x = keras.layers.GroupNormalization(groups=groups)(x)
+        x = keras.layers.GlobalAveragePooling2D()(x) if pool else keras.layers.Flatten()(x)
+        return keras.Model(inputs, keras.layers.Dense(10)(x))
+
+    return build
+
+
+def test_conv_on_a_white_image_with_one_pixel_off_contributes_at_most_c():
+    # Issue 18, §1: a 3x3 Conv2D, stride 2, on 5x5x3 pixels in [0, 255] (the group norm
+    # after it makes sum_r g_r ~ 0, so the kernel gradient is a difference of terms
+    # 255^2 * 27 times larger). Before the float64 norms: 1.71 C.
+    images = _one_entry_off((5, 5, 3), 255.0, 254.0)
+    labels = np.arange(len(images)) % 10
+    builder = _conv_group_norm(keras.layers.Conv2D, (5, 5, 3), strides=2, groups=16, pool=False)
+    contributions, path = dp_model_contributions(builder, images, labels, l2_clip_norm=1e-6)
+    assert path == "ghost"
+    assert contributions.max() <= 1 + CONTRIBUTION_RTOL, contributions.max()
+
+
+def test_ws_conv_and_group_norm_worst_of_576_images_contributes_at_most_c():
+    # Issue 18, §1: WSConv2D then GroupNorm, 576 images: 8x8x3 at 255 with one entry at
+    # 254, at 0 with one entry at 1, and at 255 with one entry at 0. Before the float64
+    # norms: 1.18 C.
+    shape = (8, 8, 3)
+    images = np.concatenate([_one_entry_off(shape, 255.0, 254.0), _one_entry_off(shape, 0.0, 1.0),
+                             _one_entry_off(shape, 255.0, 0.0)])
+    labels = np.arange(len(images)) % 10
+    builder = _conv_group_norm(models.WSConv2D, shape, strides=1, groups=1, pool=True)
+    contributions, path = dp_model_contributions(builder, images, labels, l2_clip_norm=1e-6)
+    assert path == "ghost"
+    assert contributions.max() <= 1 + CONTRIBUTION_RTOL, contributions.max()
