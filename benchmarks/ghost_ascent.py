@@ -53,24 +53,15 @@ def readme_model():
                              keras.layers.GlobalAveragePooling2D(), keras.layers.Dense(2)])
 
 
-def _canary(cls, groups, pool, strides):
-    def build():
-        inputs = keras.Input((8, 8, 3) if cls is models.WSConv2D else (5, 5, 3))
-        x = cls(16, 3, strides=strides)(inputs)
-        x = keras.layers.GroupNormalization(groups=groups)(x)
-        x = keras.layers.GlobalAveragePooling2D()(x) if pool else keras.layers.Flatten()(x)
-        return keras.Model(inputs, keras.layers.Dense(10)(x))
-
-    return build
-
-
 def targets():
     """name -> (builder, input shape, input scale, number of classes)."""
     found = {name: (builder, shape, scale, 10)
              for name, (builder, shape, scale) in ghost_testing.FAMILIES.items()}
     found["readme_make_private"] = (readme_model, (16, 16, 1), 255.0, 2)
-    found["canary_conv_gn"] = (_canary(keras.layers.Conv2D, 16, False, 2), (5, 5, 3), 255.0, 10)
-    found["canary_ws_conv_gn"] = (_canary(models.WSConv2D, 1, True, 1), (8, 8, 3), 255.0, 10)
+    found["canary_conv_gn"] = (ghost_testing.conv_group_norm(
+        keras.layers.Conv2D, (5, 5, 3), strides=2, groups=16, pool=False), (5, 5, 3), 255.0, 10)
+    found["canary_ws_conv_gn"] = (ghost_testing.conv_group_norm(
+        models.WSConv2D, (8, 8, 3), strides=1, groups=1, pool=True), (8, 8, 3), 255.0, 10)
     return found
 
 

@@ -445,24 +445,14 @@ def _one_entry_off(shape, base, value):
     return images.reshape(size, *shape)
 
 
-def _conv_group_norm(cls, input_shape, *, strides, groups, pool):
-    def build():
-        inputs = keras.Input(input_shape)
-        x = cls(16, 3, strides=strides)(inputs)
-        x = keras.layers.GroupNormalization(groups=groups)(x)
-        x = keras.layers.GlobalAveragePooling2D()(x) if pool else keras.layers.Flatten()(x)
-        return keras.Model(inputs, keras.layers.Dense(10)(x))
-
-    return build
-
-
 def test_conv_on_a_white_image_with_one_pixel_off_contributes_at_most_c():
     # Issue 18, §1: a 3x3 Conv2D, stride 2, on 5x5x3 pixels in [0, 255] (the group norm
     # after it makes sum_r g_r ~ 0, so the kernel gradient is a difference of terms
     # 255^2 * 27 times larger). Before the float64 norms: 1.71 C.
     images = _one_entry_off((5, 5, 3), 255.0, 254.0)
     labels = np.arange(len(images)) % 10
-    builder = _conv_group_norm(keras.layers.Conv2D, (5, 5, 3), strides=2, groups=16, pool=False)
+    builder = ghost_testing.conv_group_norm(keras.layers.Conv2D, (5, 5, 3), strides=2,
+                                            groups=16, pool=False)
     contributions, path = dp_model_contributions(builder, images, labels, l2_clip_norm=1e-6)
     assert path == "ghost"
     assert contributions.max() <= 1 + CONTRIBUTION_RTOL, contributions.max()
@@ -476,7 +466,8 @@ def test_ws_conv_and_group_norm_worst_of_576_images_contributes_at_most_c():
     images = np.concatenate([_one_entry_off(shape, 255.0, 254.0), _one_entry_off(shape, 0.0, 1.0),
                              _one_entry_off(shape, 255.0, 0.0)])
     labels = np.arange(len(images)) % 10
-    builder = _conv_group_norm(models.WSConv2D, shape, strides=1, groups=1, pool=True)
+    builder = ghost_testing.conv_group_norm(models.WSConv2D, shape, strides=1, groups=1,
+                                            pool=True)
     contributions, path = dp_model_contributions(builder, images, labels, l2_clip_norm=1e-6)
     assert path == "ghost"
     assert contributions.max() <= 1 + CONTRIBUTION_RTOL, contributions.max()

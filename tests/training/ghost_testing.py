@@ -196,3 +196,18 @@ def float64_example_gradients(twin, images, labels):
 def global_norm64(arrays):
     """The L2 norm of a list of arrays, accumulated in float64."""
     return float(np.sqrt(sum(np.sum(np.square(np.asarray(a, np.float64))) for a in arrays)))
+
+
+def conv_group_norm(cls, input_shape, *, strides, groups, pool):
+    """A builder of issue 18's cancellation canary: `cls(16, 3)` then GroupNorm, pooled
+    or flattened, then Dense(10). On a near-constant image at 255 the group norm makes
+    sum_r g_r ~ 0, so the conv kernel's gradient is a difference of large terms."""
+
+    def build():
+        inputs = keras.Input(input_shape)
+        x = cls(16, 3, strides=strides)(inputs)
+        x = keras.layers.GroupNormalization(groups=groups)(x)
+        x = keras.layers.GlobalAveragePooling2D()(x) if pool else keras.layers.Flatten()(x)
+        return keras.Model(inputs, keras.layers.Dense(10)(x))
+
+    return build
