@@ -384,21 +384,24 @@ def check_contributions(builder, images, labels, mask, *, clip_ratio=None, l2_cl
     return worst
 
 
-@hypothesis.settings(hypothesis.settings.get_profile("ghost-fuzz-fast"))
-@hypothesis.given(cases())
-def test_fuzz_every_contribution_is_at_most_c(case):
+def _check_case(case):
+    """One generated case: its model, built from the spec's seed, and its batch."""
     spec, images, labels, mask, clip_ratio = case
     keras.utils.set_random_seed(spec["seed"])
     check_contributions(lambda: build_model(spec), images, labels, mask, clip_ratio=clip_ratio)
+
+
+@hypothesis.settings(hypothesis.settings.get_profile("ghost-fuzz-fast"))
+@hypothesis.given(cases())
+def test_fuzz_every_contribution_is_at_most_c(case):
+    _check_case(case)
 
 
 @pytest.mark.slow
 @hypothesis.settings(hypothesis.settings.get_profile("ghost-fuzz-slow"))
 @hypothesis.given(cases())
 def test_fuzz_every_contribution_is_at_most_c_long(case):
-    spec, images, labels, mask, clip_ratio = case
-    keras.utils.set_random_seed(spec["seed"])
-    check_contributions(lambda: build_model(spec), images, labels, mask, clip_ratio=clip_ratio)
+    _check_case(case)
 
 
 # -- Issue 18, §1: the reproductions, on DPModel's default path ----------------------
