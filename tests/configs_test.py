@@ -1,5 +1,6 @@
 """Every shipped gin config: its epsilon matches the paper, and it runs 2 steps on mock data."""
 
+import inspect
 import os
 
 import gin
@@ -8,6 +9,7 @@ import pytest
 from tfdp import data
 from tfdp import experiment
 from tfdp import main
+from tfdp import models
 from tfdp import accounting
 
 # Configs whose file name starts with "_" are fragments for `include`; smoke.gin is an overlay.
@@ -46,6 +48,50 @@ PUBLISHED_EPSILON = {
     "cifar10_scatternet_cnn.gin": 3.0,
     "cifar10_tramer_cnn.gin": 3.0,
 }
+# De et al. 2022, Tables 15-18 (WRN-28-10 pretrained on ImageNet-32, N = 50,000, B = 16384):
+# the four tables share (sigma, steps) per epsilon. They compute to 0.998, 2.003, 4.020 and
+# 7.998; TARGET_EPSILON stops the eps=2 and eps=4 runs 2 and 9 steps early.
+for _dataset in ("cifar10", "cifar100"):
+    for _trainable in ("all", "head"):
+        for _epsilon in (1, 2, 4, 8):
+            PUBLISHED_EPSILON[f"{_dataset}_finetune_wrn28_10_{_trainable}_eps{_epsilon}.gin"] = _epsilon
+# De et al. 2022, Table 20 (last layer of NF-ResNet-200, N = 1,271,167, B = 16384, delta = 8e-7):
+# 0.499, 0.996, 1.993, 3.968, 8.000.
+for _tag, _epsilon in (("0_5", 0.5), ("1", 1), ("2", 2), ("4", 4), ("8", 8)):
+    PUBLISHED_EPSILON[f"imagenet_finetune_nfresnet_head_eps{_tag}.gin"] = _epsilon
+
+# Issue 20 asks the fine-tuning configs to match their table within 1%; the older configs
+# were held to 1.5% (cifar10_wrn16_4_eps1.gin computes to 0.988, -1.2%).
+EPSILON_TOLERANCE = {name: 0.01 for name in PUBLISHED_EPSILON if "_finetune_" in name}
+
+# Configs that train without DP (`tfdp.train_and_evaluate.privacy = None`): no epsilon.
+NOT_PRIVATE = {
+    "imagenet32_pretrain_wrn28_10.gin": "De et al. 2022, App. C.3: public pretraining",
+}
+
+# Issue 20's configs use the API agreed for it, which other branches add:
+# `tfdp.models.build_finetune_model` (fine-tuning configs) and `tfdp.train_and_evaluate.privacy`
+# (non-private configs). Until both are merged those configs cannot parse (gin: unknown
+# configurable / parameter -> main.ConfigError), and their tests are expected to fail with
+# exactly that error; once merged, they run as every other config's.
+HAS_FINETUNE_MODEL = hasattr(models, "build_finetune_model")
+HAS_PRIVACY_NONE = "privacy" in inspect.signature(experiment.train_and_evaluate).parameters
+
+
+def _needs_unmerged_api(config):
+    if "_finetune_" in config and not HAS_FINETUNE_MODEL:
+        return "tfdp.models.build_finetune_model (issue 20, helper ft) is not merged yet"
+    if config in NOT_PRIVATE and not HAS_PRIVACY_NONE:
+        return "tfdp.train_and_evaluate.privacy (issue 20, helper np) is not merged yet"
+    return None
+
+
+def _param(config, *marks):
+    """`config` as a pytest param, expected to fail to parse while its API is unmerged."""
+    reason = _needs_unmerged_api(config)
+    if reason is not None:
+        marks += (pytest.mark.xfail(reason=reason, raises=main.ConfigError, strict=True),)
+    return pytest.param(config, marks=marks)
 
 
 def _macro(name):
@@ -63,6 +109,7 @@ def _binding(name, default=None):
 
 
 def _plan(config):
+    """The config's DPMechanism (as the trainer plans it), and the config's own NUM_STEPS."""
     gin.clear_config()
     try:
         main.parse_config([config], [])
@@ -75,22 +122,62 @@ def _plan(config):
             normalize_update=_binding("normalize_update", False),
             num_microbatches=_binding("num_microbatches"),
             data_normalization=_binding("data_normalization"),
-        )
+        ), _macro("NUM_STEPS")
     finally:
         gin.clear_config()
 
 
 def test_every_config_has_a_published_epsilon():
-    assert set(CONFIGS) == set(PUBLISHED_EPSILON)
+    assert set(CONFIGS) == set(PUBLISHED_EPSILON) | set(NOT_PRIVATE)
+    assert not set(PUBLISHED_EPSILON) & set(NOT_PRIVATE)
 
 
-@pytest.mark.parametrize("config", CONFIGS)
+@pytest.mark.parametrize("config", [_param(c) for c in CONFIGS if c not in NOT_PRIVATE])
 def test_config_epsilon_matches_the_paper(config):
-    mechanism = _plan(config)
+    mechanism, num_steps = _plan(config)
+    published = PUBLISHED_EPSILON[config]
+    tolerance = EPSILON_TOLERANCE.get(config, 0.015)
+    # The paper's (sigma, B, steps, delta), as written in the config ...
+    assert mechanism.epsilon(num_steps) == pytest.approx(published, rel=tolerance)
+    # ... and what the run spends: capped at the budget when the table's values exceed it.
     epsilon = mechanism.epsilon()
-    assert epsilon == pytest.approx(PUBLISHED_EPSILON[config], rel=0.015)
+    assert epsilon == pytest.approx(published, rel=tolerance)
     if mechanism.target_epsilon is not None:
         assert epsilon <= mechanism.target_epsilon  # never past the budget
+
+
+@pytest.mark.parametrize("config", [_param(c) for c in sorted(NOT_PRIVATE)])
+def test_non_private_config_says_so_and_sets_no_privacy_value(config):
+    gin.clear_config()
+    try:
+        main.parse_config([config], [])
+        assert gin.query_parameter("tfdp.train_and_evaluate.privacy") is None
+        # A DP value in a non-private config would be ignored, or read as a guarantee.
+        for name in ("noise_multiplier", "target_epsilon", "target_delta", "l2_clip_norm",
+                     "accountant", "normalize_update", "num_microbatches"):
+            assert _binding(name, "unset") == "unset", name
+        for name in ("NOISE_MULTIPLIER", "TARGET_EPSILON", "TARGET_DELTA", "L2_CLIP_NORM"):
+            assert _macro(name) is None, name
+    finally:
+        gin.clear_config()
+
+
+@pytest.mark.parametrize("config", [_param(c) for c in CONFIGS])
+def test_config_dataset_is_a_tfds_dataset(config):
+    # A misspelt dataset or builder config ("imagenet_resized/32x23") fails here, not on a
+    # cluster after the data was prepared.
+    import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
+
+    gin.clear_config()
+    try:
+        main.parse_config([config], [])
+        dataset = gin.query_parameter("tfdp.train_and_evaluate.dataset")
+    finally:
+        gin.clear_config()
+    name, _, builder_config = dataset.partition("/")
+    builder = tfds.builder_cls(name)
+    if builder_config:
+        assert builder_config in {c.name for c in builder.BUILDER_CONFIGS}, dataset
 
 
 @pytest.mark.parametrize("config", CONFIGS)
@@ -116,25 +203,47 @@ def _smoke_param(config):
     # test_config_epsilon_matches_the_paper; one row per table runs in the default suite
     # and the others under `-m slow`, to keep CI under its 10-minute budget.
     if config.startswith("cifar10_wrn") and not config.endswith("_eps8.gin"):
-        return pytest.param(config, marks=pytest.mark.slow)
+        return _param(config, pytest.mark.slow)
+    # The fine-tuning configs share two fragments: one config of each runs by default (the
+    # frozen-trunk and cached-feature paths themselves are tested with the model builder).
+    if "_finetune_" in config and config not in (
+            "cifar10_finetune_wrn28_10_all_eps8.gin", "imagenet_finetune_nfresnet_head_eps8.gin"):
+        return _param(config, pytest.mark.slow)
     # The ImageNet configs run 2 steps on real local files in the default suite
     # (tests/imagenet_local_test.py); their mock-data run is slow-only.
-    if config.startswith("imagenet"):
-        return pytest.param(config, marks=pytest.mark.slow)
-    return config
+    if config in ("imagenet.gin", "imagenet_tan.gin"):
+        return _param(config, pytest.mark.slow)
+    return _param(config)
+
+
+@pytest.fixture(scope="module")
+def tiny_backbone(tmp_path_factory):
+    """A pretrained-backbone stand-in for PRETRAINED_BACKBONE: a WRN-10-1 saved as .keras.
+
+    Its 10-class head is replaced by the config's; 32x32x3, as CIFAR and the shrunk ImageNet.
+    """
+    path = str(tmp_path_factory.mktemp("backbone") / "wrn_10_1.keras")
+    models.build_wide_resnet(10, 1, 10).save(path)
+    return path
 
 
 @pytest.mark.parametrize("config", [_smoke_param(c) for c in CONFIGS])
-def test_config_runs_two_steps_on_mock_data(config, tmp_path, tensorflow_warnings):
+def test_config_runs_two_steps_on_mock_data(config, tmp_path, tensorflow_warnings, request):
     gin.clear_config()
     main.parse_config([config], [])
     present = {k: v for k, v in OPTIONAL_MACROS.items() if _macro(k) is not None}
+    private = config not in NOT_PRIVATE
     gin.clear_config()
     params = SMOKE_OVERRIDES + [f"{k} = {v}" for k, v in present.items()]
     if config.startswith("cifar10_wrn"):
         params += ["DEPTH = 10", "tfdp.models.build_wide_resnet.width = 1"]  # same blocks, fewer
-    if config.startswith("imagenet"):
+    if config in NOT_PRIVATE:
+        params += ["tfdp.models.build_wide_resnet.depth = 10",
+                   "tfdp.models.build_wide_resnet.width = 1"]
+    if config in ("imagenet.gin", "imagenet_tan.gin"):
         params.append("tfdp.models.build_nf_resnet.width = 1")
+    if "_finetune_" in config:
+        params.append(f"PRETRAINED_BACKBONE = '{request.getfixturevalue('tiny_backbone')}'")
     main.parse_config([config, "smoke.gin"], params)
     try:
         with data.mock_data(num_examples=MOCK_EXAMPLES):
@@ -143,5 +252,20 @@ def test_config_runs_two_steps_on_mock_data(config, tmp_path, tensorflow_warning
         gin.clear_config()
     assert report["steps"] == 2
     assert os.path.isdir(tmp_path / "export")
+    # A non-private run writes no privacy report (issue 20, Sec. 6).
+    assert os.path.exists(tmp_path / "privacy_report.json") == private
     # Ghost clipping: no conv kernel's per-example gradients fall back to a sequential loop.
     assert not any("while_loop" in m for m in tensorflow_warnings), tensorflow_warnings
+
+
+@pytest.mark.parametrize("config", [_param("cifar10_finetune_wrn28_10_head_eps8.gin")])
+def test_finetune_config_without_a_backbone_is_refused_before_training(config, tmp_path):
+    # PRETRAINED_BACKBONE is None in the configs until the user sets it.
+    main.parse_config([config, "smoke.gin"], SMOKE_OVERRIDES + ["AUGMULT = 2"])
+    try:
+        with data.mock_data(num_examples=MOCK_EXAMPLES):
+            with pytest.raises(ValueError, match="backbone"):
+                experiment.train_and_evaluate(workdir=str(tmp_path))
+    finally:
+        gin.clear_config()
+    assert not os.path.exists(tmp_path / "FINISHED")

@@ -31,6 +31,24 @@ TABLE_13 = [
     (6, 12.0, 2007),
     (8, 9.4, 2000),
 ]  # WRN-40-4, B = 16384.
+# De et al. 2022, App. C.5, Tables 15-18 (ImageNet-32 -> CIFAR-10 / CIFAR-100, WRN-28-10,
+# all layers or the last layer): the four tables share B = 16384, delta = 1e-5 and these
+# (published epsilon, sigma, steps); only the learning rate differs.
+TABLES_15_TO_18 = [
+    (1, 21.1, 250),
+    (2, 15.8, 500),
+    (4, 12.0, 1000),
+    (8, 9.4, 2000),
+]
+# De et al. 2022, App. C.5, Table 20 (JFT-300M -> ImageNet, last layer of NF-ResNet-200):
+# B = 16384, delta = 8e-7.
+TABLE_20 = [
+    (0.5, 12.7, 12500),
+    (1, 9.4, 25000),
+    (2, 7.0, 50000),
+    (4, 5.3, 100000),
+    (8, 4.0, 193318),
+]
 
 
 def test_importing_accounting_does_not_import_tensorflow():
@@ -99,6 +117,28 @@ def test_table_14_imagenet_golden_epsilon():
     eps = _rdp(2.5, 16384, IMAGENET_N, 71589, 8e-7)
     assert eps == pytest.approx(8.0, rel=0.015)
     assert eps == pytest.approx(8.0001, abs=1e-3)
+
+
+@pytest.mark.parametrize("published, sigma, steps", TABLES_15_TO_18)
+def test_tables_15_to_18_wrn_28_10_fine_tuning_golden_epsilon(published, sigma, steps):
+    eps = _rdp(sigma, 16384, CIFAR10_N, steps, 1e-5)
+    # Computes to 0.998, 2.003, 4.020, 7.998: within 0.5% (issue 20 asks 1%). The eps=2 and
+    # eps=4 rows are 0.1% and 0.5% ABOVE the published budget.
+    assert eps == pytest.approx(published, rel=0.01)
+
+
+@pytest.mark.parametrize("published, sigma, steps", TABLE_20)
+def test_table_20_imagenet_fine_tuning_golden_epsilon(published, sigma, steps):
+    eps = _rdp(sigma, 16384, IMAGENET_N, steps, 8e-7)
+    # Computes to 0.499, 0.996, 1.993, 3.968, 8.000: within 0.8%.
+    assert eps == pytest.approx(published, rel=0.01)
+
+
+def test_table_20_uses_n_without_the_validation_split():
+    # With the full train split (N = 1,281,167) the eps=8 row gives 7.927, 0.9% low, and the
+    # eps=4 row 3.934 (1.7% low): De et al.'s N is 1,271,167, train minus 10,000 (Table 11).
+    assert _rdp(4.0, 16384, IMAGENET_N, 193318, 8e-7) == pytest.approx(8.0, abs=1e-3)
+    assert _rdp(5.3, 16384, 1_281_167, 100000, 8e-7) < 4 * 0.99
 
 
 @pytest.mark.parametrize(
