@@ -347,6 +347,8 @@ def render_not_private_markdown(report: dict) -> str:
     lines = ["# NOT PRIVATE", "", f"**{report['statement']}**", "",
              "| item | value |", "|---|---|",
              f"| privacy | {report['privacy']} |",
+             f"| training data | {report['hyperparameters'].get('dataset', '?')} "
+             f"`{report['hyperparameters'].get('train_split', '?')}` |",
              f"| num_examples | {report['num_examples']} |",
              f"| batch_size | {report['batch_size']} ({report['sampling']} batches) |",
              f"| steps (planned) | {report['steps']} ({report['planned_steps']}) |",

@@ -86,6 +86,11 @@ class NonPrivateModel(keras.Model):
     def call(self, inputs, training=False):
         return self.model(inputs, training=training)
 
+    def fit(self, x=None, *args, **kwargs):
+        """`keras.Model.fit`; a Dataset's batches keep the sampler's order (no shuffle)."""
+        kwargs.setdefault("shuffle", False)
+        return super().fit(x, *args, **kwargs)
+
     def compile(self, optimizer, **kwargs):
         """Compiles with `optimizer`; the loss (cross-entropy on logits) is fixed.
 
