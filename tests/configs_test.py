@@ -80,11 +80,30 @@ def _plan(config):
         gin.clear_config()
 
 
+# Configs that train WITHOUT privacy (tfdp.train_and_evaluate.privacy = None): no epsilon.
+NON_PRIVATE_CONFIGS = {"fashion_mnist_public_pretrain.gin"}
+
+
 def test_every_config_has_a_published_epsilon():
-    assert set(CONFIGS) == set(PUBLISHED_EPSILON)
+    assert set(CONFIGS) == set(PUBLISHED_EPSILON) | NON_PRIVATE_CONFIGS
+    assert not NON_PRIVATE_CONFIGS & set(PUBLISHED_EPSILON)
 
 
-@pytest.mark.parametrize("config", CONFIGS)
+@pytest.mark.parametrize("config", sorted(NON_PRIVATE_CONFIGS))
+def test_a_non_private_config_says_so_and_sets_no_privacy_value(config):
+    gin.clear_config()
+    try:
+        main.parse_config([config], [])
+        assert _binding("privacy", "dp") is None
+        for name in experiment.PRIVACY_SETTINGS:  # none given, so none would be ignored
+            assert _binding(name, "unset") == "unset", name
+    finally:
+        gin.clear_config()
+    header = open(main.resolve_gin_file(config)).read().split("\n\n")[0]
+    assert "NOT PRIVATE" in header
+
+
+@pytest.mark.parametrize("config", sorted(PUBLISHED_EPSILON))
 def test_config_epsilon_matches_the_paper(config):
     mechanism = _plan(config)
     epsilon = mechanism.epsilon()

@@ -3,14 +3,11 @@
 import json
 import os
 
-import keras
-import numpy as np
 import pytest
 import tensorflow as tf
 
 from tfdp.export import privacy_report
 from tfdp.training import DPModel
-from tfdp.training.non_private_model import NonPrivateModel
 
 NOT_PRIVATE = ["tfdp.train_and_evaluate.privacy = None"]
 NOT_PRIVATE_FILES = {"NOT_PRIVATE.json", "NOT_PRIVATE.md"}
@@ -181,53 +178,3 @@ def test_every_fashion_mnist_config_runs_without_privacy(tmp_path, run_smoke, co
     report = run_smoke(tmp_path, [config], params)
     assert report["privacy"] == "NOT PRIVATE" and report["steps"] == 2
     assert set(os.listdir(tmp_path / "export" / "assets")) == NOT_PRIVATE_FILES
-
-
-# -- NonPrivateModel's step, by hand ---------------------------------------------
-
-def _linear_model():
-    inputs = keras.Input((2, 2, 1))
-    x = keras.layers.Flatten()(inputs)
-    outputs = keras.layers.Dense(3, kernel_initializer="ones", bias_initializer="zeros")(x)
-    return keras.Model(inputs, outputs)
-
-
-def _one_sgd_step(images, labels, mask=None, accumulation_steps=1):
-    model = NonPrivateModel(_linear_model(), accumulation_steps=accumulation_steps)
-    model.compile(optimizer=keras.optimizers.SGD(1.0))
-    batch = (images, labels) if mask is None else (images, labels, mask)
-    model.train_on_batch(*batch)
-    return [v.numpy() for v in model.model.trainable_variables]
-
-
-def _mean_loss_step(images, labels):
-    """w - grad of the plain mean cross-entropy (what the step must equal)."""
-    model = _linear_model()
-    with tf.GradientTape() as tape:
-        loss = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(
-            labels, model(images), from_logits=True))
-    grads = tape.gradient(loss, model.trainable_variables)
-    return [(v - g).numpy() for v, g in zip(model.trainable_variables, grads)]
-
-
-def test_the_step_is_the_mean_loss_gradient_over_real_examples_only():
-    rng = np.random.default_rng(0)
-    images = rng.uniform(0, 255, (5, 2, 2, 1)).astype(np.float32)
-    labels = np.array([0, 2, 1, 1, 0])
-    expected = _mean_loss_step(images[:3], labels[:3])  # the 2 padded rows excluded
-    mask = np.array([1, 1, 1, 0, 0], np.float32)
-    for got in (_one_sgd_step(images, labels, mask),
-                _one_sgd_step(images, labels, mask, accumulation_steps=2),
-                _one_sgd_step(images[:3], labels[:3], accumulation_steps=3)):
-        for g, e in zip(got, expected):
-            np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-5)
-
-
-def test_views_average_the_loss_per_example():
-    # K = 2 identical views of each example give exactly the one-view step.
-    rng = np.random.default_rng(1)
-    images = rng.uniform(0, 255, (4, 2, 2, 1)).astype(np.float32)
-    labels = np.array([0, 1, 2, 1])
-    views = np.stack([images, images], axis=1)  # [4, 2, 2, 2, 1]
-    for g, e in zip(_one_sgd_step(views, labels), _mean_loss_step(images, labels)):
-        np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-5)
