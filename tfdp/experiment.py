@@ -545,6 +545,7 @@ def _plan_non_private(strategy, accumulation_steps, static_batch_size, *, num_ex
         if value:
             raise ValueError(f"privacy=None (NOT PRIVATE) does not take {name}: {why}. "
                              f"Remove {name}, or train privately (privacy='dp').")
+    assert set(given) == set(PRIVACY_SETTINGS), sorted(set(given) ^ set(PRIVACY_SETTINGS))
     defaults = inspect.signature(train_and_evaluate).parameters
     try:
         bound = gin.get_bindings(train_and_evaluate)
@@ -651,7 +652,9 @@ def _check_workdir(workdir, mechanism, *, audit, sampling_seed, noise_seed):
     on to write its export and report. Other settings than the checkpoint's
     are refused once all steps are trained, so that a report never states
     settings that did not train the model; resuming an unfinished run with
-    changed settings logs what changed.
+    changed settings logs what changed. A private run's checkpoint is never
+    resumed by a non-private run (`mechanism` a `NonPrivatePlan`), nor the
+    other way round (`check_non_private_ledger`, `check_privacy_ledger`).
 
     Returns:
       `(latest, report)`: the checkpoint to resume (or None), and the
