@@ -178,3 +178,15 @@ def test_every_fashion_mnist_config_runs_without_privacy(tmp_path, run_smoke, co
     report = run_smoke(tmp_path, [config], params)
     assert report["privacy"] == "NOT PRIVATE" and report["steps"] == 2
     assert set(os.listdir(tmp_path / "export" / "assets")) == NOT_PRIVATE_FILES
+
+
+def test_the_model_is_checkpointed_where_a_private_run_keeps_it(non_private_run, tmp_path,
+                                                                run_smoke):
+    # A workdir used as a pretrained backbone (tfdp.models.build_finetune_model) reads the
+    # model's variables at the same checkpoint keys whichever mode trained it.
+    def model_keys(workdir):
+        path = tf.train.latest_checkpoint(str(workdir / "checkpoints"))
+        return {k for k, _ in tf.train.list_variables(path) if k.startswith("model/")}
+
+    run_smoke(tmp_path, ["fashion_mnist.gin"])
+    assert model_keys(non_private_run[0]) == model_keys(tmp_path)
