@@ -190,3 +190,15 @@ def test_the_model_is_checkpointed_where_a_private_run_keeps_it(non_private_run,
 
     run_smoke(tmp_path, ["fashion_mnist.gin"])
     assert model_keys(non_private_run[0]) == model_keys(tmp_path)
+
+
+def test_static_batches_and_the_progress_bar_work_without_privacy(tmp_path, run_smoke, capsys):
+    report = run_smoke(tmp_path, ["fashion_mnist.gin"], [
+        *NOT_PRIVATE, "tfdp.train_and_evaluate.static_batch_size = 'auto'",
+        "tfdp.train_and_evaluate.progress_bar = True"])
+    # N = 64, B = 16, 2 steps: the smallest S with truncation probability <= 1e-6.
+    truncation = report["truncation"]
+    assert 16 < truncation["static_batch_size"] <= 64
+    assert truncation["truncation_probability"] <= 1e-6
+    out = capsys.readouterr().out
+    assert "NOT PRIVATE" in out and "epsilon" not in out

@@ -468,6 +468,8 @@ def train_and_evaluate(
                 hyperparameters=hyperparameters | {
                     "sampling_seed": seed if sampling_seed is None else sampling_seed},
                 exported_parameters="ema" if ema_decay is not None else "last")
+            if mechanism.truncation is not None:
+                report["truncation"] = dataclasses.asdict(mechanism.truncation)
         else:
             study = None
             if study_dir and chief:  # one ledger entry per run, not per worker
