@@ -1,5 +1,8 @@
 """train_and_evaluate: the gin root that wires data, model, DP-SGD and export.
 
+With `privacy=None` the same stages train WITHOUT privacy (`NonPrivateModel`)
+and write a NOT_PRIVATE statement where the privacy report would be.
+
 Flow: data (TFDS, Poisson sampling) -> augment (augmult views) -> model ->
 DPModel (per-example clipping, noise once per logical batch) -> fit with
 callbacks (epsilon, metrics.jsonl, TensorBoard, checkpoints) -> privacy report
@@ -10,6 +13,7 @@ every (padded, masked) logical batch, and only the chief writes the outputs.
 
 import contextlib
 import dataclasses
+import inspect
 import json
 import math
 import os
@@ -37,12 +41,63 @@ from tfdp.training import distribute
 from tfdp.training import evaluation
 from tfdp.training import optimizers  # noqa: F401  (registers build_optimizer)
 from tfdp.training.dp_model import CLIPPING_PATHS, DPModel
+from tfdp.training.non_private_model import NonPrivateModel
 
 METRICS_FILE = "metrics.jsonl"
 OPERATIVE_CONFIG = "operative_config.gin"
 EXPORT_DIR = "export"
 CHECKPOINT_DIR = workdir_lib.CHECKPOINT_DIR
 DATA_NORMALIZATION_FILE = "data_normalization.json"
+PRIVACY_MODES = ("dp", None)
+NOT_PRIVATE = privacy_report.NOT_PRIVATE
+# Settings of the DP mechanism that a non-private run (privacy=None) does not use: given
+# (bound in gin, or not their default), they are listed in a warning and in NOT_PRIVATE.json.
+PRIVACY_SETTINGS = ("noise_multiplier", "target_epsilon", "l2_clip_norm", "target_delta",
+                    "accountant", "normalize_update", "num_microbatches", "noise_seed",
+                    "clipping", "simulation")
+
+
+@dataclasses.dataclass(frozen=True)
+class NonPrivatePlan:
+    """What a non-private run (`privacy=None`) samples and trains: no privacy facts at all.
+
+    It stands where a private run's `DPMechanism` stands for the data and
+    training stages (the sampler, padding, the step count); it has no noise,
+    clip norm, delta or epsilon, and nothing accounts for it.
+
+    Attributes:
+      num_examples: N of the training split (checked against the data).
+      batch_size: B, the expected (Poisson) or fixed (shuffle) logical batch.
+      num_steps: optimizer updates.
+      sampling: "poisson" or "shuffle" (`tfdp.data.train_batches`).
+      truncation: None, or the `tfdp.accounting.Truncation` of static batches.
+      unused_privacy_settings: {name: value} of the privacy settings given
+        but not used.
+    """
+
+    num_examples: int
+    batch_size: int
+    num_steps: int
+    sampling: str = "poisson"
+    truncation: object = None
+    unused_privacy_settings: dict = dataclasses.field(default_factory=dict)
+    data_normalization = None  # the private release; refused without privacy
+
+    def __post_init__(self):
+        for name in ("num_examples", "batch_size", "num_steps"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}.")
+        if self.batch_size > self.num_examples:
+            raise ValueError(f"batch_size={self.batch_size} is larger than num_examples="
+                             f"{self.num_examples}. Lower BATCH_SIZE or check NUM_EXAMPLES.")
+        if self.sampling not in accounting.SAMPLING_SCHEMES:
+            raise ValueError(f"Unknown sampling scheme {self.sampling!r}; use one of "
+                             f"{accounting.SAMPLING_SCHEMES}.")
+
+    @property
+    def sampling_prob(self):
+        return self.batch_size / self.num_examples
 
 
 @gin.configurable(module="tfdp", denylist=["workdir", "audit"])
@@ -53,8 +108,8 @@ def train_and_evaluate(
     num_examples=gin.REQUIRED,
     batch_size=gin.REQUIRED,
     num_steps=gin.REQUIRED,
-    l2_clip_norm=gin.REQUIRED,
-    target_delta=gin.REQUIRED,
+    l2_clip_norm=None,
+    target_delta=None,
     noise_multiplier=None,
     target_epsilon=None,
     model_fn=gin.REQUIRED,
@@ -91,8 +146,15 @@ def train_and_evaluate(
     clipping="auto",
     jit_compile=False,
     audit=None,
+    privacy="dp",
 ):
     """Trains a classifier with DP-SGD, evaluates it, exports it with its report.
+
+    With `privacy=None` it trains WITHOUT privacy instead (plain mean-loss
+    steps, `tfdp.training.NonPrivateModel`), on the same data, sampler,
+    model, augmentation, optimizer, EMA, evaluation, checkpoints and workdir
+    protocol, and writes `NOT_PRIVATE.{json,md}` where the privacy report
+    would be (README, "Non-private training").
 
     Privacy-coupled values (num_examples, batch_size, num_steps,
     noise_multiplier, target_epsilon, target_delta, l2_clip_norm) come from gin
@@ -131,8 +193,9 @@ def train_and_evaluate(
       num_examples: N, the size of the training split; checked against the data.
       batch_size: B, expected examples per optimizer update (logical batch).
       num_steps: T, optimizer updates (not epochs).
-      l2_clip_norm: C, the per-example L2 bound.
-      target_delta: delta at which epsilon is reported.
+      l2_clip_norm: C, the per-example L2 bound (required with privacy="dp").
+      target_delta: delta at which epsilon is reported (required with
+        privacy="dp").
       noise_multiplier: sigma (noise std / sensitivity), or None to calibrate
         it to target_epsilon.
       target_epsilon: the budget; training never goes past it.
@@ -222,9 +285,22 @@ def train_and_evaluate(
         checked), `audit.build_dp_model(model, mechanism, **kwargs)` builds
         the DPModel, and `audit.result(dp_model, mechanism)` becomes the
         report's "audit" section. It needs a workdir without a checkpoint.
+      privacy: "dp" (default: DP-SGD) or None: NON-PRIVATE training, for
+        public pretraining and non-private ceilings. Then no mechanism is
+        planned, the batches come from the same sampler (`sampling`, with
+        `sampling_seed`, or `seed` when it is None: nothing is secret), and
+        the privacy settings given (PRIVACY_SETTINGS: noise_multiplier,
+        target_epsilon, l2_clip_norm, target_delta, accountant,
+        normalize_update, num_microbatches, noise_seed, clipping,
+        simulation) are not used: a warning lists them, and so does
+        NOT_PRIVATE.json. `accumulation_steps` keeps its meaning (chunks of
+        one update); `data_normalization`, `study_dir` and `audit` are
+        refused. metrics.jsonl lines say "privacy": "NOT PRIVATE"; a
+        workdir of one mode is never resumed in the other.
 
     Returns:
-      The privacy report dict.
+      The privacy report dict (with privacy=None: the NOT_PRIVATE.json dict,
+      `"privacy": "NOT PRIVATE"`, no epsilon).
 
     Raises:
       ValueError: on invalid or inconsistent privacy parameters, a
@@ -233,7 +309,10 @@ def train_and_evaluate(
         a checkpoint_every_steps that does not divide eval_every_steps, a
         checkpoint written under another mechanism or with more steps than
         planned, augmentation asked together with precomputed `features`, or
-        an unknown `clipping` or non-bool `jit_compile`.
+        an unknown `clipping` or non-bool `jit_compile`, an unknown
+        `privacy`, a private run without l2_clip_norm or target_delta, or a
+        non-private run with data_normalization, study_dir or audit, or a
+        workdir of the other privacy mode.
       tfdp.data.DatasetNotFoundError: if the dataset is not prepared, or a
         shard is missing or corrupt; the message says what to run.
       tfdp.workdir.WorkdirError: (a ValueError) the workdir is a URL, is in
@@ -262,17 +341,32 @@ def train_and_evaluate(
             "would draw its own private release. Run it on one worker first (the release is "
             f"saved to {DATA_NORMALIZATION_FILE} and reused), or use strategy 'mirrored'."
         )
-    mechanism = _plan(
-        dist, accumulation_steps, static_batch_size,
-        num_examples=num_examples, batch_size=batch_size, num_steps=num_steps,
-        l2_clip_norm=l2_clip_norm, target_delta=target_delta,
-        noise_multiplier=noise_multiplier, target_epsilon=target_epsilon,
-        accountant=accountant, sampling=sampling, normalize_update=normalize_update,
-        num_microbatches=num_microbatches, data_normalization=data_normalization,
-        fixed_seeds=tuple(name for name, value in (("sampling_seed", sampling_seed),
-                                                   ("noise_seed", noise_seed))
-                          if value is not None),
-    )
+    if privacy not in PRIVACY_MODES:
+        raise ValueError(f"privacy={privacy!r}: use 'dp' (DP-SGD, the default) or None "
+                         "(non-private training, e.g. tfdp.train_and_evaluate.privacy = None).")
+    if privacy is None:
+        # `mechanism` is then a NonPrivatePlan: the sampling facts, no privacy.
+        mechanism = _plan_non_private(
+            dist, accumulation_steps, static_batch_size, num_examples=num_examples,
+            batch_size=batch_size, num_steps=num_steps, sampling=sampling,
+            data_normalization=data_normalization, study_dir=study_dir, audit=audit,
+            given=dict(noise_multiplier=noise_multiplier, target_epsilon=target_epsilon,
+                       l2_clip_norm=l2_clip_norm, target_delta=target_delta,
+                       accountant=accountant, normalize_update=normalize_update,
+                       num_microbatches=num_microbatches, noise_seed=noise_seed,
+                       clipping=clipping, simulation=simulation))
+    else:
+        mechanism = _plan(
+            dist, accumulation_steps, static_batch_size,
+            num_examples=num_examples, batch_size=batch_size, num_steps=num_steps,
+            l2_clip_norm=l2_clip_norm, target_delta=target_delta,
+            noise_multiplier=noise_multiplier, target_epsilon=target_epsilon,
+            accountant=accountant, sampling=sampling, normalize_update=normalize_update,
+            num_microbatches=num_microbatches, data_normalization=data_normalization,
+            fixed_seeds=tuple(name for name, value in (("sampling_seed", sampling_seed),
+                                                       ("noise_seed", noise_seed))
+                              if value is not None),
+        )
     keras.utils.set_random_seed(seed)
 
     # 2. Data (read only).
@@ -306,15 +400,25 @@ def train_and_evaluate(
             model = model_fn(num_classes=train.num_classes, input_shape=train.image_shape,
                              **head_kwargs)
             _check_output_width(model, train.num_classes, dataset)
-            build_dp_model = DPModel if audit is None else audit.build_dp_model
-            dp_model = build_dp_model(model, mechanism, accumulation_steps=accumulation_steps,
-                                      noise_seed=noise_seed, ema_decay=ema_decay,
-                                      clipping=clipping)
+            if privacy is None:  # NOT PRIVATE: plain mean-loss steps
+                dp_model = NonPrivateModel(model, accumulation_steps=accumulation_steps,
+                                           ema_decay=ema_decay)
+            else:
+                build_dp_model = DPModel if audit is None else audit.build_dp_model
+                dp_model = build_dp_model(model, mechanism,
+                                          accumulation_steps=accumulation_steps,
+                                          noise_seed=noise_seed, ema_decay=ema_decay,
+                                          clipping=clipping)
             dp_model.compile(optimizer=optimizer_fn(), jit_compile=jit_compile)
-        ledger = callbacks_lib.make_privacy_ledger(
-            mechanism, noise_seed=noise_seed, config=gin.config_str(),
-            sampling_seed=distribute.broadcast_from_chief(
-                dist, coins.secret_seed() if sampling_seed is None else sampling_seed))
+        if privacy is None:  # the batches' seed is public: `seed` unless fixed
+            ledger = callbacks_lib.make_non_private_ledger(
+                mechanism.num_steps, config=gin.config_str(),
+                sampling_seed=seed if sampling_seed is None else sampling_seed)
+        else:
+            ledger = callbacks_lib.make_privacy_ledger(
+                mechanism, noise_seed=noise_seed, config=gin.config_str(),
+                sampling_seed=distribute.broadcast_from_chief(
+                    dist, coins.secret_seed() if sampling_seed is None else sampling_seed))
 
         # 6. Restore, or write a first checkpoint that holds the secret coins.
         os.makedirs(out_dir, exist_ok=True)
@@ -349,43 +453,158 @@ def train_and_evaluate(
                 f"Training stopped at step {steps_done}, not the planned {mechanism.num_steps}; "
                 "no privacy report or export was written."
             )
-        study = None
-        if study_dir and chief:  # one ledger entry per run, not per worker
-            study = _record_in_study(study_dir, workdir, mechanism, sampling_seed=sampling_seed)
-        if simulation:
-            logging.warning(
-                "This run SIMULATES %s; it is not private at the reference epsilon.",
-                simulation.get("reference", simulation),
-            )
-        report = privacy_report.build_privacy_report(
-            mechanism,
-            steps_completed=steps_done,
-            hyperparameters=_hyperparameters(
-                dataset=dataset, augmentation=augmentation, augmult=augmult,
-                accumulation_steps=accumulation_steps, ema_decay=ema_decay, augtest=augtest,
-                seed=seed, optimizer=keras.optimizers.serialize(dp_model.optimizer)["config"],
-            ),
-            exported_parameters="ema" if ema_decay is not None else "last",
-            simulation=simulation,
-            study=study,
+        hyperparameters = _hyperparameters(
+            dataset=dataset, train_split=train_split, augmentation=augmentation,
+            augmult=augmult, accumulation_steps=accumulation_steps, ema_decay=ema_decay,
+            augtest=augtest, seed=seed,
+            optimizer=keras.optimizers.serialize(dp_model.optimizer)["config"],
         )
-        if audit is not None:
-            report["audit"] = audit.result(dp_model, mechanism)
+        if privacy is None:
+            report = privacy_report.build_not_private_report(
+                steps_completed=steps_done, planned_steps=mechanism.num_steps,
+                num_examples=mechanism.num_examples, batch_size=mechanism.batch_size,
+                sampling=mechanism.sampling,
+                unused_privacy_settings=_hyperparameters(**mechanism.unused_privacy_settings),
+                hyperparameters=hyperparameters | {
+                    "sampling_seed": seed if sampling_seed is None else sampling_seed},
+                exported_parameters="ema" if ema_decay is not None else "last")
+            if mechanism.truncation is not None:
+                report["truncation"] = dataclasses.asdict(mechanism.truncation)
+        else:
+            study = None
+            if study_dir and chief:  # one ledger entry per run, not per worker
+                study = _record_in_study(study_dir, workdir, mechanism,
+                                         sampling_seed=sampling_seed)
+            if simulation:
+                logging.warning(
+                    "This run SIMULATES %s; it is not private at the reference epsilon.",
+                    simulation.get("reference", simulation),
+                )
+            report = privacy_report.build_privacy_report(
+                mechanism,
+                steps_completed=steps_done,
+                hyperparameters=hyperparameters,
+                exported_parameters="ema" if ema_decay is not None else "last",
+                simulation=simulation,
+                study=study,
+            )
+            if audit is not None:
+                report["audit"] = audit.result(dp_model, mechanism)
         _finish(report, dp_model, model, out_dir, features=features, image_shape=image_shape)
         if out_dir != workdir:
             shutil.rmtree(out_dir, ignore_errors=True)
-        logging.info(
-            "Done: epsilon=%.4f at delta=%g after %d steps; SavedModel in %s.",
-            report["epsilon"], report["delta"], steps_done, os.path.join(workdir, EXPORT_DIR),
-        )
+        if privacy is None:
+            logging.warning(
+                "Done: NOT PRIVATE (no clipping, no noise, no epsilon) after %d steps; "
+                "SavedModel in %s, with %s in its assets.", steps_done,
+                os.path.join(workdir, EXPORT_DIR), privacy_report.NOT_PRIVATE_MD)
+        else:
+            logging.info(
+                "Done: epsilon=%.4f at delta=%g after %d steps; SavedModel in %s.",
+                report["epsilon"], report["delta"], steps_done,
+                os.path.join(workdir, EXPORT_DIR),
+            )
         return report
 
 
 def _plan(strategy, accumulation_steps, static_batch_size, **privacy):
     """Stage 1: the run's `DPMechanism`, truncation of static batches included."""
+    missing = [name for name in ("l2_clip_norm", "target_delta") if privacy[name] is None]
+    if missing:
+        raise ValueError(
+            f"A private run (privacy='dp') needs {' and '.join(missing)}: set "
+            f"{' and '.join(f'tfdp.train_and_evaluate.{n}' for n in missing)} (the configs' "
+            "L2_CLIP_NORM and TARGET_DELTA macros), or set tfdp.train_and_evaluate.privacy = "
+            "None to train without privacy.")
     mechanism = accounting.plan_mechanism(**privacy)
     truncation = _truncation(static_batch_size, mechanism, strategy, accumulation_steps)
     return dataclasses.replace(mechanism, truncation=truncation)
+
+
+def _plan_non_private(strategy, accumulation_steps, static_batch_size, *, num_examples,
+                      batch_size, num_steps, sampling, data_normalization, study_dir, audit,
+                      given):
+    """Stage 1 without privacy: the `NonPrivatePlan`, and a warning of what is not used.
+
+    `given` maps each name of PRIVACY_SETTINGS to this call's value; a
+    setting counts as given when gin binds it or it is not the default, and
+    is then listed (never silently ignored). What has no non-private meaning
+    and would change what the run does is refused instead.
+
+    Raises:
+      ValueError: data_normalization, study_dir or audit is set; or an
+        invalid N, B, T, sampling or static_batch_size.
+    """
+    refused = {"data_normalization": (
+        data_normalization, "Tramer & Boneh's private feature normalization (a noisy DP "
+        "release); for a non-private ScatterNet head use GroupNorm (e.g. "
+        "tfdp.models.build_scatternet_linear.groups = 27)"),
+        "study_dir": (study_dir, "a study ledger composes PRIVATE runs; a non-private run has "
+                      "no epsilon to add, and if it trained on the study's private data the "
+                      "study has no guarantee at all"),
+        "audit": (audit, "an empirical privacy audit of a run without privacy")}
+    for name, (value, why) in refused.items():
+        if value:
+            raise ValueError(f"privacy=None (NOT PRIVATE) does not take {name}: {why}. "
+                             f"Remove {name}, or train privately (privacy='dp').")
+    assert set(given) == set(PRIVACY_SETTINGS), sorted(set(given) ^ set(PRIVACY_SETTINGS))
+    defaults = inspect.signature(train_and_evaluate).parameters
+    try:
+        bound = gin.get_bindings(train_and_evaluate)
+    except (ValueError, TypeError):
+        bound = {}
+    unused = {name: value for name, value in given.items()
+              if name in bound or value != defaults[name].default}
+    plan = NonPrivatePlan(num_examples=num_examples, batch_size=batch_size,
+                          num_steps=num_steps, sampling=sampling,
+                          unused_privacy_settings=unused)
+    plan = dataclasses.replace(plan, truncation=_non_private_truncation(
+        static_batch_size, plan, strategy, accumulation_steps))
+    logging.warning(
+        "NOT PRIVATE: privacy=None trains without clipping, noise or accounting (mean loss "
+        "over each realized batch); no privacy report is written, NOT_PRIVATE.{json,md} "
+        "stands in its place.%s",
+        (" Privacy settings given but NOT used: "
+         + ", ".join(f"{k}={v!r}" for k, v in sorted(unused.items()))
+         + ". The optimizer settings were tuned for clipped (and, with normalize_update, "
+         "rescaled) gradients: without clipping the same learning rate can be far too large."
+         ) if unused else "")
+    return plan
+
+
+def _non_private_truncation(static_batch_size, plan, strategy, accumulation_steps):
+    """Static batches without privacy: S (int or "auto") -> a `tfdp.accounting.Truncation`.
+
+    No delta depends on it: "auto" takes the smallest S whose truncation
+    probability over the run is <= 1e-6, so a batch is almost never cut.
+    """
+    if static_batch_size is None:
+        if isinstance(strategy, tf.distribute.TPUStrategy):
+            raise ValueError("strategy 'tpu' needs static batch shapes: set "
+                             "tfdp.train_and_evaluate.static_batch_size = 'auto' (or an int).")
+        return None
+    num_replicas = strategy.num_replicas_in_sync
+    unit = num_replicas * int(accumulation_steps)
+    if static_batch_size == "auto":
+        size = (data.choose_static_batch_size(plan.num_examples, plan.sampling_prob,
+                                              plan.num_steps, 1e-6, multiple=unit)
+                if plan.sampling == "poisson" else -(-plan.batch_size // unit) * unit)
+    elif isinstance(static_batch_size, int) and not isinstance(static_batch_size, bool):
+        size = static_batch_size
+    else:
+        raise ValueError(
+            f"static_batch_size must be None, a positive int or 'auto', got {static_batch_size!r}.")
+    if plan.sampling != "poisson" and size < plan.batch_size:
+        raise ValueError(f"static_batch_size={size} is below the fixed batch size "
+                         f"{plan.batch_size} of shuffled batches; use 'auto' or at least it.")
+    per_replica = distribute.per_replica_batch_size(size, num_replicas, accumulation_steps)
+    eta = (data.truncation_probability(plan.num_examples, plan.sampling_prob, size,
+                                       plan.num_steps) if plan.sampling == "poisson" else 0.0)
+    logging.info("Static logical batch %d (%d per replica x %d replicas); truncation "
+                 "probability <= %.3g (no privacy depends on it).", size, per_replica,
+                 num_replicas, eta)
+    return accounting.Truncation(static_batch_size=size, per_replica_batch_size=per_replica,
+                                 num_replicas=num_replicas, truncation_probability=eta)
 
 
 def _check_augmentation(features, augmentation, augmult, augtest):
@@ -435,7 +654,9 @@ def _check_workdir(workdir, mechanism, *, audit, sampling_seed, noise_seed):
     on to write its export and report. Other settings than the checkpoint's
     are refused once all steps are trained, so that a report never states
     settings that did not train the model; resuming an unfinished run with
-    changed settings logs what changed.
+    changed settings logs what changed. A private run's checkpoint is never
+    resumed by a non-private run (`mechanism` a `NonPrivatePlan`), nor the
+    other way round (`check_non_private_ledger`, `check_privacy_ledger`).
 
     Returns:
       `(latest, report)`: the checkpoint to resume (or None), and the
@@ -456,8 +677,12 @@ def _check_workdir(workdir, mechanism, *, audit, sampling_seed, noise_seed):
     if audit is not None:
         raise ValueError(f"An audit draws new canaries, so it cannot resume {latest}: use a "
                          "fresh workdir.")
-    steps, saved_config = callbacks_lib.check_privacy_ledger(
-        latest, mechanism, sampling_seed=sampling_seed, noise_seed=noise_seed)
+    private = isinstance(mechanism, accounting.DPMechanism)
+    if private:
+        steps, saved_config = callbacks_lib.check_privacy_ledger(
+            latest, mechanism, sampling_seed=sampling_seed, noise_seed=noise_seed)
+    else:  # refuses a private run's checkpoint
+        steps, saved_config = callbacks_lib.check_non_private_ledger(latest, mechanism.num_steps)
     changes = callbacks_lib.config_changes(saved_config, gin.config_str())
     finished = workdir_lib.finished(workdir)
     if steps == mechanism.num_steps:
@@ -471,7 +696,8 @@ def _check_workdir(workdir, mechanism, *, audit, sampling_seed, noise_seed):
         if finished:
             logging.info("%s already holds this finished run (%d steps; see %s); its report "
                          "and export are unchanged.", workdir, steps, workdir_lib.FINISHED_FILE)
-            with open(os.path.join(workdir, privacy_report.REPORT_JSON)) as f:
+            name = privacy_report.REPORT_JSON if private else privacy_report.NOT_PRIVATE_JSON
+            with open(os.path.join(workdir, name)) as f:
                 return latest, json.load(f)
         logging.warning("%s holds all %d steps of this run but no finished export and report "
                         "(no %s): writing them now.", workdir, steps, workdir_lib.FINISHED_FILE)
@@ -545,10 +771,10 @@ def _restore(dp_model, ledger, out_dir, latest):
     Returns:
       `(manager, start_step)`.
     """
-    checkpoint = tf.train.Checkpoint(
-        model=dp_model, optimizer=dp_model.optimizer, noise_generator=dp_model.noise_generator,
-        ledger=ledger,
-    )
+    parts = {"model": dp_model, "optimizer": dp_model.optimizer, "ledger": ledger}
+    if hasattr(dp_model, "noise_generator"):  # a NonPrivateModel has none
+        parts["noise_generator"] = dp_model.noise_generator
+    checkpoint = tf.train.Checkpoint(**parts)
     # Every worker saves (saving may run collectives); only the chief's copy is kept.
     manager = tf.train.CheckpointManager(
         checkpoint, os.path.join(out_dir, CHECKPOINT_DIR), max_to_keep=2
@@ -575,15 +801,18 @@ def _fit(dp_model, mechanism, manager, ledger, train_ds, eval_ds, out_dir, *, st
     """Stage 7: `fit` over checkpoint intervals, evaluating every eval_every_steps."""
     if start_step >= mechanism.num_steps:
         return
+    private = isinstance(mechanism, accounting.DPMechanism)
     callbacks = [
         callbacks_lib.EvaluationEpochsOnly(
             evaluation.ExtraEvaluation(dp_model, eval_ds, augtest=augtest)),
-        callbacks_lib.PrivacyCallback(mechanism),
+        callbacks_lib.PrivacyCallback(mechanism) if private
+        else callbacks_lib.StepCallback(mechanism.num_steps),
         callbacks_lib.ProgressLog(mechanism, bar=progress_bar),
         callbacks_lib.CheckpointCallback(manager, ledger),
         callbacks_lib.MetricsJsonl(
             os.path.join(out_dir, METRICS_FILE),
-            extra={"simulation": True} if simulation else None,
+            extra=({"simulation": True} if simulation else None) if private
+            else {"privacy": NOT_PRIVATE},
         ),
         callbacks_lib.OperativeConfigSaver(os.path.join(out_dir, OPERATIVE_CONFIG)),
         callbacks_lib.TensorBoardScalars(os.path.join(out_dir, "tensorboard")),
@@ -618,14 +847,23 @@ def _finish(report, dp_model, model, out_dir, *, features, image_shape):
 
     The chief writes them once; other workers export too (the save may run
     collectives) into their temp dir, which the caller deletes.
+
+    A non-private run's `report` (`"privacy": "NOT PRIVATE"`) is written as
+    `NOT_PRIVATE.{json,md}` instead, by the same steps, and FINISHED says
+    "privacy": "NOT PRIVATE" instead of epsilon and delta.
     """
     workdir_lib.remove_stale_temporaries(out_dir)
     export_model = model
     if features == "scatternet":
         export_model = models.build_scatternet_classifier(model, image_shape)
+    private = report.get("privacy") != NOT_PRIVATE
+    write, files = ((privacy_report.write_privacy_report,
+                     [privacy_report.REPORT_JSON, privacy_report.REPORT_MD]) if private else
+                    (privacy_report.write_not_private_report,
+                     [privacy_report.NOT_PRIVATE_JSON, privacy_report.NOT_PRIVATE_MD]))
     tmp = tempfile.mkdtemp(prefix=".report.tmp-", dir=out_dir)
     try:
-        paths = privacy_report.write_privacy_report(report, tmp)
+        paths = write(report, tmp)
         with dp_model.use_ema_parameters():
             saved_model.export_saved_model(
                 export_model, os.path.join(out_dir, EXPORT_DIR), image_shape=image_shape,
@@ -635,17 +873,18 @@ def _finish(report, dp_model, model, out_dir, *, features, image_shape):
             os.replace(path, os.path.join(out_dir, os.path.basename(path)))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    files = [privacy_report.REPORT_JSON, privacy_report.REPORT_MD]
     for name in files:
         with open(os.path.join(out_dir, name), "rb") as mine, open(
                 os.path.join(out_dir, EXPORT_DIR, "assets", name), "rb") as exported:
             if mine.read() != exported.read():
                 raise RuntimeError(f"{name} differs from the export's copy; not finished.")
-    with open(os.path.join(out_dir, privacy_report.REPORT_JSON)) as f:
+    with open(os.path.join(out_dir, files[0])) as f:
         if json.load(f)["steps"] != report["steps"]:
             raise RuntimeError("The privacy report read back is not this run's; not finished.")
     workdir_lib.write_finished(out_dir, {
-        "steps": report["steps"], "epsilon": report["epsilon"], "delta": report["delta"],
+        "steps": report["steps"],
+        **({"epsilon": report["epsilon"], "delta": report["delta"]} if private
+           else {"privacy": NOT_PRIVATE}),
         "files": [*files, f"{EXPORT_DIR}/saved_model.pb",
                   *(f"{EXPORT_DIR}/assets/{name}" for name in files)],
     })

@@ -44,7 +44,8 @@ CHECKPOINT_DIR = "checkpoints"
 # (data_normalization.json is not one: it is written before the first checkpoint, and a
 # run killed in between reuses it rather than releasing the statistics again.)
 RUN_OUTPUTS = ("metrics.jsonl", "privacy_report.json", "privacy_report.md", "export",
-               "tensorboard", "operative_config.gin", FINISHED_FILE)
+               "tensorboard", "operative_config.gin", FINISHED_FILE,
+               "NOT_PRIVATE.json", "NOT_PRIVATE.md")  # the last two: a privacy=None run
 
 
 class WorkdirError(ValueError):

@@ -60,6 +60,7 @@ from scipy import stats
 # repeated here so that the tool imports neither TensorFlow nor tfdp.
 METRICS_FILE = "metrics.jsonl"
 REPORT_JSON = "privacy_report.json"
+NOT_PRIVATE_JSON = "NOT_PRIVATE.json"  # what a privacy=None run writes instead
 OPERATIVE_CONFIG = "operative_config.gin"
 
 METRICS = ("final", "max")
@@ -303,11 +304,16 @@ def load_run(workdir: str, name: str | None = None) -> RunSummary:
     Raises:
       FileNotFoundError: if metrics.jsonl, or both privacy_report.json and
         operative_config.gin, are missing.
-      ValueError: if the run did not finish, a parameter is missing or not
+      ValueError: if the run is NOT PRIVATE (privacy=None), did not finish, a parameter is missing or not
         > 0, or metrics.jsonl has no finite `test_accuracy`.
     """
     name = name or workdir
     records = read_metrics(workdir)
+    if (os.path.exists(os.path.join(workdir, NOT_PRIVATE_JSON))
+            or any(r.get("privacy") == "NOT PRIVATE" for r in records)):
+        raise ValueError(
+            f"{workdir} holds a NOT PRIVATE run (privacy=None: no noise, no epsilon); it is no "
+            "point of a DP scaling law.")
     accuracies = [
         (r["step"], r["test_accuracy"])
         for r in records

@@ -439,3 +439,12 @@ def test_script_runs_from_another_directory(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "slope = -0.0150 per doubling" in result.stdout
     assert (cwd / "law.png").is_file() and (cwd / "law.txt").is_file()
+
+
+def test_a_non_private_run_is_no_point_of_the_law(tmp_path):
+    workdir = tmp_path / "ceiling"
+    _write_run(str(workdir), batch_size=B_REF, noise_multiplier=3.0, accuracies=[0.9])
+    scaling_law.load_run(str(workdir))  # a private run loads
+    (workdir / "NOT_PRIVATE.json").write_text(json.dumps({"privacy": "NOT PRIVATE"}))
+    with pytest.raises(ValueError, match="holds a NOT PRIVATE run"):
+        scaling_law.load_run(str(workdir))

@@ -17,6 +17,11 @@ import platform
 
 REPORT_JSON = "privacy_report.json"
 REPORT_MD = "privacy_report.md"
+# A non-private run (`privacy=None`) writes these INSTEAD of the report, in the workdir
+# and in the SavedModel's assets.
+NOT_PRIVATE = "NOT PRIVATE"
+NOT_PRIVATE_JSON = "NOT_PRIVATE.json"
+NOT_PRIVATE_MD = "NOT_PRIVATE.md"
 
 _PACKAGES = ("tfdp", "tensorflow", "tensorflow-cpu", "tensorflow-tpu", "keras",
              "dp-accounting", "tensorflow-datasets", "gin-config")
@@ -219,6 +224,7 @@ def render_markdown(report: dict) -> str:
         f"accountant, after {report['steps']} steps.",
         "",
     ]
+    lines += _split_lines(report)
     if report.get("truncation"):
         trunc = report["truncation"]
         lines += [
@@ -285,6 +291,88 @@ def render_markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _split_lines(report: dict) -> list:
+    """The sentence that says N counts only a slice of the split (e.g. "train[2000:]")."""
+    split = (report.get("hyperparameters") or {}).get("train_split")
+    if not split or "[" not in str(split):
+        return []
+    return [
+        f"**Training data:** the slice `{split}` of the dataset "
+        f"`{report['hyperparameters'].get('dataset', '?')}`. N = {report['num_examples']} "
+        "counts only the examples of this slice: the examples outside it (e.g. a public "
+        "subset used for non-private pretraining) are not in N, are not protected by this "
+        "guarantee, and must not be private data.",
+        "",
+    ]
+
+
+def build_not_private_report(*, steps_completed, planned_steps, num_examples, batch_size,
+                             sampling, unused_privacy_settings, hyperparameters=None,
+                             exported_parameters="last") -> dict:
+    """The statement a NON-PRIVATE run (`privacy=None`) writes where a privacy report would be.
+
+    Args:
+      steps_completed, planned_steps: optimizer updates taken and planned.
+      num_examples: N of the training split; batch_size: B (expected or fixed).
+      sampling: "poisson" or "shuffle".
+      unused_privacy_settings: {name: value} of the privacy settings given to
+        the run that it did not use (no clipping, noise or accounting).
+      hyperparameters: other training settings to record (dict).
+      exported_parameters: "last" or "ema".
+
+    Returns:
+      A JSON-serializable dict with `"privacy": "NOT PRIVATE"` and no epsilon.
+    """
+    return {
+        "privacy": NOT_PRIVATE,
+        "statement": (
+            "This model was trained WITHOUT differential privacy: no per-example clipping, no "
+            "noise, no privacy accounting. It has no (epsilon, delta) guarantee and can "
+            "memorize its training examples. Train only on public data with it, or use it as "
+            "a non-private baseline."),
+        "steps": int(steps_completed),
+        "planned_steps": int(planned_steps),
+        "num_examples": int(num_examples),
+        "batch_size": int(batch_size),
+        "sampling": sampling,
+        "unused_privacy_settings": dict(unused_privacy_settings),
+        "exported_parameters": exported_parameters,
+        "hyperparameters": dict(hyperparameters or {}),
+        "software": software_versions(),
+    }
+
+
+def render_not_private_markdown(report: dict) -> str:
+    """The `NOT_PRIVATE.md` card of a `build_not_private_report` dict."""
+    lines = ["# NOT PRIVATE", "", f"**{report['statement']}**", "",
+             "| item | value |", "|---|---|",
+             f"| privacy | {report['privacy']} |",
+             f"| training data | {report['hyperparameters'].get('dataset', '?')} "
+             f"`{report['hyperparameters'].get('train_split', '?')}` |",
+             f"| num_examples | {report['num_examples']} |",
+             f"| batch_size | {report['batch_size']} ({report['sampling']} batches) |",
+             f"| steps (planned) | {report['steps']} ({report['planned_steps']}) |",
+             f"| exported parameters | {report['exported_parameters']} |", ""]
+    unused = report["unused_privacy_settings"]
+    lines += ["## Privacy settings given but NOT used", ""]
+    lines += ([f"- `{k}`: {v}" for k, v in sorted(unused.items())] or ["- none"])
+    lines += ["", "## Hyper-parameters", ""]
+    lines += [f"- `{k}`: {v}" for k, v in sorted(report["hyperparameters"].items())]
+    lines += ["", "## Software", ""]
+    lines += [f"- {k} {v}" for k, v in sorted(report["software"].items())]
+    return "\n".join(lines) + "\n"
+
+
+def write_not_private_report(report: dict, directory) -> tuple[str, str]:
+    """Writes `NOT_PRIVATE.json` and `NOT_PRIVATE.md` into `directory`, atomically.
+
+    Returns:
+      The two paths.
+    """
+    return _write_pair(report, directory, NOT_PRIVATE_JSON, NOT_PRIVATE_MD,
+                       render_not_private_markdown)
+
+
 def render_audit(audit: dict) -> list:
     """Markdown lines of the optional "Empirical audit" section (`report["audit"]`).
 
@@ -323,15 +411,19 @@ def write_privacy_report(report: dict, directory) -> tuple[str, str]:
     Returns:
       The two paths.
     """
-    json_path = os.path.join(directory, REPORT_JSON)
-    md_path = os.path.join(directory, REPORT_MD)
+    return _write_pair(report, directory, REPORT_JSON, REPORT_MD, render_markdown)
+
+
+def _write_pair(report, directory, json_name, md_name, render):
+    json_path = os.path.join(directory, json_name)
+    md_path = os.path.join(directory, md_name)
     # Each file is written next to its place and renamed in: a reader never
     # sees half a report.
     with open(json_path + ".tmp", "w") as f:
         json.dump(report, f, indent=2, sort_keys=True, default=_json_default)
         f.write("\n")
     with open(md_path + ".tmp", "w") as f:
-        f.write(render_markdown(report))
+        f.write(render(report))
     os.replace(md_path + ".tmp", md_path)
     os.replace(json_path + ".tmp", json_path)
     return json_path, md_path

@@ -8,6 +8,8 @@ import keras
 import tensorflow as tf
 
 PRIVACY_REPORT_ASSETS = ("privacy_report.json", "privacy_report.md")
+# What a non-private run (`privacy=None`) puts into assets/ instead.
+NOT_PRIVATE_ASSETS = ("NOT_PRIVATE.json", "NOT_PRIVATE.md")
 OUTPUT_KEY = "logits"
 # What `export_saved_model` writes: a folder with exactly these entries is an earlier export.
 _EXPORT_ENTRIES = frozenset({"saved_model.pb", "fingerprint.pb", "variables", "assets"})
@@ -26,7 +28,8 @@ def export_saved_model(model, export_dir, *, image_shape, asset_paths=(), overwr
     `export_dir` holds a complete export or what it held before. Nothing but
     an earlier export is ever replaced: a non-empty `export_dir` must hold
     exactly what this function writes (`saved_model.pb`, `variables/`,
-    `assets/` with only the privacy report, `fingerprint.pb`) and
+    `assets/` with only the privacy report or only the NOT_PRIVATE
+    statement, `fingerprint.pb`) and
     `overwrite=True` must be given. On any error the temporary folder is
     removed.
 
@@ -104,7 +107,8 @@ def is_export(path):
     assets = os.path.join(path, "assets")
     return ({"saved_model.pb", "variables"} <= entries <= _EXPORT_ENTRIES
             and os.path.isdir(assets)
-            and set(os.listdir(assets)) <= set(PRIVACY_REPORT_ASSETS))
+            and (set(os.listdir(assets)) <= set(PRIVACY_REPORT_ASSETS)
+                 or set(os.listdir(assets)) <= set(NOT_PRIVATE_ASSETS)))
 
 
 def _check_target(export_dir, overwrite):

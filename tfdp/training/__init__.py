@@ -7,6 +7,7 @@ meet (see `tfdp.training.DPModel`).
 from tfdp.training.distribute import make_strategy
 from tfdp.training.dp_model import DPModel
 from tfdp.training.ema import ema_decay
+from tfdp.training.non_private_model import NonPrivateModel
 from tfdp.training.optimizers import build_optimizer
 
-__all__ = ["DPModel", "build_optimizer", "ema_decay", "make_strategy"]
+__all__ = ["DPModel", "NonPrivateModel", "build_optimizer", "ema_decay", "make_strategy"]

@@ -12,7 +12,34 @@ from absl import logging
 from tfdp import accounting
 
 
-class PrivacyCallback(keras.callbacks.Callback):
+class StepCallback(keras.callbacks.Callback):
+    """Puts the optimizer step into each epoch's logs; stops at the planned step.
+
+    The step is the optimizer's update count (`optimizer.iterations`), i.e.
+    logical batches, not micro-steps. A non-private run (`privacy=None`) uses
+    it alone; a private run uses `PrivacyCallback`, which adds epsilon.
+
+    Args:
+      num_steps: the planned optimizer updates.
+    """
+
+    def __init__(self, num_steps: int):
+        super().__init__()
+        self.num_steps = int(num_steps)
+
+    def _step(self):
+        return int(self.model.optimizer.iterations.numpy())
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self._step() >= self.num_steps:
+            self.model.stop_training = True
+
+    def on_epoch_end(self, epoch, logs=None):
+        if logs is not None:
+            logs["step"] = self._step()
+
+
+class PrivacyCallback(StepCallback):
     """Puts the exact epsilon spent into each epoch's logs; stops at the planned step.
 
     Place it BEFORE the loggers so they record `step`, `epsilon` and `delta`.
@@ -25,21 +52,13 @@ class PrivacyCallback(keras.callbacks.Callback):
     """
 
     def __init__(self, mechanism: accounting.DPMechanism):
-        super().__init__()
+        super().__init__(mechanism.num_steps)
         self.mechanism = mechanism
 
-    def _step(self):
-        return int(self.model.optimizer.iterations.numpy())
-
-    def on_train_batch_end(self, batch, logs=None):
-        if self._step() >= self.mechanism.num_steps:
-            self.model.stop_training = True
-
     def on_epoch_end(self, epoch, logs=None):
+        super().on_epoch_end(epoch, logs)
         if logs is not None:
-            step = self._step()
-            logs["step"] = step
-            logs["epsilon"], logs["delta"] = self.mechanism.guarantee(step)
+            logs["epsilon"], logs["delta"] = self.mechanism.guarantee(logs["step"])
 
 
 class MetricsJsonl(keras.callbacks.Callback):
@@ -47,7 +66,9 @@ class MetricsJsonl(keras.callbacks.Callback):
 
     Each line has `step`, `epsilon`, `delta`, `test_accuracy`, `test_loss`, the
     training metrics of the interval, `wall_time_s` since training began, and
-    the items of `extra` (e.g. `{"simulation": true}`). Epochs that ran no
+    the items of `extra` (e.g. `{"simulation": true}`). A non-private run's
+    lines have no `epsilon` and `delta` (its logs hold none) and its `extra`
+    is `{"privacy": "NOT PRIVATE"}`. Epochs that ran no
     validation (checkpoint-only intervals, see `train_and_evaluate`'s
     `checkpoint_every_steps`) write nothing.
     """
@@ -65,11 +86,10 @@ class MetricsJsonl(keras.callbacks.Callback):
         if not ran_validation(logs):
             return
         logs = dict(logs or {})
-        record = {
-            "step": int(logs.pop("step")),
-            "epsilon": float(logs.pop("epsilon")),
-            "delta": float(logs.pop("delta")),
-        }
+        record = {"step": int(logs.pop("step"))}
+        for key in ("epsilon", "delta"):
+            if key in logs:
+                record[key] = float(logs.pop(key))
         for key, value in sorted(logs.items()):
             name = "test_" + key[len("val_"):] if key.startswith("val_") else "train_" + key
             record[name] = float(value)
@@ -88,9 +108,12 @@ class ProgressLog(keras.callbacks.Callback):
     With `bar=True` (a terminal) it is a `keras.utils.Progbar` refreshed at
     most once a second; otherwise one log line at least every
     `every_seconds`, at the first step, at every evaluation and at the end.
+    A non-private run (any `mechanism` that is not a `DPMechanism`, e.g. the
+    trainer's `NonPrivatePlan`) shows "NOT PRIVATE" where epsilon would be.
 
     Args:
-      mechanism: the run's `DPMechanism` (num_steps, epsilon).
+      mechanism: the run's `DPMechanism` (num_steps, epsilon), or an object
+        with `num_steps` for a non-private run.
       bar: draw a progress bar instead of log lines.
       every_seconds: the longest gap between two log lines.
     """
@@ -98,6 +121,7 @@ class ProgressLog(keras.callbacks.Callback):
     def __init__(self, mechanism, *, bar=False, every_seconds=10.0):
         super().__init__()
         self.mechanism = mechanism
+        self.private = isinstance(mechanism, accounting.DPMechanism)
         self.bar = bar
         self.every_seconds = every_seconds
         self._progbar = None
@@ -111,7 +135,8 @@ class ProgressLog(keras.callbacks.Callback):
         if self.bar:
             self._progbar = keras.utils.Progbar(
                 self.mechanism.num_steps, unit_name="step",
-                stateful_metrics=["loss", "accuracy", "epsilon"])
+                stateful_metrics=["loss", "accuracy", "epsilon"] if self.private
+                else ["loss", "accuracy"])
 
     def on_train_batch_end(self, batch, logs=None):
         step = int(self.model.optimizer.iterations.numpy())
@@ -122,15 +147,22 @@ class ProgressLog(keras.callbacks.Callback):
             return
         self._last = now
         logs = logs or {}
-        epsilon = self.mechanism.epsilon(step)
         if self._progbar is not None:
-            self._progbar.update(step, values=[
-                ("loss", logs.get("loss", float("nan"))),
-                ("accuracy", logs.get("accuracy", float("nan"))), ("epsilon", epsilon)],
-                finalize=last)
+            values = [("loss", logs.get("loss", float("nan"))),
+                      ("accuracy", logs.get("accuracy", float("nan")))]
+            if self.private:
+                values.append(("epsilon", self.mechanism.epsilon(step)))
+            self._progbar.update(step, values=values, finalize=last)
             return
         rate = (step - self._first_step) / max(now - self._start, 1e-9)
         remaining = (self.mechanism.num_steps - step) / max(rate, 1e-9)
+        if not self.private:
+            logging.info(
+                "step %d/%d  loss %.4f  accuracy %.4f  NOT PRIVATE  %.2f steps/s  %s left",
+                step, self.mechanism.num_steps, logs.get("loss", float("nan")),
+                logs.get("accuracy", float("nan")), rate, _duration(remaining))
+            return
+        epsilon = self.mechanism.epsilon(step)
         logging.info(
             "step %d/%d  loss %.4f  accuracy %.4f  grad_norm %.3f  clipped %.2f  "
             "epsilon %.3f (delta %.3g)  %.2f steps/s  %s left",
@@ -147,7 +179,8 @@ class ProgressLog(keras.callbacks.Callback):
         message = (f"eval at step {logs.get('step', -1)}/{self.mechanism.num_steps}: "
                    f"test_accuracy {logs.get('val_accuracy', float('nan')):.4f}  "
                    f"test_loss {logs.get('val_loss', float('nan')):.4f}  "
-                   f"epsilon {logs.get('epsilon', float('nan')):.3f}")
+                   + (f"epsilon {logs.get('epsilon', float('nan')):.3f}" if self.private
+                      else "NOT PRIVATE"))
         if self._progbar is not None:
             print(f"\n{message}")
         else:
@@ -203,9 +236,13 @@ class CheckpointCallback(keras.callbacks.Callback):
 
 
 def save_checkpoint(manager, ledger, step):
-    """Sets the ledger to `step` and its epsilon, then saves checkpoint number `step`."""
+    """Sets the ledger to `step` and its epsilon, then saves checkpoint number `step`.
+
+    A non-private run's ledger (`make_non_private_ledger`) has no epsilon.
+    """
     ledger.steps.assign(step)
-    ledger.epsilon.assign(ledger.mechanism.epsilon(step))
+    if ledger.mechanism is not None:
+        ledger.epsilon.assign(ledger.mechanism.epsilon(step))
     manager.save(checkpoint_number=step)
 
 
@@ -256,6 +293,79 @@ def make_privacy_ledger(mechanism: accounting.DPMechanism, *, sampling_seed: int
 
 
 _LEDGER_KEY = "ledger/{}/.ATTRIBUTES/VARIABLE_VALUE"
+NOT_PRIVATE = "NOT PRIVATE"
+
+
+def make_non_private_ledger(num_steps: int, *, sampling_seed: int,
+                            config: str = "") -> tf.Module:
+    """The checkpoint's ledger of a NON-PRIVATE run (`privacy=None`): no mechanism, no epsilon.
+
+    It takes the privacy ledger's place in the checkpoint (under the same
+    name, `ledger`), with `privacy` = "NOT PRIVATE" as its mark, so that a
+    private run never resumes a non-private checkpoint, nor the other way
+    round (`check_privacy_ledger`, `check_non_private_ledger`). It holds
+    `privacy` (string), `steps` (int64, set before each save), the run's
+    `sampling_seed` (int64: the batches of step t are a function of (seed,
+    t), so a resumed run continues the same stream; not a secret here) and
+    `config` (the gin bindings). `ledger.mechanism` is None.
+
+    Args:
+      num_steps: the planned optimizer updates (kept as `ledger.num_steps`).
+      sampling_seed: the seed of the batches.
+      config: the run's gin bindings.
+
+    Returns:
+      A `tf.Module` to add to the `tf.train.Checkpoint` as `ledger`.
+    """
+    ledger = tf.Module(name="non_private_ledger")
+    ledger.mechanism = None
+    ledger.num_steps = int(num_steps)
+    with tf.device("/CPU:0"):
+        ledger.privacy = tf.Variable(NOT_PRIVATE, trainable=False, name="privacy")
+        ledger.steps = tf.Variable(0, dtype=tf.int64, trainable=False, name="steps")
+        ledger.sampling_seed = tf.Variable(int(sampling_seed), dtype=tf.int64, trainable=False,
+                                           name="sampling_seed")
+        ledger.config = tf.Variable(config, trainable=False, name="config")
+    return ledger
+
+
+def _is_non_private(reader):
+    key = _LEDGER_KEY.format("privacy")
+    return reader.has_tensor(key) and reader.get_tensor(key).decode() == NOT_PRIVATE
+
+
+def check_non_private_ledger(checkpoint_path: str, num_steps: int):  # -> (steps, config)
+    """Refuses to resume a PRIVATE run's checkpoint without privacy, or too many steps.
+
+    Args:
+      checkpoint_path: the workdir's latest checkpoint.
+      num_steps: the non-private run's planned updates.
+
+    Returns:
+      `(steps, config)`: the steps the checkpoint holds and its gin bindings.
+
+    Raises:
+      ValueError: the checkpoint is a private run's (or an unknown one's), or
+        it holds more steps than planned.
+    """
+    reader = tf.train.load_checkpoint(checkpoint_path)
+    if not _is_non_private(reader):
+        private = reader.has_tensor(_LEDGER_KEY.format("mechanism_json"))
+        raise ValueError(
+            f"The checkpoint {checkpoint_path} is of a "
+            f"{'PRIVATE (DP-SGD) run' if private else 'run that recorded no privacy mode'}; "
+            "this run has privacy=None (NOT PRIVATE). Resuming it without privacy would "
+            "continue private iterates with non-private steps, and neither the privacy "
+            "report nor the NOT PRIVATE statement would describe the model. Nothing was "
+            "changed. Use a new workdir for the non-private run, or drop privacy=None to "
+            "resume the private one.")
+    steps = int(reader.get_tensor(_LEDGER_KEY.format("steps")))
+    if steps > num_steps:
+        raise ValueError(
+            f"This workdir already holds {steps} steps, more than the {num_steps} planned "
+            f"now (NUM_STEPS). Nothing was changed. Plan at least {steps} steps to resume it, "
+            "or use a new workdir.")
+    return steps, reader.get_tensor(_LEDGER_KEY.format("config")).decode()
 
 
 def check_privacy_ledger(checkpoint_path: str, mechanism: accounting.DPMechanism, *,
@@ -285,6 +395,14 @@ def check_privacy_ledger(checkpoint_path: str, mechanism: accounting.DPMechanism
         (never a secret seed's value) and says what to do.
     """
     reader = tf.train.load_checkpoint(checkpoint_path)
+    if _is_non_private(reader):
+        raise ValueError(
+            f"The checkpoint {checkpoint_path} is of a NON-PRIVATE run (privacy=None): its "
+            "steps had no clipping and no noise. Resuming it with DP-SGD would train a model "
+            "whose earlier steps no privacy report covers. Nothing was changed. Use a new "
+            "workdir for the private run (to fine-tune privately from it, load it as a "
+            "pretrained backbone), or set tfdp.train_and_evaluate.privacy = None to resume "
+            "the non-private one.")
     if not reader.has_tensor(_LEDGER_KEY.format("mechanism_json")):
         raise ValueError(
             f"The checkpoint {checkpoint_path} was written by an older tfdp that did not "
