@@ -61,7 +61,7 @@ def depthwise_model(num_classes=10):
     return keras.Model(inputs, keras.layers.Dense(num_classes)(x))
 
 
-def _positions(x):
+def positions(x):
     """0 .. T-1 for every example of `x` [batch, T, d] (float; Embedding casts to int)."""
     return ops.cumsum(ops.ones_like(x[:, :, 0]), axis=1) - 1.0
 
@@ -70,7 +70,7 @@ def vit_block(num_classes=10):
     """A tiny ViT: patch projection, position Embedding, pre-norm attention and MLP."""
     inputs = keras.Input((6, 5))  # 6 patches of 5 values
     x = keras.layers.Dense(8, name="patches")(inputs)
-    x = x + keras.layers.Embedding(6, 8, name="position")(_positions(inputs))
+    x = x + keras.layers.Embedding(6, 8, name="position")(positions(inputs))
     h = keras.layers.LayerNormalization()(x)
     x = x + keras.layers.MultiHeadAttention(2, 4, name="attention")(h, h)
     h = keras.layers.LayerNormalization()(x)
@@ -117,7 +117,7 @@ def image_vit(num_classes=10, *, input_shape=(32, 32, 3), patch=8, dim=16, heads
     x = keras.layers.Rescaling(1.0 / 255.0)(inputs)
     x = keras.layers.Conv2D(dim, patch, strides=patch, name="patch_embedding")(x)
     x = keras.layers.Reshape((-1, dim))(x)
-    x = x + keras.layers.Embedding(x.shape[1], dim, name="position_embedding")(_positions(x))
+    x = x + keras.layers.Embedding(x.shape[1], dim, name="position_embedding")(positions(x))
     for i in range(depth):
         h = keras.layers.LayerNormalization(epsilon=1e-6)(x)
         x = x + keras.layers.MultiHeadAttention(heads, dim // heads, name=f"attention_{i}")(h, h)
@@ -232,7 +232,8 @@ def float64_example_gradients(twin, images, labels):
                 labels=tf.fill([views.shape[0]], int(y)), logits=logits))
         grads = tape.gradient(loss, twin.trainable_variables,
                               unconnected_gradients=tf.UnconnectedGradients.ZERO)
-        gradients.append([g.numpy().astype(np.float64) for g in grads])
+        # An Embedding's gradient is IndexedSlices: made dense (repeated ids add up).
+        gradients.append([tf.convert_to_tensor(g).numpy().astype(np.float64) for g in grads])
     return gradients
 
 
