@@ -232,8 +232,9 @@ def _frozen_state(model):
             if "seed_generator" not in v.path}
 
 
-# Over ~20 s each (2026-11-25, 2 shared cores, AVX-512 with oneDNN on): EfficientNetB0 all
-# 41 s, ConvNeXtTiny all 35 s; the others 5-12 s (BUILD.md, issue 20 Sec. 4-5).
+# Over ~20 s on a loaded machine (2026-11-25, 2 shared cores, AVX-512 with oneDNN on):
+# EfficientNetB0 all 14-41 s, ConvNeXtTiny all 27-35 s; the others 3-12 s (BUILD.md,
+# issue 20 Sec. 4-5).
 SLOW_SMOKE = {("EfficientNetB0", "all"), ("ConvNeXtTiny", "all")}
 
 
