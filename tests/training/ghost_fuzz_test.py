@@ -534,9 +534,9 @@ def _vectorized(model, images, labels, loop=False):
         for x, y in zip(images, labels):
             with tf.GradientTape() as tape:
                 loss, _ = example_loss((tf.constant(x), tf.constant(y)))
-            gradients.append([np.asarray(tf.convert_to_tensor(g), np.float64) for g in tape.gradient(
-                loss, model.trainable_variables,
-                unconnected_gradients=tf.UnconnectedGradients.ZERO)])
+            grads = tape.gradient(loss, model.trainable_variables,
+                                  unconnected_gradients=tf.UnconnectedGradients.ZERO)
+            gradients.append([np.asarray(tf.convert_to_tensor(g), np.float64) for g in grads])
         return gradients
     grads, _ = clipping.per_example_gradients(ghost_testing.example_loss_fn(model),
                                               model.trainable_variables,

@@ -16,7 +16,7 @@ clipping; Kong, Ribero & Velegkas 2024 for convolutions):
 | weight-standardized kernel   | the above, chained through WS        | `ws_kernel_sq_norms`         |
 | einsum kernel (EinsumDense)  | the above, input/output as rows      | `einsum_kernel_sq_norms`     |
 | depthwise conv kernel        | sum_r a_rc g_rc^T per channel c      | `depthwise_kernel_sq_norms`  |
-| grouped conv kernel          | sum_r a_rg g_rg^T per group g        | `grouped_conv2d_kernel_sq_norms` |
+| grouped conv kernel          | sum_r a_rg g_rg^T per group g    | `grouped_conv2d_kernel_sq_norms` |
 | embedding table              | g_r scattered into row id_r          | `embedding_sq_norms`         |
 | bias, offset (beta)          | sum_r g_r                            | `broadcast_sq_norms`         |
 | scale (gamma, gain, skip)    | sum_r x_r * g_r                      | `broadcast_sq_norms`         |
