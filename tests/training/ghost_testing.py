@@ -61,7 +61,7 @@ def depthwise_model(num_classes=10):
     return keras.Model(inputs, keras.layers.Dense(num_classes)(x))
 
 
-def _positions(x):
+def positions(x):
     """0 .. T-1 for every example of `x` [batch, T, d] (float; Embedding casts to int)."""
     return ops.cumsum(ops.ones_like(x[:, :, 0]), axis=1) - 1.0
 
@@ -70,7 +70,7 @@ def vit_block(num_classes=10):
     """A tiny ViT: patch projection, position Embedding, pre-norm attention and MLP."""
     inputs = keras.Input((6, 5))  # 6 patches of 5 values
     x = keras.layers.Dense(8, name="patches")(inputs)
-    x = x + keras.layers.Embedding(6, 8, name="position")(_positions(inputs))
+    x = x + keras.layers.Embedding(6, 8, name="position")(positions(inputs))
     h = keras.layers.LayerNormalization()(x)
     x = x + keras.layers.MultiHeadAttention(2, 4, name="attention")(h, h)
     h = keras.layers.LayerNormalization()(x)
@@ -87,6 +87,45 @@ def token_embedding_model(num_classes=10):
     x = keras.layers.EinsumDense("abc,cde->abde", (5, 2, 3), bias_axes="de")(x)
     x = keras.layers.EinsumDense("abcd,cde->abe", (5, 6), bias_axes="e")(x)
     return keras.Model(inputs, keras.layers.Dense(num_classes)(keras.layers.Flatten()(x)))
+
+
+def convnext_block_model(num_classes=10):
+    """ConvNeXt's layers (keras.applications.ConvNeXt*): a patchify stem, a block of a
+    grouped 7x7 "depthwise" Conv2D(groups=C), LayerNorm, Dense on the 4-D activations
+    (pointwise convolutions), LayerScale and the residual add, then a strided 2x2 conv."""
+    from keras.src.applications import convnext  # LayerScale: Keras exports no name
+
+    inputs = keras.Input((8, 8, 3))
+    x = keras.layers.Conv2D(8, 2, strides=2, name="stem")(inputs)
+    x = keras.layers.LayerNormalization(epsilon=1e-6)(x)
+    y = keras.layers.Conv2D(8, 7, padding="same", groups=8, name="grouped")(x)
+    y = keras.layers.LayerNormalization(epsilon=1e-6)(y)
+    y = keras.layers.Dense(16, activation="gelu", name="pointwise_1")(y)
+    y = keras.layers.Dense(8, name="pointwise_2")(y)
+    y = convnext.LayerScale(0.5, 8, name="layer_scale")(y)
+    x = keras.layers.Conv2D(6, 2, strides=2, groups=2, name="down")(x + y)
+    x = keras.layers.GlobalAveragePooling2D()(x)
+    return keras.Model(inputs, keras.layers.Dense(num_classes)(x))
+
+
+def image_vit(num_classes=10, *, input_shape=(32, 32, 3), patch=8, dim=16, heads=2,
+              depth=2):
+    """A small ViT of Keras layers: a Conv2D patch embedding, a learned position
+    embedding (an Embedding over the patch positions, added), pre-norm
+    MultiHeadAttention and MLP blocks, LayerNorm, mean pooling, a Dense head."""
+    inputs = keras.Input(input_shape)
+    x = keras.layers.Rescaling(1.0 / 255.0)(inputs)
+    x = keras.layers.Conv2D(dim, patch, strides=patch, name="patch_embedding")(x)
+    x = keras.layers.Reshape((-1, dim))(x)
+    x = x + keras.layers.Embedding(x.shape[1], dim, name="position_embedding")(positions(x))
+    for i in range(depth):
+        h = keras.layers.LayerNormalization(epsilon=1e-6)(x)
+        x = x + keras.layers.MultiHeadAttention(heads, dim // heads, name=f"attention_{i}")(h, h)
+        h = keras.layers.LayerNormalization(epsilon=1e-6)(x)
+        h = keras.layers.Dense(2 * dim, activation="gelu")(h)
+        x = x + keras.layers.Dense(dim)(h)
+    x = keras.layers.GlobalAveragePooling1D()(keras.layers.LayerNormalization(epsilon=1e-6)(x))
+    return keras.Model(inputs, keras.layers.Dense(num_classes)(x))
 
 
 # Every model family tfdp trains, at small sizes; inputs in the model's units.
@@ -115,6 +154,10 @@ FAMILIES = {
 LOOP_FAMILIES = {
     "vit_block": (vit_block, (6, 5), 1.0),
     "token_embedding": (token_embedding_model, (5,), 7.0),
+    # Dense on 4-D activations: the vectorized path meets the oneDNN bug there too.
+    "convnext_block": (convnext_block_model, (8, 8, 3), 255.0),
+    "image_vit": (lambda: image_vit(input_shape=(8, 8, 3), patch=4, dim=8, depth=1),
+                  (8, 8, 3), 255.0),
 }
 
 
@@ -189,7 +232,8 @@ def float64_example_gradients(twin, images, labels):
                 labels=tf.fill([views.shape[0]], int(y)), logits=logits))
         grads = tape.gradient(loss, twin.trainable_variables,
                               unconnected_gradients=tf.UnconnectedGradients.ZERO)
-        gradients.append([g.numpy().astype(np.float64) for g in grads])
+        # An Embedding's gradient is IndexedSlices: made dense (repeated ids add up).
+        gradients.append([tf.convert_to_tensor(g).numpy().astype(np.float64) for g in grads])
     return gradients
 
 

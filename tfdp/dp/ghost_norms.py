@@ -16,6 +16,7 @@ clipping; Kong, Ribero & Velegkas 2024 for convolutions):
 | weight-standardized kernel   | the above, chained through WS        | `ws_kernel_sq_norms`         |
 | einsum kernel (EinsumDense)  | the above, input/output as rows      | `einsum_kernel_sq_norms`     |
 | depthwise conv kernel        | sum_r a_rc g_rc^T per channel c      | `depthwise_kernel_sq_norms`  |
+| grouped conv kernel          | sum_r a_rg g_rg^T per group g    | `grouped_conv2d_kernel_sq_norms` |
 | embedding table              | g_r scattered into row id_r          | `embedding_sq_norms`         |
 | bias, offset (beta)          | sum_r g_r                            | `broadcast_sq_norms`         |
 | scale (gamma, gain, skip)    | sum_r x_r * g_r                      | `broadcast_sq_norms`         |
@@ -715,12 +716,9 @@ def depthwise_kernel_sq_norms(
     Output channel `c * M + m` (M = depth_multiplier, as
     `tf.nn.depthwise_conv2d`) is input channel c's patches times the kernel
     slice `[kh, kw, c, m]`: the gradient is, for each channel,
-    `h_c = sum_r a_rc g_rc^T` over the example's K x P patches. It is built
-    directly (R kh kw C M per example, the cost of the convolution itself,
-    and the size of the kernel per example), in float32, one block of
-    `conv2d_patches` at a time, and HELD: its squared norm is summed in
-    float64 and the weighted sum adds exactly these gradients (the direct
-    form of the module's "Rounding").
+    `h_c = sum_r a_rc g_rc^T` over the example's K x P patches. A depthwise
+    convolution is a grouped one with one input channel per group
+    (`grouped_conv2d_kernel_sq_norms`, which computes it).
 
     Args:
       inputs: float32 `[batch * K, height, width, channels]`.
@@ -735,20 +733,75 @@ def depthwise_kernel_sq_norms(
       gives float32 `[kh, kw, channels, M]`.
     """
     channels = inputs.shape[-1]
+    squares, weighted_sum = grouped_conv2d_kernel_sq_norms(
+        inputs, output_grads, kernel_size=kernel_size, strides=strides,
+        dilation_rate=dilation_rate, padding=padding, groups=channels, num_views=num_views)
+    shape = [*kernel_size, channels, depth_multiplier]
+    return squares, lambda factors: tf.reshape(weighted_sum(factors), shape)
+
+
+def grouped_conv2d_kernel_sq_norms(
+    inputs: tf.Tensor,
+    output_grads: tf.Tensor,
+    *,
+    kernel_size,
+    strides,
+    dilation_rate,
+    padding: str,
+    groups: int,
+    num_views: int = 1,
+):
+    """Per-example squared norm of a grouped Conv2D kernel's gradient (NHWC).
+
+    With G groups, input channels `g * Cg .. (g + 1) * Cg - 1` (Cg = C / G)
+    feed only output channels `g * Fg .. (g + 1) * Fg - 1` (Fg = filters / G),
+    through the kernel slice `[kh, kw, :, g * Fg : (g + 1) * Fg]`, as
+    `keras.layers.Conv2D(groups=G)` computes it. ConvNeXt's 7x7 "depthwise"
+    convolutions are `Conv2D(groups=C)` (Cg = 1). The gradient of group g is
+    `h_g = sum_r a_rg g_rg^T` over the example's K x P patches (a_rg: the
+    group's kh kw Cg patch entries). It is built directly (R kh kw Cg filters
+    per example, the cost of the convolution itself, and the size of the
+    kernel per example), in float32, one block of `conv2d_patches` at a
+    time, and HELD: its squared norm is summed in float64 and the weighted
+    sum adds exactly these gradients (the direct form of the module's
+    "Rounding"). G = 1 is an ordinary convolution, which `conv2d_kernel_sq_norms`
+    does with the cheaper of both forms.
+
+    Args:
+      inputs: float32 `[batch * K, height, width, channels]`.
+      output_grads: float32 `[batch * K, out_height, out_width, filters]`,
+        `dL/dz` of the convolution's output (before bias and activation).
+      kernel_size, strides, dilation_rate, padding: the convolution's.
+      groups: G, dividing both channels and filters.
+      num_views: K.
+
+    Returns:
+      `(squares, weighted_sum)`: float64 `[batch]`; `weighted_sum(factors)`
+      gives float32 `[kh, kw, channels / G, filters]`.
+
+    Raises:
+      ValueError: if G does not divide the channels and the filters.
+    """
+    channels, filters = inputs.shape[-1], output_grads.shape[-1]
+    if channels % groups or filters % groups:
+        raise ValueError(f"groups={groups} must divide the input channels ({channels}) and "
+                         f"the filters ({filters}).")
+    per_group, out_per_group = channels // groups, filters // groups
     rows = conv2d_patches(inputs, kernel_size=kernel_size, strides=strides,
                           dilation_rate=dilation_rate, padding=padding)
-    g = example_rows(output_grads, num_views)  # [batch, R, C * M]
-    g = tf.reshape(g, [tf.shape(g)[0], -1, channels, depth_multiplier])
+    g = example_rows(output_grads, num_views)  # [batch, R, filters]
+    g = tf.reshape(g, [tf.shape(g)[0], -1, groups, out_per_group])
 
     def block(a):  # [batch, R, F_k], F_k = offsets_k * C with the channel innermost
-        a = tf.reshape(a, [tf.shape(a)[0], -1, a.shape[-1] // channels, channels])
-        return tf.einsum("brkc,brcm->bkcm", a, g)
+        a = tf.reshape(a, [tf.shape(a)[0], -1, a.shape[-1] // channels, groups, per_group])
+        return tf.einsum("brkgc,brgf->bkgcf", a, g)
 
     h = tf.concat(_one_block_at_a_time(rows, num_views, block), axis=1)  # a's offset order
     if rows.order is not None:  # the same offset for all channels: the order of offsets
         h = tf.gather(h, np.argsort(rows.order[::channels] // channels), axis=1)
-    shape = [*kernel_size, channels, depth_multiplier]
-    h = tf.reshape(h, [-1, *shape])
+    # [batch, kh kw, G, Cg, Fg] -> the kernel's [kh, kw, Cg, G Fg]
+    shape = [*kernel_size, per_group, filters]
+    h = tf.reshape(tf.transpose(h, [0, 1, 3, 2, 4]), [-1, *shape])
     squares = _sum_of_squares(_wide(h))
     squares = _with_rounding_bound(squares, tf.sqrt(squares), math.prod(shape) + 8)
     return squares, _summer(h, squares)

@@ -39,8 +39,8 @@ checked on the tapped model's own graph, with the sites cut, not by listing
 cases (`GhostClipping._sole_uses`); every other variable falls back, and
 `clipping="auto"` then takes the vectorized path for the whole model.
 
-Rules (`register`): Dense, Conv2D, WSConv2D, ScaledWSConv2D,
-DepthwiseConv2D, EinsumDense, Embedding, GroupNormalization,
+Rules (`register`): Dense, Conv2D (also grouped), WSConv2D, ScaledWSConv2D,
+DepthwiseConv2D, ConvNeXt's LayerScale, EinsumDense, Embedding, GroupNormalization,
 LayerNormalization, NFResBlock and MultiHeadAttention (whose rules replay
 their `call` with every sub-layer tapped). A layer without trainable
 variables (a frozen BatchNormalization, a pooling) is called unchanged: it
@@ -268,9 +268,9 @@ def _dense(layer, inputs, recorder):
     return _bias_and_activation(layer, z, recorder)
 
 
-def _conv2d_geometry(layer):
+def _conv2d_geometry(layer, *, grouped=False):
     _require(layer.data_format == "channels_last", "channels_first convolution")
-    _require(layer.groups == 1, "grouped convolution")
+    _require(grouped or layer.groups == 1, "grouped convolution")
     _require(not layer.lora_enabled, "LoRA convolution kernel")
     return dict(kernel_size=layer.kernel_size, strides=layer.strides,
                 dilation_rate=layer.dilation_rate, padding=layer.padding)
@@ -278,11 +278,16 @@ def _conv2d_geometry(layer):
 
 @register(keras.layers.Conv2D)
 def _conv2d(layer, inputs, recorder):
-    geometry = _conv2d_geometry(layer)
+    """A convolution; grouped ones (ConvNeXt's `Conv2D(groups=C)`) by the grouped rule."""
+    geometry = _conv2d_geometry(layer, grouped=True)
+    if layer.groups == 1:
+        norms = lambda ins, out, g, k: ghost_norms.conv2d_kernel_sq_norms(  # noqa: E731
+            ins[0], g, num_views=k, **geometry)
+    else:
+        norms = lambda ins, out, g, k: ghost_norms.grouped_conv2d_kernel_sq_norms(  # noqa: E731
+            ins[0], g, groups=layer.groups, num_views=k, **geometry)
     z = recorder.site(
-        layer, [layer.kernel], [inputs], lambda x: layer.convolution_op(x, layer.kernel),
-        lambda ins, out, g, k: ghost_norms.conv2d_kernel_sq_norms(
-            ins[0], g, num_views=k, **geometry))
+        layer, [layer.kernel], [inputs], lambda x: layer.convolution_op(x, layer.kernel), norms)
     return _bias_and_activation(layer, z, recorder)
 
 
@@ -381,6 +386,34 @@ def _depthwise_conv2d(layer, inputs, recorder):
         lambda ins, out, g, k: ghost_norms.depthwise_kernel_sq_norms(
             ins[0], g, num_views=k, **geometry))
     return _bias_and_activation(layer, z, recorder)
+
+
+try:  # ConvNeXt's LayerScale: Keras exports no name for it (keras.applications.convnext)
+    from keras.src.applications.convnext import LayerScale as _ConvNeXtLayerScale
+except ImportError:  # another Keras: the layer has no rule and keeps the vectorized path
+    _ConvNeXtLayerScale = None
+
+
+def _layer_scale(layer, inputs, recorder):
+    """ConvNeXt's LayerScale, `x * gamma` with gamma `[projection_dim]`: a scale site.
+
+    The class is Keras' own (`keras.applications.ConvNeXt*` build it; a saved
+    model loads it back as the same class). `LayerScale.call` is `x * gamma`
+    (keras/src/applications/convnext.py); `tests/training/ghost_backbones_test.py`
+    checks that this replay equals the layer, so that a Keras that changes
+    it fails there.
+    """
+    _require([v.path for v in layer.trainable_variables] == [layer.gamma.path]
+             and tuple(layer.gamma.shape) == (inputs.shape[-1],),
+             "LayerScale whose variables are not one gamma over the last axis")
+    return recorder.site(
+        layer, [layer.gamma], [inputs], lambda x: x * layer.gamma,
+        lambda ins, out, g, k: ghost_norms.broadcast_sq_norms(
+            g, layer.gamma.shape, inputs=ins[0], num_views=k))
+
+
+if _ConvNeXtLayerScale is not None:
+    register(_ConvNeXtLayerScale)(_layer_scale)
 
 
 @register(keras.layers.EinsumDense)
