@@ -24,6 +24,7 @@ from tfdp.data.padding import pad_batches
 from tfdp.data.padding import truncation_probability
 from tfdp.data.pipeline import eval_batches
 from tfdp.data.pipeline import train_batches
+from tfdp.data.pipeline import train_chunks
 from tfdp.data.sampling import SAMPLING_SCHEMES
 from tfdp.data.sampling import index_batches
 from tfdp.data.sampling import poisson_indices

@@ -14,6 +14,7 @@ from tfdp import models
 from tfdp.dp import clipping
 from tfdp.dp import coins
 from tfdp.dp import noise
+from tfdp.training import distribute
 from tfdp.training import ema
 from tfdp.training import ghost_clipping
 
@@ -266,6 +267,8 @@ class DPModel(keras.Model):
         self.model = model
         self.clipping = clipping
         self._ghost = None  # the GhostClipping chosen in compile(), or None
+        self._chunked_input = False  # fit's input: logical batches, or ChunkedInput
+        self._accumulators = None
         self.mechanism = mechanism
         self.accumulation_steps = int(accumulation_steps)
         self.ema_decay = None if ema_decay is None else float(ema_decay)
@@ -308,6 +311,21 @@ class DPModel(keras.Model):
         bound = inspect.signature(keras.Model.fit).bind(self, x, *args, **kwargs).arguments
         refuse_example_weights(bound.get("class_weight"), bound.get("sample_weight"),
                                where="DPModel.fit")
+        chunked = isinstance(x, distribute.ChunkedInput)
+        if chunked:
+            if x.accumulation_steps != self.accumulation_steps:
+                raise ValueError(
+                    f"The input is cut into {x.accumulation_steps} accumulation chunks per "
+                    f"replica, but this DPModel has accumulation_steps="
+                    f"{self.accumulation_steps}; build both with the same value.")
+            if self.steps_per_execution != 1:
+                raise ValueError("Chunked input needs steps_per_execution = 1 (one call of "
+                                 "the train function is one logical batch).")
+            self._make_accumulators()
+            x = x.dataset
+        if chunked != self._chunked_input:  # the other input layout: a new train function
+            self._chunked_input = chunked
+            self.train_function = None
         if not isinstance(x, (tf.data.Dataset, tf.distribute.DistributedDataset)):
             raise ValueError(
                 f"DPModel.fit takes a tf.data.Dataset of Poisson batches, got "
@@ -319,6 +337,89 @@ class DPModel(keras.Model):
         # only warn that it is ignored for a Dataset.
         kwargs.setdefault("shuffle", False)
         return super().fit(x, *args, **kwargs)
+
+    # -- Chunked input: one train-function call pulls a chunks per replica ----
+
+    def make_train_function(self, force=False):
+        """Keras' train function, or for `ChunkedInput` one that takes a chunks per update.
+
+        For chunked input (`tfdp.training.distribute.ChunkedInput`), one call
+        of the train function, i.e. one Keras step (callbacks, metrics, the
+        optimizer's iteration count), is one logical batch: it zeroes this
+        replica's accumulators, runs `accumulation_steps` times
+        `strategy.run(accumulate one chunk)` on the next element of the
+        (distributed) iterator, then once `strategy.run(update)`: noise,
+        division by B, `apply_gradients`, EMA, metrics, exactly the tail of
+        `train_step`. The accumulators are replica-local variables
+        (`ON_READ`), one copy of the clipped-sum state per replica, kept out
+        of checkpoints (they are zero between updates). Logs are the mean of
+        the replicas' metric results, as Keras' own reduction gives outside
+        TPUs.
+        """
+        if not self._chunked_input:
+            return super().make_train_function(force=force)
+        if self.train_function is not None and not force:
+            return self.train_function
+        strategy = self.distribute_strategy
+        steps = self.accumulation_steps
+
+        def zero():
+            strategy.run(self._zero_accumulators)
+
+        def accumulate(data):
+            strategy.run(self._accumulate_chunk, args=(data,))
+
+        def update():
+            logs = strategy.run(self._update_from_accumulators)
+            return {name: strategy.reduce(tf.distribute.ReduceOp.MEAN, value, axis=None)
+                    for name, value in logs.items()}
+
+        if not self.run_eagerly:
+            accumulate = tf.function(accumulate, jit_compile=self.jit_compile,
+                                     reduce_retracing=True)
+
+        def one_update(iterator):
+            zero()
+            for _ in tf.range(steps):
+                accumulate(iterator.get_next())
+            return update()
+
+        if not self.run_eagerly:
+            one_update = tf.function(one_update, reduce_retracing=True)
+        self.train_function = one_update
+        return one_update
+
+    def _make_accumulators(self):
+        """Replica-local zeros shaped like `_zero_contribution()`, made once."""
+        if self._accumulators is not None:
+            return
+        with self.distribute_strategy.scope():
+            variables = [
+                tf.Variable(z, trainable=False, name=f"dp_accumulator_{i}",
+                            synchronization=tf.VariableSynchronization.ON_READ,
+                            aggregation=tf.VariableAggregation.SUM)
+                for i, z in enumerate(tf.nest.flatten(self._zero_contribution()))]
+        # A plain tuple in a plain object: no Keras or checkpoint tracking.
+        self._accumulators = _Untracked(tuple(variables))
+
+    def _zero_accumulators(self):
+        for v in self._accumulators.value:
+            v.assign(tf.zeros_like(v))
+
+    def _accumulate_chunk(self, data):
+        """Replica context: adds one chunk's contribution to this replica's accumulators."""
+        images, labels, mask = self._unpack(data)
+        mask = _binary(mask)
+        ids = self.draw_microbatch_ids(mask) if self.mechanism.num_microbatches else None
+        contribution = self._chunk_contribution(images, labels, mask, ids)
+        for v, c in zip(self._accumulators.value, tf.nest.flatten(contribution)):
+            v.assign_add(c)
+
+    def _update_from_accumulators(self):
+        """Replica context: the update of the logical batch accumulated so far."""
+        flat = [tf.identity(v) for v in self._accumulators.value]
+        total = tf.nest.pack_sequence_as(self._zero_contribution(), flat)
+        return self._apply_update(*self._finish_accumulation(total))
 
     def train_on_batch(self, x, y=None, sample_weight=None, class_weight=None,
                        return_dict=False):
@@ -433,7 +534,8 @@ class DPModel(keras.Model):
         loss = tf.reduce_mean(self._loss_fn(labels, logits))
         return loss, (loss, tf.reduce_mean(logits, axis=0))
 
-    def train_step(self, data):
+    def _unpack(self, data):
+        """`(images, labels, mask float32)` of a batch or chunk; checks that the mask is 0/1."""
         images, labels, mask = keras.utils.unpack_x_y_sample_weight(data)
         if mask is None:
             mask = tf.ones(tf.shape(labels)[:1], tf.float32)
@@ -444,7 +546,14 @@ class DPModel(keras.Model):
             message="The third element of a training batch is the padding mask and must be 0 "
                     "or 1: per-example weights scale the sensitivity (DPModel refuses "
                     "class_weight and sample_weight).")
-        summed, stats = self.clip_and_accumulate(images, labels, mask)
+        return images, labels, mask
+
+    def train_step(self, data):
+        images, labels, mask = self._unpack(data)
+        return self._apply_update(*self.clip_and_accumulate(images, labels, mask))
+
+    def _apply_update(self, summed, stats):
+        """Noise once, divide by B, apply, EMA, metrics: the step after accumulation."""
         gradients = self.scale_update(self.add_noise(summed))
         self.optimizer.apply_gradients(zip(gradients, self.trainable_variables))
         self._update_ema()
@@ -472,13 +581,41 @@ class DPModel(keras.Model):
           the logical batch. `stats` are the metric sums (loss, correct,
           pre-clip norms, clipped units, examples, clipped units count).
         """
-        # 0/1 by construction: a mask is never a weight (`refuse_example_weights`).
-        mask = tf.cast(tf.cast(mask, tf.float32) > 0, tf.float32)
+        mask = _binary(mask)
+        tensors = (images, labels, mask)
         if self.mechanism.num_microbatches:
-            return self._microbatch_clipped_sum(images, labels, mask)
-        zeros = [tf.zeros_like(v) for v in self.trainable_variables]
-        initial = (zeros, tuple(tf.zeros([]) for _ in range(6)))
-        return self._accumulate(self._clipped_chunk, (images, labels, mask), initial)
+            tensors += (self.draw_microbatch_ids(mask),)
+        total = self._accumulate(self._chunk_contribution, tensors, self._zero_contribution())
+        return self._finish_accumulation(total)
+
+    def _zero_contribution(self):
+        """Zeros shaped like one chunk's contribution (`_chunk_contribution`)."""
+        if self.mechanism.num_microbatches:
+            m = self.mechanism.num_microbatches
+            return ([tf.zeros([m, *v.shape]) for v in self.trainable_variables], tf.zeros([m]),
+                    tuple(tf.zeros([]) for _ in range(3)))
+        return ([tf.zeros(v.shape) for v in self.trainable_variables],
+                tuple(tf.zeros([]) for _ in range(6)))
+
+    def _chunk_contribution(self, images, labels, mask, ids=None):
+        """What one chunk adds to the accumulators: clipped sums (or microbatch sums)."""
+        if not self.mechanism.num_microbatches:
+            return self._clipped_chunk(images, labels, mask)
+        grads, (losses, logits) = clipping.per_example_gradients(
+            self._example_loss, self.trainable_variables, (images, labels)
+        )
+        m = self.mechanism.num_microbatches
+        sums = [tf.math.unsorted_segment_sum(g * _expand(mask, g), ids, m) for g in grads]
+        counts = tf.math.unsorted_segment_sum(mask, ids, m)
+        stats = (tf.reduce_sum(losses * mask), tf.reduce_sum(_hits(logits, labels) * mask),
+                 tf.reduce_sum(mask))
+        return sums, counts, stats
+
+    def _finish_accumulation(self, total):
+        """`(summed, stats)` from the accumulated contributions of all chunks."""
+        if not self.mechanism.num_microbatches:
+            return total
+        return self._clip_microbatches(*total)
 
     def _accumulate(self, chunk_fn, tensors, initial):
         """Sums `chunk_fn(*chunk)` over `accumulation_steps` consecutive chunks.
@@ -537,25 +674,9 @@ class DPModel(keras.Model):
         return self.noise_generator.uniform(
             tf.shape(mask), 0, self.mechanism.num_microbatches, dtype=tf.int32)
 
-    def _microbatch_clipped_sum(self, images, labels, mask):
+    def _clip_microbatches(self, sums, counts, metric_sums):
         """Clipped sum of microbatch means, microbatches global over chunks and replicas."""
-        m = self.mechanism.num_microbatches
-        ids = self.draw_microbatch_ids(mask)
-
-        def chunk_fn(images, labels, mask, ids):
-            grads, (losses, logits) = clipping.per_example_gradients(
-                self._example_loss, self.trainable_variables, (images, labels)
-            )
-            sums = [tf.math.unsorted_segment_sum(g * _expand(mask, g), ids, m) for g in grads]
-            counts = tf.math.unsorted_segment_sum(mask, ids, m)
-            stats = (tf.reduce_sum(losses * mask), tf.reduce_sum(_hits(logits, labels) * mask),
-                     tf.reduce_sum(mask))
-            return sums, counts, stats
-
-        initial = ([tf.zeros([m, *v.shape]) for v in self.trainable_variables], tf.zeros([m]),
-                   tuple(tf.zeros([]) for _ in range(3)))
-        sums, counts, (loss_sum, correct, examples) = self._accumulate(
-            chunk_fn, (images, labels, mask, ids), initial)
+        loss_sum, correct, examples = metric_sums
         num_replicas = self.distribute_strategy.num_replicas_in_sync
         if num_replicas > 1:  # microbatches span replicas: sum them before clipping
             sums, counts = tf.distribute.get_replica_context().all_reduce(
@@ -599,6 +720,18 @@ class DPModel(keras.Model):
             "loss": self.loss_tracker.result(),
             "accuracy": self.accuracy_tracker.result(),
         }
+
+
+class _Untracked:
+    """Holds a value out of Keras' and tf.train.Checkpoint's tracking."""
+
+    def __init__(self, value):
+        self.value = value
+
+
+def _binary(mask):
+    """0/1 float32 by construction: a mask is never a weight (`refuse_example_weights`)."""
+    return tf.cast(tf.cast(mask, tf.float32) > 0, tf.float32)
 
 
 def _hits(logits, labels):
