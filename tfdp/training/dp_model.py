@@ -346,7 +346,7 @@ class DPModel(keras.Model):
         For chunked input (`tfdp.training.distribute.ChunkedInput`), one call
         of the train function, i.e. one Keras step (callbacks, metrics, the
         optimizer's iteration count), is one logical batch: it zeroes this
-        replica's accumulators, runs `accumulation_steps` times
+        replica's accumulators, runs `accumulation_steps` times, in order,
         `strategy.run(accumulate one chunk)` on the next element of the
         (distributed) iterator, then once `strategy.run(update)`: noise,
         division by B, `apply_gradients`, EMA, metrics, exactly the tail of
@@ -379,8 +379,11 @@ class DPModel(keras.Model):
                                      reduce_retracing=True)
 
         def one_update(iterator):
+            # A Python loop: automatic control dependencies then run the chunks strictly in
+            # order (a tf.while_loop may overlap iterations, which reorders the float sums
+            # and breaks bitwise determinism).
             zero()
-            for _ in tf.range(steps):
+            for _ in range(steps):
                 accumulate(iterator.get_next())
             return update()
 
