@@ -67,8 +67,9 @@ def _measure(pipeline, batch_size, num_steps):
     rss_after_import = _rss_mb()
     source = data.TFDSSource("synthetic_imagenet", "train", data_dir=_DATA_DIR.value,
                              image_size=_IMAGE_SIZE)
-    chunks_per_replica = batch_size // (_REPLICAS * _SLOTS * 8 // 9)  # S = 9/8 B
-    static = _REPLICAS * chunks_per_replica * _SLOTS
+    chunks_per_replica = max(1, batch_size // (_REPLICAS * _SLOTS * 8 // 9))  # S = 9/8 B
+    static = (_REPLICAS * chunks_per_replica * _SLOTS if pipeline == "chunks"
+              else batch_size * 9 // 8)
     mechanism = accounting.DPMechanism(
         num_examples=source.num_examples, batch_size=batch_size, num_steps=num_steps,
         noise_multiplier=2.5, l2_clip_norm=1.0, delta=1e-6)

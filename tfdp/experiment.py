@@ -4,8 +4,9 @@ Flow: data (TFDS, Poisson sampling) -> augment (augmult views) -> model ->
 DPModel (per-example clipping, noise once per logical batch) -> fit with
 callbacks (epsilon, metrics.jsonl, TensorBoard, checkpoints) -> privacy report
 -> SavedModel. Under a tf.distribute strategy (`tfdp.training.distribute`) the
-model is built in the strategy's scope, each replica trains on its slice of
-every (padded, masked) logical batch, and only the chief writes the outputs.
+model is built in the strategy's scope, each host reads only its replicas'
+chunks of every (padded, masked) logical batch, and only the chief writes the
+outputs.
 """
 
 import contextlib

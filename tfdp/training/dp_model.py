@@ -209,6 +209,14 @@ class DPModel(keras.Model):
     asserts that the mask is 0/1, and the clipped sum reads it as `mask > 0`
     whatever it holds (issue 18).
 
+    Chunked input (what the trainer feeds, issue 21): `fit` also takes a
+    `tfdp.training.distribute.ChunkedInput`, whose elements are single
+    accumulation chunks (`tfdp.data.train_chunks`: each host reads only its
+    replicas' chunks). One Keras step then pulls `accumulation_steps` chunks
+    per replica into replica-local accumulators and makes one update
+    (`make_train_function`); the update equals that of the same logical
+    batch fed whole (tests/training/chunked_input_test.py).
+
     Metrics: `loss`, `accuracy` (on the mean logits of the views), `grad_norm`
     (mean pre-clip norm of the clipped units: examples, or microbatches) and
     `clipped_fraction`.
