@@ -36,8 +36,12 @@ Each replica adds an independent N(0, (sigma C)^2 / R) draw (`DPModel`), so the
 noise of the logical batch is exactly N(0, (sigma C)^2); the optimizer then
 divides by the expected batch size B (public).
 
-Sensitivity for adjacent batches (add-or-remove one example x). Fix the
-coins. D' = D + {x}. Outside the truncation event (|B_t| < S for D', so also
+Sensitivity for adjacent batches (add-or-remove one example x), D' = D + {x}.
+Couple the two runs: the same Poisson coin for every shared example (the
+coins are i.i.d. and secret, so this is a valid coupling wherever x sits in
+the index order) and, with microbatches, the same secret i.i.d. microbatch id
+for every shared example. Views need no coupling: they are a public function
+of the example. Outside the truncation event (|B_t| < S for D', so also
 for D), B'_t(D') = B'_t(D) or B'_t(D) + {x}: inserting x into the sorted
 vector shifts later examples to other slots, chunks, replicas or hosts, but
 s(.) is a sum over the SET of sampled examples of a term that depends on each
