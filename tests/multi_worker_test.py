@@ -7,13 +7,17 @@ taking its half of every static (padded, masked) logical batch. The chief
 that it deletes.
 """
 
+import collections
 import json
 import os
 import socket
 import subprocess
 import sys
 
+import numpy as np
 import tensorflow as tf
+
+from tfdp import data
 
 NUM_STEPS = 4
 
@@ -102,3 +106,160 @@ def test_two_workers_on_loopback_train_and_the_chief_writes_once(tmp_path):
         "ledger/sampling_seed/.ATTRIBUTES/VARIABLE_VALUE")
     # Worker 1 wrote its copies into a temp dir and deleted it.
     assert not any(name.startswith("tfdp_worker") for name in os.listdir(temp_dirs[1]))
+
+
+# -- Per-host input: 2 workers x 2 replicas read exactly their share (issue 21) --
+
+_SHARE_WRAPPER = r'''
+import atexit, json, os, sys, threading
+import tensorflow as tf
+# 2 (or 4) logical CPU devices, before TensorFlow initializes.
+cpu = tf.config.list_physical_devices("CPU")[0]
+local = int(os.environ["TFDP_TEST_LOCAL_DEVICES"])
+tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * local)
+# Test only: MultiWorkerMirroredStrategy takes one CPU device per worker; give it `local`.
+from tensorflow.python.distribute import collective_all_reduce_strategy as collective
+def local_devices(self, cluster_resolver, worker_device):
+    return tuple(f"{worker_device}/device:CPU:{i}" for i in range(local)), "CPU"
+collective.CollectiveAllReduceExtended._initialize_local_devices = local_devices
+# Record the training records this process reads: the indices of every read.
+from tfdp.data import tfds_source
+reads, lock = [], threading.Lock()
+original_fetch = tfds_source.TFDSSource._fetch
+def fetch(self, indices):
+    if self.split == "train" and len(indices):
+        with lock:
+            reads.append([int(i) for i in indices])
+    return original_fetch(self, indices)
+tfds_source.TFDSSource._fetch = fetch
+def dump():
+    with open(os.environ["TFDP_TEST_READS"], "w") as f:
+        json.dump(reads, f)
+atexit.register(dump)
+from tfdp import data
+with data.mock_data(num_examples=64):
+    from tfdp import main
+    sys.argv = ["tfdp.main"] + sys.argv[1:]
+    main.run()
+'''
+
+SHARE_STEPS, SAMPLING_SEED, ACCUMULATION, SHARE_BATCH = 3, 7, 2, 32
+
+
+def _run_cluster(tmp_path, name, workers, local_devices):
+    """One job of `workers` processes x `local_devices` CPU replicas; returns its dir."""
+    root = tmp_path / name
+    root.mkdir()
+    (root / "run.py").write_text(_SHARE_WRAPPER)
+    cluster = {"worker": [f"127.0.0.1:{port}" for port in _free_ports(workers)]}
+    command = [
+        sys.executable, str(root / "run.py"), f"--workdir={root / 'workdir'}",
+        "--gin_file=fashion_mnist.gin", "--gin_file=smoke.gin",
+        *[f"--gin_param={p}" for p in (
+            "NUM_EXAMPLES = 64", f"BATCH_SIZE = {SHARE_BATCH}", f"NUM_STEPS = {SHARE_STEPS}",
+            "TARGET_EPSILON = None", "NOISE_MULTIPLIER = 1.0",
+            f"tfdp.train_and_evaluate.eval_every_steps = {SHARE_STEPS}",
+            "tfdp.train_and_evaluate.strategy = 'multi_worker_mirrored'",
+            "tfdp.train_and_evaluate.static_batch_size = 'auto'",
+            f"tfdp.train_and_evaluate.accumulation_steps = {ACCUMULATION}",
+            "tfdp.train_and_evaluate.augmentation = 'mnist_crop'",
+            "tfdp.train_and_evaluate.augmult = 2",
+            "tfdp.train_and_evaluate.deterministic = True",
+            "tfdp.train_and_evaluate.noise_seed = 3",
+            f"tfdp.train_and_evaluate.sampling_seed = {SAMPLING_SEED}",
+        )],
+    ]
+    procs = []
+    for index in range(workers):
+        (root / f"tmp{index}").mkdir()
+        env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "TMPDIR": str(root / f"tmp{index}"),
+               "TF_CONFIG": json.dumps({"cluster": cluster,
+                                        "task": {"type": "worker", "index": index}}),
+               "TFDP_TEST_LOCAL_DEVICES": str(local_devices),
+               "TFDP_TEST_READS": str(root / f"reads{index}.json")}
+        procs.append(subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL,
+                                      stderr=subprocess.PIPE, text=True))
+    return root, procs
+
+
+def _wait(procs):
+    errors = []
+    try:
+        for proc in procs:
+            errors.append(proc.communicate(timeout=600)[1])
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    for proc, stderr in zip(procs, errors):
+        assert proc.returncode == 0, stderr[-4000:]
+
+
+def _checkpoint_floats(workdir):
+    reader = tf.train.load_checkpoint(tf.train.latest_checkpoint(str(workdir / "checkpoints")))
+    dtypes = reader.get_variable_to_dtype_map()
+    return {name: reader.get_tensor(name) for name in dtypes
+            if dtypes[name].is_floating and "ledger" not in name}
+
+
+def test_each_worker_reads_its_share_and_matches_one_worker_with_four_replicas(tmp_path):
+    # Both jobs together: 2 workers x 2 replicas, and 1 worker x 4 replicas.
+    two, two_procs = _run_cluster(tmp_path, "two_workers", workers=2, local_devices=2)
+    one, one_procs = _run_cluster(tmp_path, "one_worker", workers=1, local_devices=4)
+    _wait(two_procs + one_procs)
+
+    reports = [json.loads((root / "workdir" / "privacy_report.json").read_text())
+               for root in (two, one)]
+    assert reports[0]["epsilon"] == reports[1]["epsilon"] > 0
+    truncation = reports[0]["truncation"]
+    assert truncation == reports[1]["truncation"]
+    assert (truncation["num_replicas"], truncation["accumulation_steps"]) == (4, ACCUMULATION)
+    static, per_replica = truncation["static_batch_size"], truncation["per_replica_batch_size"]
+
+    # What each worker must read: the truncated Poisson batch of every step, cut into
+    # R a = 8 slices of n slots; global replica r's chunk j is slice r a + j, and
+    # worker w owns replicas 2w and 2w + 1. One read per chunk (its real indices).
+    n = static // (4 * ACCUMULATION)
+    expected, whole = {0: [], 1: []}, []
+    for step in range(SHARE_STEPS):
+        batch = data.poisson_indices(SAMPLING_SEED, step, num_examples=64,
+                                     sampling_prob=SHARE_BATCH / 64)[:static].tolist()
+        for chunk in range(ACCUMULATION):
+            for replica in range(4):
+                k = replica * ACCUMULATION + chunk
+                if batch[k * n:(k + 1) * n]:
+                    expected[replica // 2].append(tuple(batch[k * n:(k + 1) * n]))
+                    whole.append(expected[replica // 2][-1])
+    assert sum(map(len, whole)) == sum(min(len(data.poisson_indices(
+        SAMPLING_SEED, t, num_examples=64, sampling_prob=SHARE_BATCH / 64)), static)
+        for t in range(SHARE_STEPS))
+    reads = [_reads(two / f"reads{index}.json") for index in range(2)]
+    for index in range(2):
+        _assert_reads_share(reads[index], expected[index])
+    assert not set(reads[0]) & set(reads[1])  # no chunk read by both workers
+    _assert_reads_share(_reads(one / "reads0.json"), whole)
+
+    # The same update, whatever host read which example: weights, EMA, optimizer
+    # slots and the noise generator's state, to float tolerance.
+    mine, reference = _checkpoint_floats(two / "workdir"), _checkpoint_floats(one / "workdir")
+    assert mine.keys() == reference.keys() and len(mine) > 5
+    for name in mine:
+        np.testing.assert_allclose(mine[name], reference[name], rtol=1e-5, atol=1e-6,
+                                   err_msg=name)
+
+
+def _reads(path):
+    return [tuple(chunk) for chunk in json.loads(path.read_text())]
+
+
+def _assert_reads_share(reads, share):
+    """Every chunk of `share` read, nothing else; extra reads only of a first prefix.
+
+    Keras' `fit` takes one element from a first iterator that it then drops
+    (`_maybe_symbolic_build`); that iterator has read ahead a few chunks of
+    the SAME stream, so those are read twice: the extras are a prefix of it.
+    """
+    assert set(reads) == set(share)
+    extra = collections.Counter(reads) - collections.Counter(share)
+    prefixes = [collections.Counter(share[:k]) for k in range(len(share) + 1)]
+    assert extra in prefixes, (extra, share)

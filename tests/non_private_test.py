@@ -134,9 +134,10 @@ def test_a_non_private_run_resumes_and_a_finished_one_is_returned(tmp_path, run_
 
 def test_a_private_run_keeps_the_dp_model_and_its_report(tmp_path, run_smoke, monkeypatch):
     built = []
-    monkeypatch.setattr(DPModel, "train_step",
-                        lambda self, data, _step=DPModel.train_step: (built.append(self),
-                                                                      _step(self, data))[1])
+    # Every update of the trainer's (chunked) input ends in _update_from_total.
+    monkeypatch.setattr(DPModel, "_update_from_total",
+                        lambda self, total, _update=DPModel._update_from_total: (
+                            built.append(self), _update(self, total))[1])
     report = run_smoke(tmp_path, ["fashion_mnist.gin"],
                        ["tfdp.train_and_evaluate.train_split = 'train[:64]'"])
     assert built and all(type(m) is DPModel for m in built)  # not NonPrivateModel

@@ -7,8 +7,9 @@ Flow: data (TFDS, Poisson sampling) -> augment (augmult views) -> model ->
 DPModel (per-example clipping, noise once per logical batch) -> fit with
 callbacks (epsilon, metrics.jsonl, TensorBoard, checkpoints) -> privacy report
 -> SavedModel. Under a tf.distribute strategy (`tfdp.training.distribute`) the
-model is built in the strategy's scope, each replica trains on its slice of
-every (padded, masked) logical batch, and only the chief writes the outputs.
+model is built in the strategy's scope, each host reads only its replicas'
+chunks of every (padded, masked) logical batch, and only the chief writes the
+outputs.
 """
 
 import contextlib
@@ -430,15 +431,12 @@ def train_and_evaluate(
             augment_fn = augment.get_augmentation(
                 augmentation or "none", **(augmentation_kwargs or {})
             )
-        train_ds = _train_dataset(
+        train_ds = distribute.distribute_chunks(dist, _train_dataset(
             train, mechanism, seed=int(ledger.sampling_seed.numpy()), start_step=start_step,
             augment_fn=augment_fn, augment_seed=[seed, 1], augmult=augmult,
             static_batch_size=mechanism.truncation and mechanism.truncation.static_batch_size,
-            multiple=dist.num_replicas_in_sync,
-        )
-        train_ds = distribute.distribute_logical_batches(
-            dist, train_ds, per_replica_size=(
-                mechanism.truncation and mechanism.truncation.per_replica_batch_size))
+            num_replicas=dist.num_replicas_in_sync, accumulation_steps=accumulation_steps,
+        ), accumulation_steps=accumulation_steps)
         eval_ds = data.eval_batches(test, batch_size=eval_batch_size, num_examples=eval_examples)
         augtest_spec = (augment_fn, augmult, [seed, 2]) if augtest else None
         _fit(dp_model, mechanism, manager, ledger, train_ds, eval_ds, out_dir,
@@ -980,31 +978,43 @@ def _record_in_study(study_dir, workdir, mechanism, *, sampling_seed):
 
 
 def _train_dataset(train, mechanism, *, seed, start_step, augment_fn, augment_seed, augmult,
-                   static_batch_size=None, multiple=1):
-    """Poisson (or shuffled) logical batches -> augmult views -> padded, one per update.
+                   static_batch_size=None, num_replicas=1, accumulation_steps=1):
+    """The chunks of the logical batches that some replicas read: a builder per host.
 
-    `train` is the split's source (`tfdp.data.TFDSSource`, read from disk, or
-    `ArraySource` for cached features); batches are read and decoded in
-    parallel, ahead of the training step. `seed` is the secret sampling seed
-    (`tfdp.dp.coins`); `augment_seed` the public one of the augmentations.
-    Batches are padded with a mask
-    (`tfdp.data.pad_batches`) to the static size, or else to a multiple of
-    the replica count when there are several replicas; one replica and no
-    static size keep the plain variable batches.
+    Returns `make_chunks(replicas: range) -> tf.data.Dataset` for
+    `tfdp.training.distribute.distribute_chunks`: Poisson (or shuffled)
+    index vectors, padded/truncated to the static size (or to a multiple of
+    R * accumulation_steps), cut into R * accumulation_steps chunks, of which
+    only `replicas`' are read, decoded and given their augmult views
+    (`tfdp.data.train_chunks`). Each element is one chunk `(views, labels,
+    mask)`; host memory holds a few chunks, not a logical batch.
+
+    `train` is the split's source (`tfdp.data.TFDSSource`, or `ArraySource`
+    for cached features). `seed` is the secret sampling seed
+    (`tfdp.dp.coins`); `augment_seed` the public one of the augmentations. An
+    example's views at step t depend on (augment_seed, t, its pixels) only
+    (`tfdp.augment.example_keyed_views`), so they are the same whatever
+    chunk, replica or host reads it.
     """
-    ds = data.train_batches(
-        train, sampling=mechanism.sampling, batch_size=mechanism.batch_size,
-        num_steps=mechanism.num_steps, seed=seed, start_step=start_step,
-    )
+    map_fn = None
     if augment_fn is not None:
-        # Views stay uint8 pixels: 4x less host and device memory than float32.
-        ds = augment.augment_dataset(
-            ds, augment_fn=augment_fn, augmult=augmult, seed=augment_seed,
-            start_step=start_step, as_uint8=True,
-        )
-    if static_batch_size is not None or multiple > 1:
-        ds = data.pad_batches(ds, static_batch_size=static_batch_size, multiple=multiple)
-    return ds.prefetch(tf.data.AUTOTUNE)
+        base_seed = augment.as_seed(augment_seed)
+
+        def map_fn(step, images, labels):
+            views = augment.example_keyed_views(
+                images, tf.random.fold_in(base_seed, step), augment_fn=augment_fn,
+                augmult=augmult)
+            # Views stay uint8 pixels: 4x less host and device memory than float32.
+            return augment.to_uint8_pixels(views), labels
+
+    def make_chunks(replicas):
+        return data.train_chunks(
+            train, sampling=mechanism.sampling, batch_size=mechanism.batch_size,
+            num_steps=mechanism.num_steps, seed=seed, start_step=start_step,
+            num_replicas=num_replicas, accumulation_steps=accumulation_steps,
+            replicas=replicas, static_batch_size=static_batch_size, map_fn=map_fn)
+
+    return make_chunks
 
 
 def _checkpoint_interval(checkpoint_every_steps, eval_every_steps):
@@ -1113,10 +1123,12 @@ def _truncation(static_batch_size, mechanism, strategy, accumulation_steps):
         if added > mechanism.delta / 10:
             logging.warning("static_batch_size=%d adds %.3g to delta=%g (truncation).",
                             size, added, mechanism.delta)
-    logging.info("Static logical batch %d (%d per replica x %d replicas); truncation "
-                 "probability <= %.3g.", size, per_replica, num_replicas, eta)
+    logging.info("Static logical batch %d = %d replicas x %d chunks x %d slots; truncation "
+                 "probability <= %.3g (the cap is on the logical batch).", size, num_replicas,
+                 accumulation_steps, per_replica // int(accumulation_steps), eta)
     return accounting.Truncation(static_batch_size=size, per_replica_batch_size=per_replica,
-                                 num_replicas=num_replicas, truncation_probability=eta)
+                                 num_replicas=num_replicas, truncation_probability=eta,
+                                 accumulation_steps=int(accumulation_steps))
 
 
 def _hyperparameters(**kwargs):

@@ -178,3 +178,37 @@ def test_uint8_views_are_the_float_views_rounded():
         assert floats.dtype == np.float32 and pixels.dtype == np.uint8
         np.testing.assert_array_equal(pixels, np.clip(np.round(floats), 0, 255))
         assert np.abs(pixels - floats).max() <= 0.5
+
+
+def test_example_keyed_views_do_not_depend_on_the_other_examples_or_the_position():
+    # Three distinct images; x's views alone, first of [x, y] and last of [z, y, x] are
+    # the same (position-keyed `augmult_views` gives x other views at another position:
+    # adding an example to a batch would change the views of every later one).
+    rng = np.random.default_rng(0)
+    x, y, z = (rng.integers(0, 256, [1, 12, 12, 3]).astype(np.uint8) for _ in range(3))
+    fn = augment.get_augmentation("cifar_crop_flip")
+    seed = tf.random.fold_in(augment.as_seed([5, 1]), 7)  # the seed of step 7
+    views = lambda images: augment.example_keyed_views(  # noqa: E731
+        np.concatenate(images), seed, augment_fn=fn, augmult=3).numpy()
+    alone = views([x])[0]
+    np.testing.assert_array_equal(views([x, y])[0], alone)
+    np.testing.assert_array_equal(views([z, y, x])[2], alone)
+    assert alone.shape == (3, 12, 12, 3)
+    assert not np.array_equal(alone[0], alone[1])  # K different views
+    by_position = augment.augmult_views(np.concatenate([z, y, x]), seed, augment_fn=fn,
+                                        augmult=3).numpy()
+    assert not np.array_equal(by_position[2], augment.augmult_views(
+        x, seed, augment_fn=fn, augmult=3).numpy()[0])
+    # Another step, other views.
+    other = augment.example_keyed_views(x, tf.random.fold_in(augment.as_seed([5, 1]), 8),
+                                        augment_fn=fn, augmult=3).numpy()[0]
+    assert not np.array_equal(other, alone)
+
+
+def test_example_keyed_views_in_tf_data_equal_eager():
+    x = np.random.default_rng(1).integers(0, 256, [4, 12, 12, 3]).astype(np.uint8)
+    fn = augment.get_augmentation("cifar_crop_flip")
+    eager = augment.example_keyed_views(x, [0, 3], augment_fn=fn, augmult=2).numpy()
+    ds = tf.data.Dataset.from_tensors(x).map(
+        lambda images: augment.example_keyed_views(images, [0, 3], augment_fn=fn, augmult=2))
+    np.testing.assert_array_equal(next(ds.as_numpy_iterator()), eager)

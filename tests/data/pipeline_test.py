@@ -102,3 +102,67 @@ def test_array_source_is_built_outside_a_strategy_scope():
     with tf.distribute.OneDeviceStrategy("/CPU:0").scope():
         with pytest.raises(ValueError, match=r"outside `strategy.scope\(\)`"):
             _source(10)
+
+
+# -- train_chunks: each host's share of every logical batch, one chunk per element --
+
+def _chunks(source, replicas, **kwargs):
+    args = dict(sampling="poisson", batch_size=30, num_steps=4, seed=3, num_replicas=4,
+                accumulation_steps=2)
+    return list(data.train_chunks(source, replicas=replicas, **{**args, **kwargs})
+                .as_numpy_iterator())
+
+
+@pytest.mark.parametrize("static_batch_size", [None, 48])
+def test_hosts_read_disjoint_chunks_whose_union_is_the_truncated_batch(static_batch_size):
+    # R = 4 replicas, a = 2 chunks: host 0 owns replicas 0-1, host 1 replicas 2-3. The
+    # padded index vector of a step (S = 48: n = 6; variable: n = ceil(|B| / 8)) is cut
+    # into 8 slices; replica r's chunk j is slice 2r + j.
+    source = _source(100)
+    hosts = [_chunks(source, range(0, 2), static_batch_size=static_batch_size),
+             _chunks(source, range(2, 4), static_batch_size=static_batch_size)]
+    assert len(hosts[0]) == len(hosts[1]) == 4 * 2 * 2  # steps x chunks x local replicas
+    for step in range(4):
+        batch = data.poisson_indices(3, step, num_examples=100, sampling_prob=0.3)
+        kept = batch[:static_batch_size]
+        n = static_batch_size // 8 if static_batch_size else max(1, -(-len(batch) // 8))
+        for host, elements in enumerate(hosts):
+            for j in range(2):
+                for local in range(2):
+                    images, labels, mask = elements[step * 4 + j * 2 + local]
+                    slot = ((2 * host + local) * 2 + j) * n
+                    real = kept[slot:slot + n]
+                    assert labels.shape == mask.shape == (n,) and images.shape[0] == n
+                    np.testing.assert_array_equal(labels[:len(real)], real)
+                    np.testing.assert_array_equal(mask, [1.0] * len(real) + [0.0] * (n - len(real)))
+                    np.testing.assert_array_equal(labels[len(real):], 0)  # padding: zeros
+                    assert not images[len(real):].any()
+        read = np.concatenate([e[1][e[2] > 0] for h in hosts for e in h[step * 4:step * 4 + 4]])
+        np.testing.assert_array_equal(np.sort(read), np.sort(kept))
+
+
+def test_static_chunks_have_static_shapes_and_the_map_sees_real_examples_only():
+    seen = []
+
+    def map_fn(step, images, labels):
+        seen.append(images.shape[0])  # traced: None (real examples only, then padded)
+        return tf.cast(images, tf.float32)[:, None] + tf.cast(step, tf.float32), labels
+
+    ds = data.train_chunks(_source(100), sampling="poisson", batch_size=30, num_steps=2,
+                           seed=3, num_replicas=2, accumulation_steps=3,
+                           static_batch_size=42, map_fn=map_fn)
+    assert ds.element_spec == (tf.TensorSpec([7, 1, 2, 2, 1], tf.float32),
+                               tf.TensorSpec([7], tf.int32), tf.TensorSpec([7], tf.float32))
+    assert seen == [None]
+    images, labels, mask = next(ds.skip(2).as_numpy_iterator())  # step 0, chunk 1, replica 0
+    real = int(mask.sum())
+    np.testing.assert_array_equal(images[:real, 0, 0, 0, 0], labels[:real] % 251)  # step 0
+
+
+def test_train_chunks_refuses_a_size_or_replicas_that_do_not_fit():
+    with pytest.raises(ValueError, match="multiple of replicas x accumulation_steps = 8"):
+        data.train_chunks(_source(100), sampling="poisson", batch_size=30, num_steps=2,
+                          seed=3, num_replicas=4, accumulation_steps=2, static_batch_size=44)
+    with pytest.raises(ValueError, match="contiguous range inside range"):
+        data.train_chunks(_source(100), sampling="poisson", batch_size=30, num_steps=2,
+                          seed=3, num_replicas=4, replicas=range(3, 5))

@@ -154,12 +154,21 @@ class Truncation:
       num_replicas: R.
       truncation_probability: eta, an upper bound on the probability that any
         step's Poisson batch exceeded S.
+      accumulation_steps: a, chunks per replica; each replica-chunk holds
+        `per_chunk_batch_size` = S / (R a) slots. The cap S is on the logical
+        batch (chunks are filled in order), so eta is the logical batch's.
     """
 
     static_batch_size: int
     per_replica_batch_size: int
     num_replicas: int
     truncation_probability: float
+    accumulation_steps: int = 1
+
+    @property
+    def per_chunk_batch_size(self) -> int:
+        """n = S / (R a): the static slots of one replica-chunk (one tf.data element)."""
+        return self.per_replica_batch_size // self.accumulation_steps
 
 
 @dataclasses.dataclass(frozen=True)

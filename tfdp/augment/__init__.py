@@ -24,7 +24,9 @@ from tfdp.augment.views import (
     as_seed,
     augment_dataset,
     augmult_views,
+    example_keyed_views,
     make_augmult_map_fn,
+    to_uint8_pixels,
 )
 
 __all__ = [
@@ -35,6 +37,7 @@ __all__ = [
     "augment_dataset",
     "augmult_views",
     "augtest_views",
+    "example_keyed_views",
     "cifar_crop_flip",
     "get_augmentation",
     "identity",
@@ -44,4 +47,5 @@ __all__ = [
     "mnist_crop",
     "random_resized_crop",
     "simclr_like",
+    "to_uint8_pixels",
 ]

@@ -108,24 +108,76 @@ def augmult_views(
         or if its dtype is neither uint8 nor float32.
     """
     augmult = _check_augmult(augmult, "augmult_views")
-    images = tf.convert_to_tensor(images)
-    if images.shape.rank != 4:
-        raise ValueError(
-            "augmult_views: images must be [batch, height, width, channels], got "
-            f"shape {images.shape}."
-        )
-    if images.dtype not in (tf.uint8, tf.float32):
-        raise ValueError(
-            "augmult_views: images must be uint8 or float32 with values in "
-            f"[0, 255], got {images.dtype.name}."
-        )
-    images = tf.cast(images, tf.float32)
+    images = tf.cast(_check_images(images, "augmult_views"), tf.float32)
     if augmult == 0:
         return images[:, tf.newaxis]
     seed = as_seed(seed)
     batch = tf.shape(images)[0]
-    repeated = tf.repeat(images, augmult, axis=0)  # example-major: i * K + k
     seeds = tf.random.split(seed, batch * augmult)  # [batch * K, 2]
+    return _views(images, seeds, augment_fn=augment_fn, augmult=augmult)
+
+
+def _check_images(images, fn_name):
+    images = tf.convert_to_tensor(images)
+    if images.shape.rank != 4:
+        raise ValueError(
+            f"{fn_name}: images must be [batch, height, width, channels], got "
+            f"shape {images.shape}."
+        )
+    if images.dtype not in (tf.uint8, tf.float32):
+        raise ValueError(
+            f"{fn_name}: images must be uint8 or float32 with values in "
+            f"[0, 255], got {images.dtype.name}."
+        )
+    return images
+
+
+def example_keyed_views(
+    images: tf.Tensor, step_seed: Seed, *, augment_fn: AugmentFn, augmult: int
+) -> tf.Tensor:
+    """K views per example, each example's seeds keyed by its own pixels, not its position.
+
+    View k of example i is `augment_fn(image_i, tf.random.split(s_i, K)[k])`
+    with `s_i = tf.random.fold_in(step_seed, fingerprint(image_i))`
+    (`tf.fingerprint`, farmhash64 of the pixels). So an example's views at a
+    step depend only on (seed, step, the example), never on which other
+    examples were sampled, nor on the chunk, replica or host that processes
+    it. That is what the sensitivity argument of DP-SGD with a PUBLIC
+    augmentation seed needs: the update is a sum over the sampled examples of
+    a function of each example alone, so adding one example adds one term of
+    norm <= C (`tfdp.training.distribute`, module docstring). Position-keyed
+    seeds (`augmult_views`) shift the views of every later example when one is
+    added. Identical images get identical views (each still counts once).
+
+    Args:
+      images: uint8 or float32 [batch, height, width, channels] in [0, 255].
+      step_seed: int, pair of ints or int tensor [2]: the run's augmentation
+        seed folded with the step.
+      augment_fn, augmult: as `augmult_views`.
+
+    Returns:
+      float32 [batch, max(augmult, 1), H', W', C], as `augmult_views`.
+
+    Raises:
+      ValueError: as `augmult_views`.
+    """
+    augmult = _check_augmult(augmult, "example_keyed_views")
+    images = tf.cast(_check_images(images, "example_keyed_views"), tf.float32)
+    if augmult == 0:
+        return images[:, tf.newaxis]
+    step_seed = as_seed(step_seed)
+    keys = tf.bitcast(tf.fingerprint(images), tf.int64)  # [batch], from the pixels alone
+    per_example = tf.map_fn(
+        lambda key: tf.random.split(tf.random.fold_in(step_seed, key), augmult),
+        keys, fn_output_signature=tf.TensorSpec([augmult, 2], tf.int64))
+    seeds = tf.reshape(per_example, [-1, 2])  # example-major: i * K + k
+    return _views(images, seeds, augment_fn=augment_fn, augmult=augmult)
+
+
+def _views(images, seeds, *, augment_fn, augmult):
+    """`augment_fn(images[i], seeds[i * K + k])` as float32 [batch, K, H', W', C]."""
+    batch = tf.shape(images)[0]
+    repeated = tf.repeat(images, augmult, axis=0)  # example-major: i * K + k
 
     def augment_one(image_and_seed):
         return augment_fn(*image_and_seed)
@@ -144,6 +196,15 @@ def augmult_views(
     )
     views.set_shape([images.shape[0], augmult] + views.shape.as_list()[2:])
     return views
+
+
+def to_uint8_pixels(views: tf.Tensor) -> tf.Tensor:
+    """float32 views in [0, 255] rounded to uint8 pixels (clipped): 4x less memory.
+
+    The rounding error is below half a pixel level; the model casts back to
+    float32.
+    """
+    return tf.cast(tf.clip_by_value(tf.round(views), 0.0, 255.0), tf.uint8)
 
 
 def make_augmult_map_fn(
@@ -239,7 +300,7 @@ def augment_dataset(
 
         def map_fn(step, batch):  # pylint: disable=function-redefined
             views, labels = float_map_fn(step, batch)
-            return tf.cast(tf.clip_by_value(tf.round(views), 0.0, 255.0), tf.uint8), labels
+            return to_uint8_pixels(views), labels
 
     return dataset.enumerate(start=start_step).map(
         map_fn, num_parallel_calls=num_parallel_calls, deterministic=True

@@ -5,7 +5,9 @@ Flow: a prepared TFDS split in ArrayRecord (`prepare_fashion_mnist`,
 -> `TFDSSource` (random access; nothing held in memory) -> `train_batches`
 (an index stream from `poisson_indices`, the sampling the accountant assumes,
 read and decoded in parallel) -> `pad_batches` (static shapes with a mask, for
-XLA/TPU and replicas); `eval_batches` streams the test split in order.
+XLA/TPU and replicas); the trainer instead uses `train_chunks`: the same index
+stream, padded and cut into accumulation chunks, of which each host reads only
+its replicas'. `eval_batches` streams the test split in order.
 `ArraySource` holds arrays in memory instead (cached ScatterNet features, from
 `load_split`). `mock_data` fakes any TFDS dataset for tests.
 """
@@ -24,6 +26,7 @@ from tfdp.data.padding import pad_batches
 from tfdp.data.padding import truncation_probability
 from tfdp.data.pipeline import eval_batches
 from tfdp.data.pipeline import train_batches
+from tfdp.data.pipeline import train_chunks
 from tfdp.data.sampling import SAMPLING_SCHEMES
 from tfdp.data.sampling import index_batches
 from tfdp.data.sampling import poisson_indices

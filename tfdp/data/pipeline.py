@@ -19,6 +19,7 @@ training step (BUILD.md gives the measured throughput).
 import numpy as np
 import tensorflow as tf
 
+from tfdp.data import padding as padding_lib
 from tfdp.data import sampling as sampling_lib
 
 
@@ -59,6 +60,106 @@ def train_batches(source, *, sampling, batch_size, num_steps, seed, start_step=0
     )
     ds = ds.map(source.read, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
     return ds.prefetch(tf.data.AUTOTUNE)
+
+
+def train_chunks(source, *, sampling, batch_size, num_steps, seed, num_replicas=1,
+                 accumulation_steps=1, replicas=None, static_batch_size=None, start_step=0,
+                 map_fn=None):
+    """This host's share of every logical batch, one accumulation chunk per element.
+
+    Layout (the same on every host; `tfdp.training.distribute` derives the
+    sensitivity for it). The index vector of step t is a function of
+    (seed, t) alone, so every host computes the same one. It is truncated to
+    its first S indices and padded with masked slots to S, the static logical
+    batch (`tfdp.data.pad_batch`), or, without a static size, to the smallest
+    positive multiple of R a that holds it; S = R a n. Replica r's chunk j is
+    the contiguous slice of slots [(r a + j) n, (r a + j + 1) n). Only the
+    slices of `replicas` are read, and of each only its real indices: padding
+    is never read, and no other host's examples are. Real slots come first
+    in the padded vector, so each slice is real indices, then padding.
+
+    Elements come in the order a train step consumes them: step by step, and
+    in each step chunk 0 of every local replica, then chunk 1, and so on
+    (`tf.distribute` deals consecutive elements to a host's replicas in
+    turn). One host's memory holds a few chunks, never a logical batch.
+
+    Args:
+      source: a `TFDSSource` or `ArraySource`.
+      sampling, batch_size, num_steps, seed, start_step: as `train_batches`.
+      num_replicas: R, replicas over all hosts.
+      accumulation_steps: a, chunks per replica and logical batch.
+      replicas: the global ids of this host's replicas, a contiguous
+        `range` (None: all R, one host).
+      static_batch_size: None, or S, a multiple of R a (static shapes: every
+        chunk has n = S / (R a) slots).
+      map_fn: None, or `fn(step int64 [], images [k, ...], labels int32 [k])
+        -> (images, labels)` applied to a chunk's k real examples before
+        padding (augmult views); it must treat each example on its own.
+
+    Returns:
+      tf.data.Dataset of (num_steps - start_step) * a * len(replicas) elements
+      `(images [n, ...], labels int32 [n], mask float32 [n])`, mask 1.0 on real
+      examples and 0.0 on padding (zero images, label 0); n is static when S
+      is given.
+
+    Raises:
+      ValueError: as `train_batches`; R or a < 1; `replicas` not a contiguous
+        range inside [0, R); S not a positive multiple of R a.
+    """
+    num_replicas, accumulation_steps = int(num_replicas), int(accumulation_steps)
+    if num_replicas < 1 or accumulation_steps < 1:
+        raise ValueError(f"num_replicas={num_replicas} and accumulation_steps="
+                         f"{accumulation_steps} must both be >= 1.")
+    replicas = range(num_replicas) if replicas is None else replicas
+    if (not isinstance(replicas, range) or replicas.step != 1 or not len(replicas)
+            or replicas.start < 0 or replicas.stop > num_replicas):
+        raise ValueError(f"replicas must be a non-empty contiguous range inside "
+                         f"range({num_replicas}), got {replicas!r}.")
+    unit = num_replicas * accumulation_steps
+    chunk_size = None
+    if static_batch_size is not None:
+        if static_batch_size < 1 or static_batch_size % unit:
+            raise ValueError(
+                f"static_batch_size={static_batch_size} must be a positive multiple of "
+                f"replicas x accumulation_steps = {unit}.")
+        chunk_size = static_batch_size // unit
+    first, local = replicas.start, len(replicas)
+    indices = sampling_lib.index_batches(
+        sampling=sampling, num_examples=source.num_examples, batch_size=batch_size,
+        num_steps=num_steps, seed=seed, start_step=start_step,
+    )
+
+    def layout(step, batch):
+        padded, _, mask = padding_lib.pad_batch(
+            batch, batch, static_batch_size=static_batch_size, multiple=unit)
+
+        def mine(t):  # [S] -> this host's [a * local, n], chunk-major
+            grid = tf.reshape(t, [num_replicas, accumulation_steps, -1])[first:first + local]
+            return tf.reshape(tf.transpose(grid, [1, 0, 2]), [accumulation_steps * local, -1])
+
+        count = accumulation_steps * local
+        return tf.data.Dataset.from_tensor_slices(
+            (tf.fill([count], step), mine(padded), mine(mask)))
+
+    def read(step, chunk, mask):
+        real = tf.cast(tf.reduce_sum(mask), tf.int32)
+        images, labels = source.read(chunk[:real])
+        if map_fn is not None:
+            images, labels = map_fn(step, images, labels)
+        size = tf.shape(chunk)[0]
+        images, labels = (_pad_rows_to(t, size, chunk_size) for t in (images, labels))
+        return images, labels, tf.ensure_shape(mask, [chunk_size])
+
+    ds = indices.enumerate(start=start_step).flat_map(layout)
+    ds = ds.map(read, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+    return ds.prefetch(tf.data.AUTOTUNE)
+
+
+def _pad_rows_to(t, size, static_size):
+    """`t` [k, ...] padded with zero rows to `size` rows (static `static_size` or None)."""
+    pad = size - tf.shape(t)[0]
+    paddings = tf.concat([[[0, pad]], tf.zeros([t.shape.rank - 1, 2], tf.int32)], 0)
+    return tf.ensure_shape(tf.pad(t, paddings), [static_size, *t.shape[1:]])
 
 
 def eval_batches(source, *, batch_size, num_examples=None):

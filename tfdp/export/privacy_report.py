@@ -200,6 +200,7 @@ def build_privacy_report(
         report["study"] = dict(study)
     if mechanism.truncation is not None:
         report["truncation"] = dataclasses.asdict(mechanism.truncation) | {
+            "per_chunk_batch_size": mechanism.truncation.per_chunk_batch_size,
             "delta_with_truncation": float(delta)}
     return report
 
@@ -229,8 +230,11 @@ def render_markdown(report: dict) -> str:
         trunc = report["truncation"]
         lines += [
             f"**Static batches:** Poisson batches were truncated to "
-            f"{trunc['static_batch_size']} examples ({trunc['per_replica_batch_size']} per "
-            f"replica x {trunc['num_replicas']}) and padded with masked slots. Truncation "
+            f"{trunc['static_batch_size']} examples ({trunc['num_replicas']} replicas x "
+            f"{trunc.get('accumulation_steps', 1)} accumulation chunks x "
+            f"{trunc['per_replica_batch_size'] // trunc.get('accumulation_steps', 1)} slots per "
+            "replica-chunk; the cap is on the logical batch, filled chunk by chunk in order) "
+            "and padded with masked slots. Truncation "
             f"happens with probability <= {trunc['truncation_probability']:.3g} over the "
             f"run, so the guarantee's delta is the accountant's "
             f"{report['accountant_delta']:.3g} + (1 + e^epsilon) * that probability = "

@@ -9,15 +9,55 @@
 | `multi_worker_mirrored` | one process per worker, cluster from `TF_CONFIG`         |
 | `tpu`                   | `TPUStrategy` on a Cloud TPU (VM: `tpu="local"`)         |
 
-DP semantics under replicas (De et al. 2022, App. A.1, Algorithm 1). One
-optimizer update consumes ONE logical Poisson batch. It is padded with masked
-slots to a multiple of the replica count R, or to the static size
-(`tfdp.data.pad_batches`), and `distribute_logical_batches` gives replica r the
-r-th contiguous slice of the same batch on every worker, so the sum that Keras
-all-reduces (SUM) over replicas is the clipped sum of exactly that logical
-batch. Each replica adds its own independent noise draw of std
-`noise_multiplier * sensitivity / sqrt(R)` (`DPModel`), so the summed noise has
-std exactly `noise_multiplier * sensitivity`.
+DP semantics under replicas and hosts (De et al. 2022, App. A.1, Algorithm 1).
+One optimizer update consumes ONE logical Poisson batch, fed as R a chunks
+(`distribute_chunks`, `tfdp.data.train_chunks`): R replicas over W hosts, a
+accumulation chunks per replica, n slots per chunk.
+
+Layout. Every host computes the same index vector B_t for step t: it is a
+function of (secret sampling seed, t) only, and the chief's seed reaches the
+workers by `broadcast_from_chief` and the checkpoint. Each host truncates B_t
+to its first S = R a n indices (the static size; without one, n is the
+smallest that holds B_t) and pads it with masked slots to S; slice
+k = r a + j, slots [k n, (k + 1) n), is chunk j of replica r. A host reads and
+decodes only the real indices of its own replicas' slices. The slices are a
+partition of the S slots, so the union of what the hosts read is exactly the
+truncated Poisson batch B'_t = the first min(|B_t|, S) indices of B_t, each
+index exactly once.
+
+Step. Replica r adds, over its chunks j, the clipped per-example gradients
+of its real slots: sum_{i in slice(r, j), mask_i = 1} clip_C(g_i), where g_i
+is example i's gradient averaged over its K views. The views of an example
+depend only on (public augmentation seed, t, the example's pixels)
+(`tfdp.augment.example_keyed_views`), not on its slot, chunk, replica or host.
+Keras all-reduces the replicas' sums with a SUM, so the update's clipped sum
+is s(B'_t) = sum_{i in B'_t} clip_C(g_i(x_i)), the same for every R, a, W.
+Each replica adds an independent N(0, (sigma C)^2 / R) draw (`DPModel`), so the
+noise of the logical batch is exactly N(0, (sigma C)^2); the optimizer then
+divides by the expected batch size B (public).
+
+Sensitivity for adjacent batches (add-or-remove one example x), D' = D + {x}.
+Couple the two runs: the same Poisson coin for every shared example (the
+coins are i.i.d. and secret, so this is a valid coupling wherever x sits in
+the index order) and, with microbatches, the same secret i.i.d. microbatch id
+for every shared example. Views need no coupling: they are a public function
+of the example. Outside the truncation event (|B_t| < S for D', so also
+for D), B'_t(D') = B'_t(D) or B'_t(D) + {x}: inserting x into the sorted
+vector shifts later examples to other slots, chunks, replicas or hosts, but
+s(.) is a sum over the SET of sampled examples of a term that depends on each
+example alone (its clipped gradient at the step's shared parameters, with
+views keyed by its own pixels), so it does not see where an example sat.
+Hence s(B'_t(D')) - s(B'_t(D)) = clip_C(g_x) or 0, of norm <= C: sensitivity
+C, as with one device (2C with microbatches: `DPModel` sums every
+microbatch over chunks and replicas before clipping, so x changes one
+microbatch mean). Masked slots contribute exactly 0 (the mask selects
+terms; it is never a weight). On the truncation event the coupling fails;
+its probability is eta = T P(Binomial(N + 1, q) > S) and it adds
+(1 + e^eps) eta to delta (`tfdp.data.padding`). The cap S is on the logical
+batch: a replica-chunk holds n = S / (R a) slots, and chunks are filled in
+order, so the cap and its eta are those of the logical batch; no chunk is
+truncated on its own. (Independent per-chunk caps would need more padding:
+each chunk's count would need its own tail margin.)
 
 Chief. Under `multi_worker_mirrored` every worker runs the same program (all
 take part in the collectives, including the ones inside checkpoint saving), but
@@ -27,6 +67,7 @@ workdir; the others write to a temporary directory that is deleted at the end
 """
 
 import atexit
+import dataclasses
 import json
 import os
 import shutil
@@ -217,6 +258,53 @@ def distribute_logical_batches(strategy, dataset, *, per_replica_size=None):
         ).prefetch(tf.data.AUTOTUNE)
 
     return strategy.distribute_datasets_from_function(dataset_fn)
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkedInput:
+    """Training input as accumulation chunks: `DPModel.fit` takes a of them per update.
+
+    Attributes:
+      dataset: a `tf.data.Dataset` (one replica) or `tf.distribute.DistributedDataset`
+        whose elements are chunks `(images [n, ...], labels [n], mask [n])`,
+        consumed a per replica and update (`tfdp.data.train_chunks`).
+      accumulation_steps: a, chunks per replica and update; must equal the
+        DPModel's.
+    """
+
+    dataset: object
+    accumulation_steps: int
+
+
+def distribute_chunks(strategy, make_chunks, *, accumulation_steps):
+    """Each host reads its own replicas' chunks of every logical batch (see module doc).
+
+    Uses `strategy.distribute_datasets_from_function` for every strategy
+    (MirroredStrategy, MultiWorkerMirroredStrategy, TPUStrategy): its
+    `InputContext` tells each host (input pipeline) which replicas are its
+    own, and each host builds a pipeline over only their slices. Consecutive
+    elements of a host's pipeline go to its replicas in turn.
+
+    Args:
+      strategy: the run's strategy (R = `num_replicas_in_sync`).
+      make_chunks: `fn(replicas: range) -> tf.data.Dataset` of the chunks of
+        those global replica ids, in the order of `tfdp.data.train_chunks`.
+      accumulation_steps: a, chunks per replica and update.
+
+    Returns:
+      A `ChunkedInput` for `DPModel.fit`.
+    """
+    num_replicas = strategy.num_replicas_in_sync
+    if num_replicas == 1:
+        return ChunkedInput(make_chunks(range(1)), int(accumulation_steps))
+
+    def dataset_fn(input_context):
+        local = num_replicas // input_context.num_input_pipelines
+        first = input_context.input_pipeline_id * local
+        return make_chunks(range(first, first + local))
+
+    return ChunkedInput(strategy.distribute_datasets_from_function(dataset_fn),
+                        int(accumulation_steps))
 
 
 class _MultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy):

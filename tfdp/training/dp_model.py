@@ -14,6 +14,7 @@ from tfdp import models
 from tfdp.dp import clipping
 from tfdp.dp import coins
 from tfdp.dp import noise
+from tfdp.training import chunked
 from tfdp.training import ema
 from tfdp.training import ghost_clipping
 
@@ -102,7 +103,7 @@ def refuse_example_weights(class_weight, sample_weight, *, where):
                 "a 0/1 padding mask.)")
 
 
-class DPModel(keras.Model):
+class DPModel(chunked.ChunkedTraining, keras.Model):
     """Wraps a Keras classifier and trains it with DP-SGD.
 
     Every privacy fact comes from one `tfdp.accounting.DPMechanism`: the clip
@@ -208,6 +209,14 @@ class DPModel(keras.Model):
     asserts that the mask is 0/1, and the clipped sum reads it as `mask > 0`
     whatever it holds (issue 18).
 
+    Chunked input (what the trainer feeds, issue 21): `fit` also takes a
+    `tfdp.training.distribute.ChunkedInput`, whose elements are single
+    accumulation chunks (`tfdp.data.train_chunks`: each host reads only its
+    replicas' chunks). One Keras step then pulls `accumulation_steps` chunks
+    per replica into replica-local accumulators and makes one update
+    (`make_train_function`); the update equals that of the same logical
+    batch fed whole (tests/training/chunked_input_test.py).
+
     Metrics: `loss`, `accuracy` (on the mean logits of the views), `grad_norm`
     (mean pre-clip norm of the clipped units: examples, or microbatches) and
     `clipped_fraction`.
@@ -308,6 +317,7 @@ class DPModel(keras.Model):
         bound = inspect.signature(keras.Model.fit).bind(self, x, *args, **kwargs).arguments
         refuse_example_weights(bound.get("class_weight"), bound.get("sample_weight"),
                                where="DPModel.fit")
+        x = self._chunked_fit_input(x)
         if not isinstance(x, (tf.data.Dataset, tf.distribute.DistributedDataset)):
             raise ValueError(
                 f"DPModel.fit takes a tf.data.Dataset of Poisson batches, got "
@@ -319,6 +329,19 @@ class DPModel(keras.Model):
         # only warn that it is ignored for a Dataset.
         kwargs.setdefault("shuffle", False)
         return super().fit(x, *args, **kwargs)
+
+    # -- Chunked input (`tfdp.training.chunked.ChunkedTraining`) -------------
+
+    def _contribution(self, data):
+        """Replica context: one chunk element's clipped sums (or microbatch sums)."""
+        images, labels, mask = self._unpack(data)
+        mask = _binary(mask)
+        ids = self.draw_microbatch_ids(mask) if self.mechanism.num_microbatches else None
+        return self._chunk_contribution(images, labels, mask, ids)
+
+    def _update_from_total(self, total):
+        """Replica context: noise once, divide by B, apply, EMA, metrics."""
+        return self._apply_update(*self._finish_accumulation(total))
 
     def train_on_batch(self, x, y=None, sample_weight=None, class_weight=None,
                        return_dict=False):
@@ -433,7 +456,8 @@ class DPModel(keras.Model):
         loss = tf.reduce_mean(self._loss_fn(labels, logits))
         return loss, (loss, tf.reduce_mean(logits, axis=0))
 
-    def train_step(self, data):
+    def _unpack(self, data):
+        """`(images, labels, mask float32)` of a batch or chunk; checks that the mask is 0/1."""
         images, labels, mask = keras.utils.unpack_x_y_sample_weight(data)
         if mask is None:
             mask = tf.ones(tf.shape(labels)[:1], tf.float32)
@@ -444,7 +468,14 @@ class DPModel(keras.Model):
             message="The third element of a training batch is the padding mask and must be 0 "
                     "or 1: per-example weights scale the sensitivity (DPModel refuses "
                     "class_weight and sample_weight).")
-        summed, stats = self.clip_and_accumulate(images, labels, mask)
+        return images, labels, mask
+
+    def train_step(self, data):
+        images, labels, mask = self._unpack(data)
+        return self._apply_update(*self.clip_and_accumulate(images, labels, mask))
+
+    def _apply_update(self, summed, stats):
+        """Noise once, divide by B, apply, EMA, metrics: the step after accumulation."""
         gradients = self.scale_update(self.add_noise(summed))
         self.optimizer.apply_gradients(zip(gradients, self.trainable_variables))
         self._update_ema()
@@ -472,13 +503,41 @@ class DPModel(keras.Model):
           the logical batch. `stats` are the metric sums (loss, correct,
           pre-clip norms, clipped units, examples, clipped units count).
         """
-        # 0/1 by construction: a mask is never a weight (`refuse_example_weights`).
-        mask = tf.cast(tf.cast(mask, tf.float32) > 0, tf.float32)
+        mask = _binary(mask)
+        tensors = (images, labels, mask)
         if self.mechanism.num_microbatches:
-            return self._microbatch_clipped_sum(images, labels, mask)
-        zeros = [tf.zeros_like(v) for v in self.trainable_variables]
-        initial = (zeros, tuple(tf.zeros([]) for _ in range(6)))
-        return self._accumulate(self._clipped_chunk, (images, labels, mask), initial)
+            tensors += (self.draw_microbatch_ids(mask),)
+        total = self._accumulate(self._chunk_contribution, tensors, self._zero_contribution())
+        return self._finish_accumulation(total)
+
+    def _zero_contribution(self):
+        """Zeros shaped like one chunk's contribution (`_chunk_contribution`)."""
+        if self.mechanism.num_microbatches:
+            m = self.mechanism.num_microbatches
+            return ([tf.zeros([m, *v.shape]) for v in self.trainable_variables], tf.zeros([m]),
+                    tuple(tf.zeros([]) for _ in range(3)))
+        return ([tf.zeros(v.shape) for v in self.trainable_variables],
+                tuple(tf.zeros([]) for _ in range(6)))
+
+    def _chunk_contribution(self, images, labels, mask, ids=None):
+        """What one chunk adds to the accumulators: clipped sums (or microbatch sums)."""
+        if not self.mechanism.num_microbatches:
+            return self._clipped_chunk(images, labels, mask)
+        grads, (losses, logits) = clipping.per_example_gradients(
+            self._example_loss, self.trainable_variables, (images, labels)
+        )
+        m = self.mechanism.num_microbatches
+        sums = [tf.math.unsorted_segment_sum(g * _expand(mask, g), ids, m) for g in grads]
+        counts = tf.math.unsorted_segment_sum(mask, ids, m)
+        stats = (tf.reduce_sum(losses * mask), tf.reduce_sum(_hits(logits, labels) * mask),
+                 tf.reduce_sum(mask))
+        return sums, counts, stats
+
+    def _finish_accumulation(self, total):
+        """`(summed, stats)` from the accumulated contributions of all chunks."""
+        if not self.mechanism.num_microbatches:
+            return total
+        return self._clip_microbatches(*total)
 
     def _accumulate(self, chunk_fn, tensors, initial):
         """Sums `chunk_fn(*chunk)` over `accumulation_steps` consecutive chunks.
@@ -537,25 +596,9 @@ class DPModel(keras.Model):
         return self.noise_generator.uniform(
             tf.shape(mask), 0, self.mechanism.num_microbatches, dtype=tf.int32)
 
-    def _microbatch_clipped_sum(self, images, labels, mask):
+    def _clip_microbatches(self, sums, counts, metric_sums):
         """Clipped sum of microbatch means, microbatches global over chunks and replicas."""
-        m = self.mechanism.num_microbatches
-        ids = self.draw_microbatch_ids(mask)
-
-        def chunk_fn(images, labels, mask, ids):
-            grads, (losses, logits) = clipping.per_example_gradients(
-                self._example_loss, self.trainable_variables, (images, labels)
-            )
-            sums = [tf.math.unsorted_segment_sum(g * _expand(mask, g), ids, m) for g in grads]
-            counts = tf.math.unsorted_segment_sum(mask, ids, m)
-            stats = (tf.reduce_sum(losses * mask), tf.reduce_sum(_hits(logits, labels) * mask),
-                     tf.reduce_sum(mask))
-            return sums, counts, stats
-
-        initial = ([tf.zeros([m, *v.shape]) for v in self.trainable_variables], tf.zeros([m]),
-                   tuple(tf.zeros([]) for _ in range(3)))
-        sums, counts, (loss_sum, correct, examples) = self._accumulate(
-            chunk_fn, (images, labels, mask, ids), initial)
+        loss_sum, correct, examples = metric_sums
         num_replicas = self.distribute_strategy.num_replicas_in_sync
         if num_replicas > 1:  # microbatches span replicas: sum them before clipping
             sums, counts = tf.distribute.get_replica_context().all_reduce(
@@ -599,6 +642,11 @@ class DPModel(keras.Model):
             "loss": self.loss_tracker.result(),
             "accuracy": self.accuracy_tracker.result(),
         }
+
+
+def _binary(mask):
+    """0/1 float32 by construction: a mask is never a weight (`refuse_example_weights`)."""
+    return tf.cast(tf.cast(mask, tf.float32) > 0, tf.float32)
 
 
 def _hits(logits, labels):

@@ -6,11 +6,12 @@ import keras
 import tensorflow as tf
 
 from tfdp import models
+from tfdp.training import chunked
 from tfdp.training import ema
 from tfdp.training.dp_model import _dims, _hits, _pad_rows, _safe_mean
 
 
-class NonPrivateModel(keras.Model):
+class NonPrivateModel(chunked.ChunkedTraining, keras.Model):
     """Wraps a Keras classifier and trains it WITHOUT differential privacy.
 
     NOT PRIVATE: no per-example clipping, no noise, no accounting. It is the
@@ -42,6 +43,11 @@ class NonPrivateModel(keras.Model):
     W, C]` (K views), `labels` int `[batch]`, `mask` `[batch]` 1 for real
     examples and 0 for padding (a mask, never a weight: any value > 0 counts
     as 1).
+
+    Chunked input (what the trainer feeds, issue 21): `fit` also takes a
+    `tfdp.training.distribute.ChunkedInput` of single accumulation chunks, as
+    `DPModel` does (`tfdp.training.chunked`): one Keras step sums
+    `accumulation_steps` chunks' gradients, then makes one update.
 
     Metrics: `loss` and `accuracy` (on the mean logits of the views).
 
@@ -87,7 +93,11 @@ class NonPrivateModel(keras.Model):
         return self.model(inputs, training=training)
 
     def fit(self, x=None, *args, **kwargs):
-        """`keras.Model.fit`; a Dataset's batches keep the sampler's order (no shuffle)."""
+        """`keras.Model.fit`; a Dataset's batches keep the sampler's order (no shuffle).
+
+        `x` may be a `ChunkedInput` (see the class doc).
+        """
+        x = self._chunked_fit_input(x)
         kwargs.setdefault("shuffle", False)
         return super().fit(x, *args, **kwargs)
 
@@ -150,15 +160,26 @@ class NonPrivateModel(keras.Model):
         return grads, (loss_sum, tf.reduce_sum(_hits(logits, labels) * mask),
                        tf.reduce_sum(mask))
 
-    def train_step(self, data):
+    @staticmethod
+    def _unpack(data):
         images, labels, mask = keras.utils.unpack_x_y_sample_weight(data)
         if mask is None:
             mask = tf.ones(tf.shape(labels)[:1], tf.float32)
-        mask = tf.cast(tf.cast(mask, tf.float32) > 0, tf.float32)
+        return images, labels, tf.cast(tf.cast(mask, tf.float32) > 0, tf.float32)
+
+    def _zero_contribution(self):
+        """Zeros shaped like one chunk's `_chunk` result."""
+        return ([tf.zeros(v.shape) for v in self.trainable_variables],
+                tuple(tf.zeros([]) for _ in range(3)))
+
+    def _contribution(self, data):
+        """Replica context: one chunk element's gradient sum and metric sums."""
+        return self._chunk(*self._unpack(data))
+
+    def train_step(self, data):
+        images, labels, mask = self._unpack(data)
         a = self.accumulation_steps
         images, labels, mask = _pad_rows((images, labels, mask), a)
-        initial = ([tf.zeros_like(v) for v in self.trainable_variables],
-                   tuple(tf.zeros([]) for _ in range(3)))
         if a == 1:
             total = self._chunk(images, labels, mask)
         else:
@@ -168,7 +189,12 @@ class NonPrivateModel(keras.Model):
                 chunk = self._chunk(*[t[i] for t in split])
                 return i + 1, tf.nest.map_structure(tf.add, total, chunk)
 
-            _, total = tf.while_loop(lambda i, _: i < a, body, (tf.constant(0), initial))
+            _, total = tf.while_loop(lambda i, _: i < a, body,
+                                     (tf.constant(0), self._zero_contribution()))
+        return self._update_from_total(total)
+
+    def _update_from_total(self, total):
+        """The mean over the realized logical batch, applied; EMA; metrics."""
         summed, (loss_sum, correct, examples) = total
         count = examples
         if self.distribute_strategy.num_replicas_in_sync > 1:
