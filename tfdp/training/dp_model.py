@@ -1,6 +1,5 @@
 """DPModel: a keras.Model whose train_step is DP-SGD."""
 
-import contextlib
 import inspect
 
 import keras
@@ -103,7 +102,7 @@ def refuse_example_weights(class_weight, sample_weight, *, where):
                 "a 0/1 padding mask.)")
 
 
-class DPModel(chunked.ChunkedTraining, keras.Model):
+class DPModel(chunked.ChunkedTraining, ema.EMAParameters, keras.Model):
     """Wraps a Keras classifier and trains it with DP-SGD.
 
     Every privacy fact comes from one `tfdp.accounting.DPMechanism`: the clip
@@ -381,22 +380,7 @@ class DPModel(chunked.ChunkedTraining, keras.Model):
         self._ghost = self._plan_clipping()
         if self._ghost is None or self._ghost.fallback_variables:
             refuse_onednn_broadcast_matmul(self.model)
-        self.ema_variables = None
-        if self.ema_decay is not None:
-            self.ema_variables = [
-                # "none": each replica updates its own (identical) copy; see the
-                # class docstring.
-                self.add_weight(shape=v.shape, initializer="zeros", trainable=False,
-                                name=f"ema_{i}", aggregation="none")
-                for i, v in enumerate(self.trainable_variables)
-            ]
-            for e, v in zip(self.ema_variables, self.trainable_variables):
-                e.assign(v)
-            # Keras keeps lists of variables out of tf.train.Checkpoint's object
-            # graph; a tf.Module holding the list puts the EMA into every
-            # checkpoint of this model (as `ema_state/variables_list/<i>`).
-            self.ema_state = tf.Module(name="ema_state")
-            self.ema_state.variables_list = list(self.ema_variables)
+        self._build_ema()
 
     def _plan_clipping(self):
         """The GhostClipping that `clipping` asks for, or None for the vectorized path."""
@@ -429,21 +413,6 @@ class DPModel(chunked.ChunkedTraining, keras.Model):
     def clipping_path(self):
         """"ghost" or "vectorized": the path `compile` chose for per-example clipping."""
         return "vectorized" if self._ghost is None else "ghost"
-
-    @contextlib.contextmanager
-    def use_ema_parameters(self):
-        """Temporarily puts the EMA parameters into the model (no-op without EMA)."""
-        if not self.ema_variables:
-            yield
-            return
-        saved = [v.numpy() for v in self.trainable_variables]
-        for v, e in zip(self.trainable_variables, self.ema_variables):
-            v.assign(e)
-        try:
-            yield
-        finally:
-            for v, value in zip(self.trainable_variables, saved):
-                v.assign(value)
 
     def _example_loss(self, example):
         """Loss of one example: the mean over its views (De et al. 2022, eq. (4))."""
@@ -626,12 +595,6 @@ class DPModel(chunked.ChunkedTraining, keras.Model):
     def scale_update(self, noisy):
         """Divides the noisy sum by the expected batch size B (or by M microbatches)."""
         return [g / self.mechanism.update_divisor for g in noisy]
-
-    def _update_ema(self):
-        if self.ema_variables:
-            decay = ema.ema_decay(self.optimizer.iterations - 1, self.ema_decay)
-            for e, v in zip(self.ema_variables, self.trainable_variables):
-                e.assign(decay * e + (1.0 - decay) * v)
 
     def test_step(self, data):
         images, labels, mask = keras.utils.unpack_x_y_sample_weight(data)

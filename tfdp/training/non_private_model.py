@@ -1,7 +1,5 @@
 """NonPrivateModel: a keras.Model whose train_step is plain, NON-PRIVATE minibatch SGD."""
 
-import contextlib
-
 import keras
 import tensorflow as tf
 
@@ -11,7 +9,7 @@ from tfdp.training import ema
 from tfdp.training.dp_model import _dims, _hits, _pad_rows, _safe_mean
 
 
-class NonPrivateModel(chunked.ChunkedTraining, keras.Model):
+class NonPrivateModel(chunked.ChunkedTraining, ema.EMAParameters, keras.Model):
     """Wraps a Keras classifier and trains it WITHOUT differential privacy.
 
     NOT PRIVATE: no per-example clipping, no noise, no accounting. It is the
@@ -113,32 +111,7 @@ class NonPrivateModel(chunked.ChunkedTraining, keras.Model):
                                  "fixed to sparse categorical cross-entropy on logits.")
         super().compile(optimizer=optimizer, **kwargs)
         self.optimizer.build(self.trainable_variables)
-        if self.ema_decay is not None:
-            self.ema_variables = [
-                self.add_weight(shape=v.shape, initializer="zeros", trainable=False,
-                                name=f"ema_{i}", aggregation="none")
-                for i, v in enumerate(self.trainable_variables)
-            ]
-            for e, v in zip(self.ema_variables, self.trainable_variables):
-                e.assign(v)
-            # As DPModel: a tf.Module puts the list into the checkpoint's object graph.
-            self.ema_state = tf.Module(name="ema_state")
-            self.ema_state.variables_list = list(self.ema_variables)
-
-    @contextlib.contextmanager
-    def use_ema_parameters(self):
-        """Temporarily puts the EMA parameters into the model (no-op without EMA)."""
-        if not self.ema_variables:
-            yield
-            return
-        saved = [v.numpy() for v in self.trainable_variables]
-        for v, e in zip(self.trainable_variables, self.ema_variables):
-            v.assign(e)
-        try:
-            yield
-        finally:
-            for v, value in zip(self.trainable_variables, saved):
-                v.assign(value)
+        self._build_ema()
 
     def _chunk(self, images, labels, mask):
         """Gradient of the SUM of the chunk's example losses, and its metric sums."""
@@ -203,10 +176,7 @@ class NonPrivateModel(chunked.ChunkedTraining, keras.Model):
         # The mean over the realized logical batch (Keras then SUMs the replicas).
         gradients = [g / tf.maximum(count, 1.0) for g in summed]
         self.optimizer.apply_gradients(zip(gradients, self.trainable_variables))
-        if self.ema_variables:
-            decay = ema.ema_decay(self.optimizer.iterations - 1, self.ema_decay)
-            for e, v in zip(self.ema_variables, self.trainable_variables):
-                e.assign(decay * e + (1.0 - decay) * v)
+        self._update_ema()
         self.loss_tracker.update_state(_safe_mean(loss_sum, examples), sample_weight=examples)
         self.accuracy_tracker.update_state(_safe_mean(correct, examples), sample_weight=examples)
         return {m.name: m.result() for m in self.metrics}
