@@ -78,8 +78,9 @@ def build_finetune_model(
         of fnmatch patterns of backbone layer names (`set_trainable`); the
         head always trains, BatchNormalization never does.
       head_initializer: Keras initializer (name or object) of the new head's
-        kernel; its bias starts at zero. "zeros" (De et al. 2022, App. C.5
-        zero-initialize the last layer when fine-tuning).
+        kernel; its bias starts at zero. The default "zeros" starts from
+        uniform predictions, with nothing random in the new layer (the usual
+        choice for fine-tuning a classifier, e.g. big_vision's zero-init head).
       backbone_input_shape: `(h, w, c)` the backbone takes; None reads it
         from the backbone (for keras.applications: its default, 224x224x3,
         unless given).
@@ -102,7 +103,7 @@ def build_finetune_model(
 
     Reference:
       De et al. 2022, "Unlocking High-Accuracy Differentially Private Image
-      Classification through Scale", Sec. 4 and App. C.5 (fine-tuning);
+      Classification through Scale", Sec. 4 (fine-tuning);
       Tramer & Boneh 2021, Sec. 5.2 (transfer learning).
     """
     backbone_model, preprocess = load_backbone(
