@@ -9,6 +9,7 @@ is
     images [B, H, W, C] float32 in [0, 255]
       -> "trunk": channel conversion, resizing, the backbone's preprocessing,
                   the backbone up to its features
+      -> "trunk_gate": stop_gradient while the trunk is frozen (no backward pass into it)
       -> "head":  (Flatten,) Dense(num_classes)       -> logits [B, num_classes]
 
 so the SavedModel export stays uint8 in, logits out. With only the head
@@ -109,7 +110,12 @@ def build_finetune_model(
     backbone_model, preprocess = load_backbone(
         backbone, backbone_weights=backbone_weights, input_shape=backbone_input_shape)
     features = _feature_tensor(backbone_model, feature_layer)
-    backbone_trunk = keras.Model(backbone_model.inputs, features, name="backbone_trunk")
+    if len(backbone_model.inputs) != 1:
+        raise BackboneError(f"The backbone {backbone!r} takes {len(backbone_model.inputs)} "
+                            "inputs; a fine-tuning backbone takes one batch of images.")
+    # One input tensor, not a list: a nested model of that structure is what the ghost-norm
+    # path inlines (keras.models.clone_model checks the structure).
+    backbone_trunk = keras.Model(backbone_model.inputs[0], features, name="backbone_trunk")
     target = tuple(backbone_model.input_shape[1:])
     if len(target) != 3 or any(d is None for d in target):
         if backbone_input_shape is None:
@@ -132,9 +138,32 @@ def build_finetune_model(
                                 bias_initializer="zeros", name="head_logits")(h)
     head = keras.Model(head_inputs, logits, name=HEAD)
 
-    model = keras.Model(images, head(trunk(images)), name=name)
+    gate = _StopGradientIfFrozen(lambda: not trunk.trainable_variables, name="trunk_gate")
+    model = keras.Model(images, head(gate(trunk(images))), name=name)
     set_trainable(model, trainable)
     return model
+
+
+class _StopGradientIfFrozen(keras.layers.Layer):
+    """Identity whose gradient is cut when the trunk before it has nothing to train.
+
+    TensorFlow's backward pass continues from a layer's output gradient into
+    every recorded op below it, also when no variable there trains (a
+    tf.function prunes that work only if nothing uses it). With a frozen
+    trunk this layer makes it explicit: no gradient op is built for the trunk,
+    so it runs forward only, on every augmult view (`stop_gradient`). The
+    check is made each time the model is traced, so `set_trainable` after
+    building takes effect on the next trace (recompile a DPModel after it).
+    The callable is not tracked as a sub-layer: the trunk's variables stay
+    the trunk's.
+    """
+
+    def __init__(self, is_frozen, **kwargs):
+        super().__init__(**kwargs)
+        self._is_frozen = is_frozen
+
+    def call(self, inputs):
+        return keras.ops.stop_gradient(inputs) if self._is_frozen() else inputs
 
 
 def set_trainable(model, trainable):
