@@ -283,3 +283,49 @@ def test_augmult_views_run_no_backward_pass_through_a_frozen_trunk(keras_backbon
                                                              "head_logits/bias"]
     else:
         assert backward_convs  # the check can fail
+
+
+# -- End to end: train_and_evaluate from a tfdp workdir ------------------------------------
+
+
+@pytest.mark.parametrize("trainable, augmult, cached", [
+    ("head", 0, True),
+    pytest.param("head", 2, False, marks=pytest.mark.slow),
+    pytest.param("all", 0, False, marks=pytest.mark.slow),
+])
+def test_train_and_evaluate_fine_tunes_a_workdir_backbone(
+        pretrain_workdir, run_smoke, tmp_path, monkeypatch, trainable, augmult, cached):
+    from tfdp.models import finetune  # pylint: disable=g-import-not-at-top
+
+    computed = []
+
+    def counting(trunk, images, **kwargs):
+        computed.append(images.shape)
+        return models.compute_model_features(trunk, images, **kwargs)
+
+    monkeypatch.setattr(finetune, "compute_model_features", counting)
+    workdir = tmp_path / "finetune"
+    report = run_smoke(workdir, ["fashion_mnist_finetune.gin"], [
+        f'PRETRAINED_BACKBONE = "{pretrain_workdir}"', f'TRAINABLE = "{trainable}"',
+        "tfdp.train_and_evaluate.train_split = 'train'",  # mock data: one 64-example split
+        f"tfdp.train_and_evaluate.augmult = {augmult}"])
+    assert report["steps"] == 2
+    # Features of the train and test splits, computed once each, or never.
+    assert computed == ([(64, 28, 28, 1)] * 2 if cached else [])
+    checkpoint = tf.train.latest_checkpoint(str(workdir / "checkpoints"))
+    trained = [name for name, _ in tf.train.list_variables(checkpoint)
+               if name.startswith("optimizer/_trainable_variables/")]
+    assert len(trained) == (2 if trainable == "head" else 8)
+    # The export composes trunk and head: uint8 images in, logits out, the backbone's
+    # trunk unchanged under "head".
+    served = tf.saved_model.load(str(workdir / "export")).signatures["serve"]
+    x = _images((28, 28, 1))
+    logits = served(images=tf.constant(x))["logits"]
+    assert logits.shape == (4, 10)
+    if trainable == "head":
+        backbone, _ = models.load_backbone(pretrain_workdir)
+        features = keras.Model(backbone.inputs[0], backbone.get_layer("logits").input)(
+            x.astype(np.float32))
+        reader = tf.train.load_checkpoint(checkpoint)
+        kernel, bias = (reader.get_tensor(name) for name in sorted(trained))
+        np.testing.assert_allclose(logits, features @ kernel + bias, atol=1e-5)
