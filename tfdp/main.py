@@ -163,19 +163,14 @@ def _quiet_include_lookup():
 
 
 def _check_macros_are_used():
-    """Refuses a gin macro that no binding uses, or that a binding uses but nothing sets.
-
-    A misspelt `NOISE_MULTIPLYER = 1.0` is set but unused. A required macro
-    (a config's `PRETRAINED_BACKBONE`, left for the user to set) is used but
-    unset; gin would fail only when the model is built, with a TypeError.
+    """Refuses a gin macro that no binding uses, e.g. a misspelt `NOISE_MULTIPLYER = 1.0`.
 
     Gin accepts any `NAME = value` as a macro, so a typo in a macro name would
     otherwise train with the config's own value, silently. Macros and their
     uses are read from the parsed config (`gin.config_str`, `gin.parse_value`).
 
     Raises:
-      ConfigError: naming each unset macro and the --gin_param that sets it,
-        or each unused macro and the closest used one.
+      ConfigError: naming each unused macro and the closest used one.
     """
     import gin  # pylint: disable=g-import-not-at-top
 
@@ -189,14 +184,6 @@ def _check_macros_are_used():
         for ref in _references(gin.config.parse_value(value)):
             if ref.selector == "gin.macro":
                 used.add(ref.scoped_selector.rsplit("/", 1)[0])
-    missing = sorted(used - defined)
-    if missing:
-        raise ConfigError(
-            f"The config uses gin macro(s) {', '.join(missing)} but sets no value: "
-            "they are required (e.g. a path only you know). Add "
-            + " ".join(f"--gin_param='{name}=...'" for name in missing)
-            + f" (a string goes in quotes: --gin_param='{missing[0]}=\"/path\"'), or set "
-            "them in a gin file given after the config.")
     unused = sorted(defined - used)
     if unused:
         hints = []
