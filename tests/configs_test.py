@@ -1,6 +1,5 @@
 """Every shipped gin config: its epsilon matches the paper, and it runs 2 steps on mock data."""
 
-import inspect
 import os
 
 import gin
@@ -47,6 +46,8 @@ PUBLISHED_EPSILON = {
     "cifar10_scatternet_linear.gin": 3.0,
     "cifar10_scatternet_cnn.gin": 3.0,
     "cifar10_tramer_cnn.gin": 3.0,
+    # Private fine-tuning on train[2000:] (issue 20): sigma calibrated to epsilon = 3.
+    "fashion_mnist_finetune.gin": 3.0,
 }
 # De et al. 2022, Tables 15-18 (WRN-28-10 pretrained on ImageNet-32, N = 50,000, B = 16384):
 # the four tables share (sigma, steps) per epsilon. They compute to 0.998, 2.003, 4.020 and
@@ -70,29 +71,18 @@ NOT_PRIVATE = {
     "fashion_mnist_public_pretrain.gin": "issue 20: public pretraining on train[:2000]",
 }
 
-# Issue 20's configs use the API agreed for it, which other branches add:
-# `tfdp.models.build_finetune_model` (fine-tuning configs) and `tfdp.train_and_evaluate.privacy`
-# (non-private configs). Until both are merged those configs cannot parse (gin: unknown
-# configurable / parameter -> main.ConfigError), and their tests are expected to fail with
-# exactly that error; once merged, they run as every other config's.
-HAS_FINETUNE_MODEL = hasattr(models, "build_finetune_model")
-HAS_PRIVACY_NONE = "privacy" in inspect.signature(experiment.train_and_evaluate).parameters
-
-
-def _needs_unmerged_api(config):
-    if "_finetune_" in config and not HAS_FINETUNE_MODEL:
-        return "tfdp.models.build_finetune_model (issue 20, helper ft) is not merged yet"
-    if config in NOT_PRIVATE and not HAS_PRIVACY_NONE:
-        return "tfdp.train_and_evaluate.privacy (issue 20, helper np) is not merged yet"
-    return None
-
-
 def _param(config, *marks):
-    """`config` as a pytest param, expected to fail to parse while its API is unmerged."""
-    reason = _needs_unmerged_api(config)
-    if reason is not None:
-        marks += (pytest.mark.xfail(reason=reason, raises=main.ConfigError, strict=True),)
     return pytest.param(config, marks=marks)
+
+
+# Macros some configs leave for the user to set (a path only they know), and the value the
+# epsilon checks use; the smoke runs replace them with a real backbone (`_required_params`).
+REQUIRED_MACROS = {config: {"PRETRAINED_BACKBONE": '"unused"'}
+                   for config in CONFIGS if "finetune" in config}
+
+
+def _required_params(config):
+    return [f"{k} = {v}" for k, v in REQUIRED_MACROS.get(config, {}).items()]
 
 
 def _macro(name):
@@ -113,7 +103,7 @@ def _plan(config):
     """The config's DPMechanism (as the trainer plans it), and the config's own NUM_STEPS."""
     gin.clear_config()
     try:
-        main.parse_config([config], [])
+        main.parse_config([config], _required_params(config))
         return accounting.plan_mechanism(
             num_examples=_macro("NUM_EXAMPLES"), batch_size=_macro("BATCH_SIZE"),
             num_steps=_macro("NUM_STEPS"), l2_clip_norm=_macro("L2_CLIP_NORM"),
@@ -151,7 +141,7 @@ def test_config_epsilon_matches_the_paper(config):
 def test_non_private_config_says_so_and_sets_no_privacy_value(config):
     gin.clear_config()
     try:
-        main.parse_config([config], [])
+        main.parse_config([config], _required_params(config))
         assert gin.query_parameter("tfdp.train_and_evaluate.privacy") is None
         # A DP value in a non-private config would be ignored, or read as a guarantee.
         for name in experiment.PRIVACY_SETTINGS:
@@ -172,7 +162,7 @@ def test_config_dataset_is_a_tfds_dataset(config):
 
     gin.clear_config()
     try:
-        main.parse_config([config], [])
+        main.parse_config([config], _required_params(config))
         dataset = gin.query_parameter("tfdp.train_and_evaluate.dataset")
     finally:
         gin.clear_config()
@@ -232,11 +222,19 @@ def tiny_backbone(tmp_path_factory):
 @pytest.mark.parametrize("config", [_smoke_param(c) for c in CONFIGS])
 def test_config_runs_two_steps_on_mock_data(config, tmp_path, tensorflow_warnings, request):
     gin.clear_config()
-    main.parse_config([config], [])
+    main.parse_config([config], _required_params(config))
     present = {k: v for k, v in OPTIONAL_MACROS.items() if _macro(k) is not None}
     private = config not in NOT_PRIVATE
+    train_split = _binding("train_split", "train")
     gin.clear_config()
     params = SMOKE_OVERRIDES + [f"{k} = {v}" for k, v in present.items()]
+    if config.startswith("fashion_mnist") and "PRETRAINED_BACKBONE" in REQUIRED_MACROS.get(
+            config, {}):
+        # A backbone of the Fashion-MNIST CNN with random weights, as a .keras file.
+        models.build_tramer_cnn(10).save(str(tmp_path / "backbone.keras"))
+        params.append(f'PRETRAINED_BACKBONE = "{tmp_path / "backbone.keras"}"')
+    if train_split != "train":
+        params.append("tfdp.train_and_evaluate.train_split = 'train'")  # mock: one split
     if config.startswith("cifar10_wrn"):
         params += ["DEPTH = 10", "tfdp.models.build_wide_resnet.width = 1"]  # same blocks, fewer
     if config in NOT_PRIVATE:
@@ -249,25 +247,22 @@ def test_config_runs_two_steps_on_mock_data(config, tmp_path, tensorflow_warning
     main.parse_config([config, "smoke.gin"], params)
     try:
         with data.mock_data(num_examples=MOCK_EXAMPLES):
-            report = experiment.train_and_evaluate(workdir=str(tmp_path))
+            report = experiment.train_and_evaluate(workdir=str(tmp_path / "workdir"))
     finally:
         gin.clear_config()
     assert report["steps"] == 2
-    assert os.path.isdir(tmp_path / "export")
+    assert os.path.isdir(tmp_path / "workdir" / "export")
     # A non-private run writes no privacy report (issue 20, Sec. 6).
-    assert os.path.exists(tmp_path / "privacy_report.json") == private
+    assert os.path.exists(tmp_path / "workdir" / "privacy_report.json") == private
     # Ghost clipping: no conv kernel's per-example gradients fall back to a sequential loop.
     assert not any("while_loop" in m for m in tensorflow_warnings), tensorflow_warnings
 
 
 @pytest.mark.parametrize("config", [_param("cifar10_finetune_wrn28_10_head_eps8.gin")])
 def test_finetune_config_without_a_backbone_is_refused_before_training(config, tmp_path):
-    # PRETRAINED_BACKBONE is None in the configs until the user sets it.
-    main.parse_config([config, "smoke.gin"], SMOKE_OVERRIDES + ["AUGMULT = 2"])
+    # PRETRAINED_BACKBONE is left unset in the configs, for the user to set.
     try:
-        with data.mock_data(num_examples=MOCK_EXAMPLES):
-            with pytest.raises(ValueError, match="backbone"):
-                experiment.train_and_evaluate(workdir=str(tmp_path))
+        with pytest.raises(main.ConfigError, match="--gin_param='PRETRAINED_BACKBONE="):
+            main.parse_config([config, "smoke.gin"], SMOKE_OVERRIDES + ["AUGMULT = 2"])
     finally:
         gin.clear_config()
-    assert not os.path.exists(tmp_path / "FINISHED")

@@ -1,6 +1,7 @@
 """The entry point: gin files resolve by name; bad input gets a clear error, exit 2."""
 
 import os
+import re
 import subprocess
 import sys
 
@@ -80,10 +81,28 @@ def test_every_shipped_config_uses_every_macro_it_sets(config):
     import gin  # pylint: disable=g-import-not-at-top
 
     gin.clear_config()
+    params = []
     try:
-        main.parse_config([config, "smoke.gin"], [])
+        try:
+            main.parse_config([config, "smoke.gin"], params)
+        except main.ConfigError as e:  # a required macro the user sets: give it a value
+            required = re.search(r"needs a value for gin macro (\w+)", str(e))
+            if not required:
+                raise
+            gin.clear_config()
+            main.parse_config([config, "smoke.gin"], [f'{required.group(1)} = "set"'])
     finally:
         gin.clear_config()
+
+
+def test_cli_required_macro_left_unset_names_the_gin_param_to_add(tmp_path):
+    # Before: gin's "No bindings specified for 'PRETRAINED_BACKBONE/gin.macro'" followed
+    # by the whole config.
+    result = _run(tmp_path, "--gin_file=fashion_mnist_finetune.gin")
+    assert result.returncode == 2
+    assert "--gin_param='PRETRAINED_BACKBONE=" in result.stderr
+    assert "Traceback" not in result.stderr and "# Macros:" not in result.stderr
+    assert not os.path.exists(tmp_path / "wd")
 
 
 @pytest.mark.parametrize("param, message", [

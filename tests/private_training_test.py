@@ -136,3 +136,39 @@ def test_an_empty_folder_is_a_fine_target(trained, tmp_path):
     (tmp_path / "model").mkdir()
     trained.export(tmp_path / "model")
     assert (tmp_path / "model" / "saved_model.pb").exists()
+
+
+def _pretrained_with_batch_norm():
+    inputs = keras.Input((8, 8, 1))
+    x = keras.layers.Conv2D(4, 3, name="conv")(inputs)
+    x = keras.layers.BatchNormalization(name="bn")(x)
+    x = keras.layers.GlobalAveragePooling2D()(x)
+    return keras.Model(inputs, keras.layers.Dense(2, name="classifier")(x))
+
+
+@pytest.mark.parametrize("trainable, trained", [
+    ("head", {"classifier"}),
+    ("all", {"conv", "classifier"}),
+    (["con*"], {"conv", "classifier"}),
+])
+def test_make_private_fine_tuning_modes(trainable, trained):
+    model = _pretrained_with_batch_norm()
+    before = {v.path: v.numpy() for v in model.variables}
+    private = tfdp.make_private(model, (IMAGES + 100, LABELS), batch_size=10, num_steps=1,
+                                optimizer=keras.optimizers.SGD(1.0), trainable=trainable,
+                                **COMMON)
+    private.fit(verbose=False)
+    changed = {v.path.split("/")[0] for v in model.variables
+               if not np.array_equal(v.numpy(), before[v.path])}
+    # The BatchNorm is frozen in every mode: its statistics and scale never move.
+    assert changed == trained
+
+
+def test_make_private_refuses_a_pattern_that_matches_no_layer():
+    with pytest.raises(ValueError, match="'dense_typo' matches no layer"):
+        tfdp.make_private(_pretrained_with_batch_norm(), (IMAGES, LABELS), batch_size=10,
+                          num_steps=1, optimizer="sgd", trainable=["dense_typo"], **COMMON)
+    # Without trainable=, a trainable BatchNorm is refused as before.
+    with pytest.raises(ValueError, match="BatchNorm"):
+        tfdp.make_private(_pretrained_with_batch_norm(), (IMAGES, LABELS), batch_size=10,
+                          num_steps=1, optimizer="sgd", **COMMON)

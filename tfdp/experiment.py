@@ -175,8 +175,10 @@ def train_and_evaluate(
        existing checkpoint must be intact and hold this mechanism, the same
        fixed seeds and no more steps than planned; without one, the workdir
        must hold no output of an earlier run;
-    4. `_features`: ScatterNet features and the private data normalization,
-       released once per workdir;
+    4. `_feature_extractor`, `_features`: a frozen public feature
+       extractor's features (ScatterNet, or a fine-tuning model's frozen
+       trunk), computed once, and the private data normalization, released
+       once per workdir;
     5. `_build_model`: the model and its DPModel, in the strategy's scope;
     6. `_restore`: the checkpoint, or a first one at step 0 holding the
        secret coins;
@@ -200,7 +202,10 @@ def train_and_evaluate(
       noise_multiplier: sigma (noise std / sensitivity), or None to calibrate
         it to target_epsilon.
       target_epsilon: the budget; training never goes past it.
-      model_fn: builder `(num_classes, input_shape=...) -> keras.Model`.
+      model_fn: builder `(num_classes, input_shape=...) -> keras.Model`. A
+        `tfdp.models.build_finetune_model` whose head alone trains, with
+        augmult 0, has its frozen trunk's features computed once and its head
+        trained on them (as `features`); the export composes the two.
       optimizer_fn: builder `() -> keras.optimizers.Optimizer`.
       data_dir: TFDS data_dir (None: TFDS's default, ~/tensorflow_datasets).
       train_split, test_split: TFDS split names.
@@ -391,15 +396,21 @@ def train_and_evaluate(
         workdir_lib.clear_finished(out_dir)  # not finished until this run says so
         run.enter_context(_stops_cleanly(out_dir))
 
-        # 4. Features and the private data normalization (released once per workdir).
-        train, test, head_kwargs = _features(train, test, features, mechanism.data_normalization,
-                                             workdir)
-
-        # 5. Model and DP state, mirrored under the strategy.
+        # 4. A frozen public feature extractor's features, computed once, and the private
+        # data normalization (released once per workdir).
         _check_builder_bindings(model_fn)
         with dist.scope():
-            model = model_fn(num_classes=train.num_classes, input_shape=train.image_shape,
-                             **head_kwargs)
+            extractor, model = _feature_extractor(
+                features, model_fn, train, augmult=augmult, augmentation=augmentation)
+        train, test, head_kwargs = _features(train, test, extractor,
+                                             mechanism.data_normalization, workdir)
+
+        # 5. Model and DP state, mirrored under the strategy.
+        with dist.scope():
+            if extractor is not None:
+                # The head on features: the fine-tuning model's own, or model_fn's (ScatterNet).
+                model = extractor.head or model_fn(
+                    num_classes=train.num_classes, input_shape=train.image_shape, **head_kwargs)
             _check_output_width(model, train.num_classes, dataset)
             if privacy is None:  # NOT PRIVATE: plain mean-loss steps
                 dp_model = NonPrivateModel(model, accumulation_steps=accumulation_steps,
@@ -488,7 +499,8 @@ def train_and_evaluate(
             )
             if audit is not None:
                 report["audit"] = audit.result(dp_model, mechanism)
-        _finish(report, dp_model, model, out_dir, features=features, image_shape=image_shape)
+        _finish(report, dp_model, extractor.compose(model) if extractor else model, out_dir,
+                image_shape=image_shape)
         if out_dir != workdir:
             shutil.rmtree(out_dir, ignore_errors=True)
         if privacy is None:
@@ -830,8 +842,11 @@ def _fit(dp_model, mechanism, manager, ledger, train_ds, eval_ds, out_dir, *, st
     )
 
 
-def _finish(report, dp_model, model, out_dir, *, features, image_shape):
+def _finish(report, dp_model, export_model, out_dir, *, image_shape):
     """Stage 8: the SavedModel (EMA parameters when EMA is on), the report, then FINISHED.
+
+    `export_model` takes images: the trained model, or a frozen feature
+    extractor composed with the trained head (sharing its variables).
 
     The report is first written to a temporary folder and copied into the
     SavedModel's assets; the SavedModel goes to `export/` atomically
@@ -851,9 +866,6 @@ def _finish(report, dp_model, model, out_dir, *, features, image_shape):
     "privacy": "NOT PRIVATE" instead of epsilon and delta.
     """
     workdir_lib.remove_stale_temporaries(out_dir)
-    export_model = model
-    if features == "scatternet":
-        export_model = models.build_scatternet_classifier(model, image_shape)
     private = report.get("privacy") != NOT_PRIVATE
     write, files = ((privacy_report.write_privacy_report,
                      [privacy_report.REPORT_JSON, privacy_report.REPORT_MD]) if private else
@@ -888,13 +900,52 @@ def _finish(report, dp_model, model, out_dir, *, features, image_shape):
     })
 
 
-def _features(train, test, features, data_normalization, workdir):
-    """Stage 4: replaces pixels by cached ScatterNet features, privately normalized if asked.
+def _feature_extractor(features, model_fn, train, *, augmult, augmentation):
+    """Stage 4a: the frozen public feature extractor (`tfdp.models.FrozenFeatureExtractor`), if any.
 
-    The features of every image are computed once and held in memory
-    (`tfdp.data.ArraySource`): fine for the small datasets the ScatterNet
-    configs use (Fashion-MNIST, CIFAR-10: about 1 GB of float32 features),
-    not meant for ImageNet. Without features, the splits stay on disk.
+    One mechanism for two cases. `features="scatternet"`: the ScatterNet
+    (Tramer & Boneh 2021, App. C.1), whose head `model_fn` builds later on
+    the feature shape. `features=None`: `model_fn` builds the model on
+    pixels; if only its head trains (`build_finetune_model` with
+    trainable="head") and there is no augmentation (augmult 0), its frozen
+    trunk is the extractor and its head is trained on cached features (De et
+    al. 2022, Table 20: last layer, augmult 0). With augmult > 0 the trunk
+    runs forward on every view instead, and only the head's variables get
+    gradients.
+
+    Returns:
+      `(extractor, model)`: the extractor or None, and the model built on
+      pixels (None for ScatterNet, whose head is built on the features).
+
+    Raises:
+      ValueError: an unknown `features`.
+    """
+    if features == "scatternet":
+        image_shape = train.image_shape
+        return models.FrozenFeatureExtractor(
+            name="scatternet", compute_features=models.compute_scatternet_features,
+            compose=lambda head: models.build_scatternet_classifier(head, image_shape)), None
+    if features is not None:
+        raise ValueError(f"Unknown features {features!r}; use None or 'scatternet'.")
+    model = model_fn(num_classes=train.num_classes, input_shape=train.image_shape)
+    extractor = models.frozen_feature_extractor(model)
+    if extractor is not None and (augmult > 0 or augmentation is not None):
+        logging.info("Only the head trains, but with augmult=%d the %s runs forward on every "
+                     "view (no backward pass through it) instead of once.", augmult,
+                     extractor.name)
+        return None, model
+    return extractor, (None if extractor is not None else model)
+
+
+def _features(train, test, extractor, data_normalization, workdir):
+    """Stage 4b: replaces pixels by cached features, privately normalized if asked.
+
+    The features of every image are computed once by the frozen extractor
+    and held in memory (`tfdp.data.ArraySource`): fine for the small
+    datasets the ScatterNet and fine-tuning configs use (Fashion-MNIST,
+    CIFAR-10: about 1 GB of float32 ScatterNet features, far less for a
+    backbone's pooled features), not meant for ImageNet. Without an
+    extractor, the splits stay on disk.
 
     The private mean and variance are released once per run: they are saved,
     with the sigma and bounds they were released under, to
@@ -904,8 +955,9 @@ def _features(train, test, features, data_normalization, workdir):
 
     Args:
       train, test: the splits' sources (`tfdp.data.TFDSSource`).
-      features: None or "scatternet".
-      data_normalization: None, or the mechanism's `DataNormalization`.
+      extractor: None or a `tfdp.models.FrozenFeatureExtractor`.
+      data_normalization: None, or the mechanism's `DataNormalization`
+        (ScatterNet only: the head builder takes the released statistics).
       workdir: where the release is kept.
 
     Returns:
@@ -915,15 +967,13 @@ def _features(train, test, features, data_normalization, workdir):
       builder.
 
     Raises:
-      ValueError: on an unknown `features`, data normalization without them,
-        or a saved release whose settings differ from `data_normalization`.
+      ValueError: data normalization without ScatterNet features, or a
+        saved release whose settings differ from `data_normalization`.
     """
-    if features is None:
-        if data_normalization:
-            raise ValueError("data_normalization needs features='scatternet'.")
+    if data_normalization and (extractor is None or extractor.head is not None):
+        raise ValueError("data_normalization needs features='scatternet'.")
+    if extractor is None:
         return train, test, {}
-    if features != "scatternet":
-        raise ValueError(f"Unknown features {features!r}; use None or 'scatternet'.")
     path = os.path.join(workdir, DATA_NORMALIZATION_FILE)
     released = None
     if data_normalization and os.path.exists(path):
@@ -937,11 +987,11 @@ def _features(train, test, features, data_normalization, workdir):
                 f"{settings}. Reusing it would misstate the privacy cost, and releasing "
                 "another would spend privacy twice in one workdir: restore the original "
                 "settings, or use a new workdir.")
-    logging.info("Computing ScatterNet features of %d + %d images once.",
-                 train.num_examples, test.num_examples)
+    logging.info("Computing the features of the %s for %d + %d images once.",
+                 extractor.name, train.num_examples, test.num_examples)
     train, test = (data.read_split(source) for source in (train, test))
-    train = train._replace(images=models.compute_scatternet_features(train.images))
-    test = test._replace(images=models.compute_scatternet_features(test.images))
+    train = train._replace(images=extractor.compute_features(train.images))
+    test = test._replace(images=extractor.compute_features(test.images))
     sources = data.ArraySource(*train), data.ArraySource(*test)
     if not data_normalization:
         return (*sources, {})

@@ -72,9 +72,10 @@ def parse_config(gin_files, gin_params):
     """Parses the gin files then the bindings, after registering tfdp's configurables.
 
     Raises:
-      ConfigError: on an unknown file (also one a config includes), or a
+      ConfigError: on an unknown file (also one a config includes), a
         binding gin cannot parse (an unclosed bracket names its file or
-        --gin_param).
+        --gin_param), or a macro the config uses but leaves unset (a required
+        macro: the message names the --gin_param to add).
     """
     import gin  # pylint: disable=g-import-not-at-top
 
@@ -99,6 +100,15 @@ def parse_config(gin_files, gin_params):
             f"Could not parse the gin config: {_unclosed(paths, gin_params)}: {e.args[0]} "
             "(an unclosed '(', '[', '{' or string?).") from None
     except (ValueError, KeyError, SyntaxError, ImportError, OSError) as e:
+        unset = re.findall(r"No bindings specified for '([A-Za-z_][A-Za-z0-9_]*)/gin\.macro'",
+                           str(e))
+        if unset:
+            # A required macro (e.g. PRETRAINED_BACKBONE) that the config leaves to the user.
+            raise ConfigError(
+                f"The config needs a value for gin macro {unset[0]}, which it leaves for you "
+                f"to set (see the comment in the config): add --gin_param='{unset[0]}=...', "
+                f"e.g. --gin_param='{unset[0]}=\"/path/to/it\"' for a path (strings in "
+                "double quotes).") from None
         # OSError: an `include` of a file gin cannot find.
         raise ConfigError(f"Could not parse the gin config {paths} {gin_params}: {e}") from e
     _check_macros_are_used()

@@ -162,6 +162,7 @@ def make_private(
     ema_decay=None,
     clipping="auto",
     data_dir=None,
+    trainable=None,
     class_weight=None,
     sample_weight=None,
 ):
@@ -196,7 +197,19 @@ def make_private(
       clipping: "auto", "ghost" or "vectorized": how per-example gradients
         are clipped (`DPModel`); the same sum, so the same guarantee.
       data_dir: TFDS data_dir, for a dataset name.
-      class_weight, sample_weight: refused (ValueError) if given: a weight on an
+      trainable: None (default) trains what the model marks trainable,
+        Keras' own rule (`layer.trainable`): a model from
+        `tfdp.models.build_finetune_model` keeps the mode it was built with.
+        Or a fine-tuning mode, applied to `model` IN PLACE before anything
+        else (`tfdp.models.set_trainable`): "head" (only the head: the
+        fine-tuning model's "head", or else the model's last Dense layer),
+        "all", or a list of fnmatch patterns of layer names (each must match
+        a layer; the head always trains). Every BatchNormalization layer is
+        then frozen (inference mode, pretrained statistics). Only the
+        trainable variables are clipped, noised and updated; frozen layers
+        run forward only when just the head trains. Unlike
+        `python -m tfdp.main`, make_private does not cache a frozen trunk's
+        features: the trunk runs on every batch., sample_weight: refused (ValueError) if given: a weight on an
         example's loss scales its sensitivity beyond l2_clip_norm
         (`tfdp.training.dp_model.refuse_example_weights`). They are named here so
         that passing them is explained, not a TypeError.
@@ -206,7 +219,9 @@ def make_private(
       `.privacy_report()`, `.export(dir)`.
 
     Raises:
-      ValueError: on a model that mixes examples, logits that do not cover
+      ValueError: on an invalid `trainable` (`tfdp.models.set_trainable`: also
+        a pattern that matches no layer), a model that mixes examples, logits
+        that do not cover
         the labels, data in another form or shape (images that do not match
         `model.input_shape`), an infinite or empty dataset (or one of unknown
         cardinality longer than `MAX_UNKNOWN_CARDINALITY_EXAMPLES`), a
@@ -219,6 +234,8 @@ def make_private(
     if (epochs is None) == (num_steps is None):
         raise ValueError("Give exactly one of epochs (passes over the data) and num_steps "
                          f"(optimizer updates); got epochs={epochs}, num_steps={num_steps}.")
+    if trainable is not None:
+        models.set_trainable(model, trainable)
     models.validate_dp_model(model)
     num_classes = _output_width(model)
     source = _source(train_data, num_classes=num_classes, data_dir=data_dir)

@@ -98,6 +98,21 @@ def test_array_source_rejects_bad_arrays():
         data.ArraySource(images[:0], labels[:0], 10)
 
 
+def test_array_source_holds_cached_features_of_any_rank():
+    # A frozen trunk's features are [N, F] (issue 20); ScatterNet's [N, h, w, K].
+    labels = np.arange(10, dtype=np.int32)
+    features = np.random.RandomState(0).randn(10, 7).astype(np.float32)
+    source = data.ArraySource(features, labels, 10)
+    assert source.image_shape == (7,)
+    images, read = source.read(tf.constant([3, 1], tf.int64))
+    np.testing.assert_array_equal(images, features[[3, 1]])
+    np.testing.assert_array_equal(read, [3, 1])
+    with pytest.raises(ValueError, match="images must be uint8"):
+        data.ArraySource(features[:, 0], labels, 10)  # rank 1: no feature axis
+    with pytest.raises(ValueError, match="add a channel axis"):
+        data.ArraySource(features.astype(np.uint8), labels, 10)  # pixels must be rank 4
+
+
 def test_array_source_is_built_outside_a_strategy_scope():
     with tf.distribute.OneDeviceStrategy("/CPU:0").scope():
         with pytest.raises(ValueError, match=r"outside `strategy.scope\(\)`"):

@@ -26,16 +26,18 @@ class ArraySource:
     Attributes:
       num_examples: int, N.
       num_classes: int, as given.
-      image_shape: (height, width, channels) of one example.
+      image_shape: (height, width, channels) of one example (or the
+        shape of its cached features).
 
     Args:
       images: uint8 [num_examples, height, width, channels], or float32
-        cached features of that rank (kept float32), numpy or tensor.
+        cached features [num_examples, ...] of rank >= 2 (kept float32: a
+        ScatterNet's [N, h, w, K] or a frozen trunk's [N, F]), numpy or tensor.
       labels: int32 [num_examples] (any integer dtype; cast to int32).
       num_classes: number of classes of the dataset.
 
     Raises:
-      ValueError: images not uint8/float32 of rank 4; labels not
+      ValueError: images not uint8 of rank 4 or float32 of rank >= 2; labels not
         [num_examples] integers; no examples; built inside a `tf.distribute`
         strategy scope.
     """
@@ -55,10 +57,11 @@ def _check_arrays(images, labels):
     """Checks shapes and dtypes; returns num_examples."""
     images_shape, labels_shape = tuple(images.shape), tuple(labels.shape)
     images_dtype = tf.as_dtype(images.dtype)
-    if len(images_shape) != 4 or images_dtype not in (tf.uint8, tf.float32):
+    if not ((images_dtype == tf.uint8 and len(images_shape) == 4)
+            or (images_dtype == tf.float32 and len(images_shape) >= 2)):
         raise ValueError(
             f"images must be uint8 [num_examples, height, width, channels] (or float32 "
-            f"cached features of that rank), got {images_dtype.name} {list(images_shape)}; "
+            f"cached features [num_examples, ...]), got {images_dtype.name} {list(images_shape)}; "
             "keep pixels uint8 (the model scales them) and add a channel axis to "
             "grayscale images."
         )

@@ -1,9 +1,17 @@
 """Model builders: every model maps float32 images in [0, 255] to logits.
 
-No model mixes examples (no BatchNorm): DP-SGD needs per-example gradients,
-and `validate_dp_model` rejects a model that would.
+No model mixes examples (no trainable BatchNorm): DP-SGD needs per-example
+gradients, and `validate_dp_model` rejects a model that would. A pretrained
+backbone's BatchNorm is frozen (`build_finetune_model`).
 """
 
+from tfdp.models.feature_extractor import FrozenFeatureExtractor
+from tfdp.models.feature_extractor import compute_model_features
+from tfdp.models.finetune import BackboneError
+from tfdp.models.finetune import build_finetune_model
+from tfdp.models.finetune import frozen_feature_extractor
+from tfdp.models.finetune import load_backbone
+from tfdp.models.finetune import set_trainable
 from tfdp.models.nf_res_block import NFResBlock
 from tfdp.models.nf_resnet import build_nf_resnet
 from tfdp.models.preprocessing import rescale_pixels_layer

@@ -1,0 +1,337 @@
+"""Fine-tuning a pretrained backbone: loading routes, trainable modes, cached features."""
+
+import os
+import shutil
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tfdp import accounting
+from tfdp import models
+from tfdp.export import saved_model
+from tfdp.training.dp_model import DPModel
+
+
+@pytest.fixture(scope="module")
+def pretrain_workdir(tmp_path_factory, run_smoke_module):
+    """A finished 2-step tfdp workdir of build_tramer_cnn (28x28x1, 10 classes) with an EMA."""
+    workdir = tmp_path_factory.mktemp("pretrain") / "wd"
+    run_smoke_module(workdir, ["fashion_mnist.gin"], ["tfdp.train_and_evaluate.ema_decay = 0.9"])
+    return str(workdir)
+
+
+@pytest.fixture(scope="module")
+def keras_backbone(tmp_path_factory):
+    """A `.keras` file of build_tramer_cnn with random weights, and the model."""
+    keras.utils.set_random_seed(1)
+    model = models.build_tramer_cnn(10)
+    path = str(tmp_path_factory.mktemp("keras") / "tramer.keras")
+    model.save(path)
+    return path, model
+
+
+def _images(shape, n=4, seed=0):
+    return np.random.RandomState(seed).randint(0, 256, (n, *shape)).astype(np.uint8)
+
+
+def _trainable_layers(model):
+    return sorted({v.path.split("/")[0] for v in model.trainable_variables})
+
+
+# -- Loading routes ----------------------------------------------------------------------
+
+
+def test_keras_file_backbone_keeps_its_weights_and_gets_a_new_head(keras_backbone):
+    path, original = keras_backbone
+    model = models.build_finetune_model(3, (28, 28, 1), backbone=path, trainable="all")
+    assert model.output_shape == (None, 3)
+    trunk = model.get_layer("trunk")
+    # The trunk is the backbone up to its last Dense layer's input (32 tanh units).
+    assert trunk.output_shape == (None, 32)
+    x = _images((28, 28, 1)).astype(np.float32)
+    features = keras.Model(original.inputs, original.get_layer("logits").input)(x)
+    np.testing.assert_allclose(trunk(x), features, atol=1e-6)
+    head = model.get_layer("head").get_layer("head_logits")
+    assert not np.any(head.kernel.numpy())  # head_initializer="zeros"
+
+
+def test_head_initializer_is_used(keras_backbone):
+    model = models.build_finetune_model(3, (28, 28, 1), backbone=keras_backbone[0],
+                                        head_initializer="ones")
+    np.testing.assert_array_equal(model.get_layer("head").get_layer("head_logits").kernel, 1.0)
+
+
+def test_workdir_backbone_holds_the_exported_ema_parameters(pretrain_workdir):
+    backbone, preprocess = models.load_backbone(pretrain_workdir)
+    assert preprocess is None
+    x = _images((28, 28, 1))
+    served = tf.saved_model.load(os.path.join(pretrain_workdir, "export")).signatures["serve"]
+    np.testing.assert_allclose(backbone(x.astype(np.float32)),
+                               served(images=tf.constant(x))["logits"], atol=1e-5)
+    # The EMA differs from the last iterate after 2 steps, so this tells them apart.
+    reader = tf.train.load_checkpoint(tf.train.latest_checkpoint(
+        os.path.join(pretrain_workdir, "checkpoints")))
+    last = reader.get_tensor("optimizer/_trainable_variables/0/.ATTRIBUTES/VARIABLE_VALUE")
+    assert not np.allclose(backbone.trainable_variables[0].numpy(), last)
+
+
+def test_workdir_backbone_errors(pretrain_workdir, tmp_path):
+    with pytest.raises(models.BackboneError, match="does not exist"):
+        models.load_backbone(str(tmp_path / "nowhere"))
+    with pytest.raises(models.BackboneError, match="not a tfdp workdir"):
+        models.load_backbone(str(tmp_path))
+    no_checkpoint = tmp_path / "no_checkpoint"
+    no_checkpoint.mkdir()
+    shutil.copy(os.path.join(pretrain_workdir, "operative_config.gin"), no_checkpoint)
+    with pytest.raises(models.BackboneError, match="no checkpoint.*Run \\(or resume\\)"):
+        models.load_backbone(str(no_checkpoint))
+    unfinished = tmp_path / "unfinished"
+    shutil.copytree(pretrain_workdir, unfinished)
+    os.remove(unfinished / "FINISHED")
+    with pytest.raises(models.BackboneError, match="not finished"):
+        models.load_backbone(str(unfinished))
+    with pytest.raises(models.BackboneError, match="not a '.keras' file"):
+        models.load_backbone(str(unfinished / "privacy_report.json"))
+    with pytest.raises(models.BackboneError, match="only for keras.applications"):
+        models.load_backbone(pretrain_workdir, backbone_weights="w.h5")
+
+
+def test_workdir_backbone_whose_weights_do_not_match(pretrain_workdir, tmp_path):
+    changed = tmp_path / "changed"
+    shutil.copytree(pretrain_workdir, changed)
+    config = (changed / "operative_config.gin").read_text()
+    (changed / "operative_config.gin").write_text(config.replace(
+        "@tfdp.models.build_tramer_cnn", "@tfdp.models.build_scatternet_linear"))
+    with pytest.raises(models.BackboneError, match="do not match the model rebuilt"):
+        models.load_backbone(str(changed))
+
+
+@pytest.fixture(scope="module")
+def application_weights(tmp_path_factory):
+    """EfficientNetB0 at 32x32 (random weights, nothing downloads) saved as a weights file."""
+    keras.utils.set_random_seed(2)
+    app = keras.applications.EfficientNetB0(weights=None, input_shape=(32, 32, 3))
+    path = str(tmp_path_factory.mktemp("app") / "efficientnetb0.weights.h5")
+    app.save_weights(path)
+    return path, app
+
+
+def test_keras_application_with_local_weights(application_weights):
+    path, app = application_weights
+    model = models.build_finetune_model(
+        5, (28, 28, 1), backbone="keras.applications.EfficientNetB0", backbone_weights=path,
+        backbone_input_shape=(32, 32, 3), trainable="all")
+    x = _images((28, 28, 1), n=2)
+    rgb = tf.image.resize(tf.image.grayscale_to_rgb(tf.constant(x, tf.float32)), (32, 32))
+    # EfficientNet's preprocess_input is the identity (it rescales inside the model).
+    expected = keras.Model(app.inputs, app.get_layer("predictions").input)(rgb)
+    np.testing.assert_allclose(model.get_layer("trunk")(x.astype(np.float32)), expected,
+                               atol=1e-4)
+    batch_norms = [layer for layer in app.layers if isinstance(layer, keras.layers.BatchNormalization)]
+    assert batch_norms
+    bn_names = {layer.name for layer in model.get_layer("trunk").get_layer(
+        "backbone_trunk").layers if isinstance(layer, keras.layers.BatchNormalization)}
+    assert bn_names and not bn_names & set(_trainable_layers(model))
+    models.validate_dp_model(model)  # frozen BatchNorm is accepted
+
+
+def test_keras_application_errors(application_weights, keras_backbone, tmp_path):
+    with pytest.raises(models.BackboneError, match="Unknown Keras application.*ResNet50"):
+        models.load_backbone("keras.applications.ResNet5O")
+    with pytest.raises(models.BackboneError, match="needs backbone_weights.*nothing downloads"):
+        models.load_backbone("keras.applications.EfficientNetB0")
+    with pytest.raises(models.BackboneError, match="does not exist"):
+        models.load_backbone("keras.applications.EfficientNetB0",
+                             backbone_weights=str(tmp_path / "missing.h5"))
+    other = str(tmp_path / "other.weights.h5")
+    keras_backbone[1].save_weights(other)
+    with pytest.raises(models.BackboneError, match="does not match keras.applications.Eff"):
+        models.load_backbone("keras.applications.EfficientNetB0", backbone_weights=other,
+                             input_shape=(32, 32, 3))
+
+
+# -- Trainable modes -----------------------------------------------------------------------
+
+
+def test_trainable_modes(keras_backbone):
+    build = lambda trainable: models.build_finetune_model(  # noqa: E731
+        10, (28, 28, 1), backbone=keras_backbone[0], trainable=trainable)
+    # Keras numbers layer names per session: read them from the backbone.
+    original = keras_backbone[1]
+    convs = sorted(layer.name for layer in original.layers
+                   if isinstance(layer, keras.layers.Conv2D))
+    dense = [layer.name for layer in original.layers
+             if isinstance(layer, keras.layers.Dense) and layer.name != "logits"]
+    assert len(convs) == 2 and len(dense) == 1
+    head = build("head")
+    assert _trainable_layers(head) == ["head_logits"]
+    everything = build("all")
+    assert _trainable_layers(everything) == sorted(convs + dense + ["head_logits"])
+    assert _trainable_layers(build(["conv2d*"])) == sorted(convs + ["head_logits"])
+    by_path = build([f"trunk/backbone_trunk/{dense[0]}"])
+    assert _trainable_layers(by_path) == sorted(dense + ["head_logits"])
+    # The old classifier is not part of the model.
+    assert "logits" not in {layer.name for layer in everything.get_layer("trunk").get_layer(
+        "backbone_trunk").layers}
+
+
+def test_trainable_errors(keras_backbone):
+    model = models.build_finetune_model(10, (28, 28, 1), backbone=keras_backbone[0])
+    with pytest.raises(ValueError, match="'conv3d\\*' matches no layer.*conv2d"):
+        models.set_trainable(model, ["conv2d*", "conv3d*"])
+    for bad in ("everything", [], [3], "conv2d"):
+        with pytest.raises(ValueError, match="trainable="):
+            models.set_trainable(model, bad)
+
+
+def test_a_pattern_matching_only_batch_norm_is_an_error():
+    inputs = keras.Input((8, 8, 3))
+    x = keras.layers.Conv2D(4, 3, name="conv")(inputs)
+    x = keras.layers.BatchNormalization(name="bn")(x)
+    x = keras.layers.GlobalAveragePooling2D()(x)
+    model = keras.Model(inputs, keras.layers.Dense(2, name="out")(x))
+    with pytest.raises(ValueError, match="only BatchNormalization.*always stay frozen"):
+        models.set_trainable(model, ["bn"])
+    assert models.set_trainable(model, ["*"]) == ["conv", "out"]
+    assert not model.get_layer("bn").trainable
+    assert models.set_trainable(model, "head") == ["out"]
+
+
+# -- Inputs, export -------------------------------------------------------------------------
+
+
+def test_rgb_images_into_a_grayscale_backbone_are_converted_and_resized(keras_backbone):
+    path, original = keras_backbone
+    model = models.build_finetune_model(10, (32, 32, 3), backbone=path)
+    x = _images((32, 32, 3), n=3)
+    gray = tf.image.resize(tf.image.rgb_to_grayscale(tf.constant(x, tf.float32)), (28, 28))
+    expected = keras.Model(original.inputs, original.get_layer("logits").input)(gray)
+    np.testing.assert_allclose(model.get_layer("trunk")(x.astype(np.float32)), expected,
+                               atol=1e-4)
+    with pytest.raises(ValueError, match="Cannot convert 2-channel"):
+        models.build_finetune_model(10, (32, 32, 2), backbone=path)
+
+
+def test_fine_tuned_model_exports_uint8_in_logits_out(keras_backbone, tmp_path):
+    model = models.build_finetune_model(10, (32, 32, 3), backbone=keras_backbone[0],
+                                        head_initializer="glorot_uniform")
+    saved_model.export_saved_model(model, str(tmp_path / "export"), image_shape=(32, 32, 3))
+    served = tf.saved_model.load(str(tmp_path / "export")).signatures["serve"]
+    x = _images((32, 32, 3))
+    np.testing.assert_allclose(served(images=tf.constant(x))["logits"],
+                               model(x.astype(np.float32)), atol=1e-5)
+
+
+# -- The frozen trunk: cached features, and augmult without a backward pass ---------------
+
+
+def _mechanism(batch_size):
+    return accounting.plan_mechanism(num_examples=64, batch_size=batch_size, num_steps=5,
+                                     l2_clip_norm=0.1, target_delta=1e-5, noise_multiplier=1.0)
+
+
+def test_head_on_cached_features_equals_head_on_the_frozen_model(keras_backbone):
+    model = models.build_finetune_model(10, (28, 28, 1), backbone=keras_backbone[0],
+                                        head_initializer="glorot_uniform")
+    extractor = models.frozen_feature_extractor(model)
+    assert extractor is not None and extractor.compose(extractor.head) is model
+    x, y = _images((28, 28, 1), n=8, seed=3), np.arange(8) % 10
+    features = extractor.compute_features(x)
+    assert features.shape == (8, 32) and features.dtype == np.float32
+    start = [v.numpy() for v in extractor.head.trainable_variables]
+
+    def one_step(wrapped, inputs):
+        for v, s in zip(extractor.head.trainable_variables, start):
+            v.assign(s)
+        dp = DPModel(wrapped, _mechanism(8), noise_seed=7)
+        dp.compile(optimizer=keras.optimizers.SGD(1.0))
+        dp.train_on_batch(inputs, y)
+        return [v.numpy() for v in extractor.head.trainable_variables]
+
+    cached = one_step(extractor.head, features)
+    on_the_fly = one_step(model, x.astype(np.float32))
+    for a, b, s in zip(cached, on_the_fly, start):
+        assert not np.allclose(a, s)  # the step moved the head
+        np.testing.assert_allclose(a, b, atol=1e-6)
+
+
+def test_models_that_train_more_than_the_head_have_no_frozen_extractor(keras_backbone):
+    model = models.build_finetune_model(10, (28, 28, 1), backbone=keras_backbone[0],
+                                        trainable="all")
+    assert models.frozen_feature_extractor(model) is None
+    assert models.frozen_feature_extractor(models.build_tramer_cnn(10)) is None
+
+
+def _op_types(concrete):
+    graph_def = concrete.graph.as_graph_def()
+    ops = {node.op for node in graph_def.node}
+    for function in graph_def.library.function:
+        ops.update(node.op for node in function.node_def)
+    return ops
+
+
+@pytest.mark.parametrize("trainable", ["head", "all"])
+def test_augmult_views_run_no_backward_pass_through_a_frozen_trunk(keras_backbone, trainable):
+    model = models.build_finetune_model(10, (28, 28, 1), backbone=keras_backbone[0],
+                                        trainable=trainable)
+    dp = DPModel(model, _mechanism(4), noise_seed=1)
+    dp.compile(optimizer=keras.optimizers.SGD(1.0))
+    assert dp.clipping_path == "ghost"  # the frozen layers need no rule
+    views = tf.TensorSpec([None, 2, 28, 28, 1], tf.float32)  # augmult = 2
+    concrete = tf.function(dp.clip_and_accumulate).get_concrete_function(
+        views, tf.TensorSpec([None], tf.int32), tf.TensorSpec([None], tf.float32))
+    backward_convs = {"Conv2DBackpropFilter", "Conv2DBackpropInput"} & _op_types(concrete)
+    if trainable == "head":
+        assert not backward_convs
+        assert [v.path for v in dp.trainable_variables] == ["head_logits/kernel",
+                                                             "head_logits/bias"]
+    else:
+        assert backward_convs  # the check can fail
+
+
+# -- End to end: train_and_evaluate from a tfdp workdir ------------------------------------
+
+
+@pytest.mark.parametrize("trainable, augmult, cached", [
+    ("head", 0, True),
+    pytest.param("head", 2, False, marks=pytest.mark.slow),
+    pytest.param("all", 0, False, marks=pytest.mark.slow),
+])
+def test_train_and_evaluate_fine_tunes_a_workdir_backbone(
+        pretrain_workdir, run_smoke, tmp_path, monkeypatch, trainable, augmult, cached):
+    from tfdp.models import finetune  # pylint: disable=g-import-not-at-top
+
+    computed = []
+
+    def counting(trunk, images, **kwargs):
+        computed.append(images.shape)
+        return models.compute_model_features(trunk, images, **kwargs)
+
+    monkeypatch.setattr(finetune, "compute_model_features", counting)
+    workdir = tmp_path / "finetune"
+    report = run_smoke(workdir, ["fashion_mnist_finetune.gin"], [
+        f'PRETRAINED_BACKBONE = "{pretrain_workdir}"', f'TRAINABLE = "{trainable}"',
+        "tfdp.train_and_evaluate.train_split = 'train'",  # mock data: one 64-example split
+        f"tfdp.train_and_evaluate.augmult = {augmult}"])
+    assert report["steps"] == 2
+    # Features of the train and test splits, computed once each, or never.
+    assert computed == ([(64, 28, 28, 1)] * 2 if cached else [])
+    checkpoint = tf.train.latest_checkpoint(str(workdir / "checkpoints"))
+    trained = [name for name, _ in tf.train.list_variables(checkpoint)
+               if name.startswith("optimizer/_trainable_variables/")]
+    assert len(trained) == (2 if trainable == "head" else 8)
+    # The export composes trunk and head: uint8 images in, logits out, the backbone's
+    # trunk unchanged under "head".
+    served = tf.saved_model.load(str(workdir / "export")).signatures["serve"]
+    x = _images((28, 28, 1))
+    logits = served(images=tf.constant(x))["logits"]
+    assert logits.shape == (4, 10)
+    if trainable == "head":
+        backbone, _ = models.load_backbone(pretrain_workdir)
+        features = keras.Model(backbone.inputs[0], backbone.get_layer("logits").input)(
+            x.astype(np.float32))
+        reader = tf.train.load_checkpoint(checkpoint)
+        kernel, bias = (reader.get_tensor(name) for name in sorted(trained))
+        np.testing.assert_allclose(logits, features @ kernel + bias, atol=1e-5)
