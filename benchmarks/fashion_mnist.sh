@@ -7,7 +7,7 @@
 # Needs the prepared dataset (python tools/prepare_fashion_mnist.py). Each run writes
 # OUT_DIR/NAME/ (a normal tfdp workdir), OUT_DIR/NAME.log and OUT_DIR/NAME.seconds (wall
 # time of the whole command: data loading, features, training, evaluation, export).
-# A finished run (privacy_report.json present) is skipped, so the script can be resumed.
+# A finished run (FINISHED present) is skipped, so the script can be resumed.
 set -euo pipefail
 out=${1:?usage: bash benchmarks/fashion_mnist.sh OUT_DIR [NAME ...]}
 shift
@@ -21,7 +21,7 @@ run() {
   local name=$1
   shift
   if [ "$wanted" != "  " ] && [[ "$wanted" != *" $name "* ]]; then return; fi
-  if [ -f "$out/$name/privacy_report.json" ]; then echo "done already: $name"; return; fi
+  if [ -f "$out/$name/FINISHED" ]; then echo "done already: $name"; return; fi
   echo "running $name: python -m tfdp.main $*"
   local start=$SECONDS
   python -m tfdp.main --workdir="$out/$name" "$@" > "$out/$name.log" 2>&1
@@ -66,4 +66,20 @@ for b in 256 512 1024; do
     --batch_size "$b" --delta 1e-5 --json | tail -n 1 |
     python -c "import json, sys; print('\n'.join(json.load(sys.stdin)['gin_params']))")
   run "$name" --gin_file=fashion_mnist.gin "${params[@]}"
+done
+# Issue 20: the two-stage job. Public pretraining (NOT PRIVATE) on the first 2,000 training
+# examples, then private fine-tuning at (3, 1e-5) on the other 58,000, of all layers and of
+# the head alone (features computed once), 3 seeds each; beside 3 seeds of fashion_mnist.gin
+# from scratch (60,000 examples) at the same epsilon.
+run public_pretrain --gin_file=fashion_mnist_public_pretrain.gin
+for mode in all head; do
+  for seed in 0 1 2; do
+    name=finetune_$mode$([ $seed = 0 ] || echo _seed$seed)
+    run "$name" --gin_file=fashion_mnist_finetune.gin \
+      --gin_param="PRETRAINED_BACKBONE='$out/public_pretrain'" --gin_param="TRAINABLE='$mode'" \
+      --gin_param=tfdp.train_and_evaluate.seed=$seed
+  done
+done
+for seed in 1 2; do
+  run main_seed$seed --gin_file=fashion_mnist.gin --gin_param=tfdp.train_and_evaluate.seed=$seed
 done
