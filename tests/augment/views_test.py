@@ -212,3 +212,17 @@ def test_example_keyed_views_in_tf_data_equal_eager():
     ds = tf.data.Dataset.from_tensors(x).map(
         lambda images: augment.example_keyed_views(images, [0, 3], augment_fn=fn, augmult=2))
     np.testing.assert_array_equal(next(ds.as_numpy_iterator()), eager)
+
+
+def test_augment_dataset_keys_views_by_example_not_by_position():
+    # The public training-input API (augment_dataset / make_augmult_map_fn) must not let
+    # one added example shift the views of the others: its seed is public.
+    rng = np.random.default_rng(2)
+    x, y = (rng.integers(0, 256, [1, 12, 12, 3]).astype(np.uint8) for _ in range(2))
+    kw = dict(augment_fn=augment.get_augmentation("cifar_crop_flip"), augmult=2, seed=[5, 1])
+
+    def views(images):
+        ds = tf.data.Dataset.from_tensors((np.concatenate(images), np.zeros(len(images))))
+        return next(iter(augment.augment_dataset(ds, **kw)))[0].numpy()
+
+    np.testing.assert_array_equal(views([y, x])[1], views([x])[0])

@@ -13,10 +13,14 @@ the forward pass, and averages the per-view gradients per example (over
 axis 1) before clipping. augmult = 0 means "no augmentation" (De et al. 2022,
 App. C.2): the single view is the un-augmented image.
 
-Seeds. One base seed per run. The batch at dataset position `step` uses
-`step_seed = tf.random.fold_in(seed, step)`, and view k of example i uses
-`tf.random.split(step_seed, batch * K)[i * K + k]`. All ops are stateless, so a
-restarted or resumed run sees exactly the same views, eagerly or in tf.data.
+Seeds. One base seed per run; it is public. The batch at dataset position
+`step` uses `step_seed = tf.random.fold_in(seed, step)`, and in the training
+input (`make_augmult_map_fn`, `augment_dataset`, `tfdp.data.train_chunks`) an
+example's K views are keyed by that step seed and the example's own pixels
+(`example_keyed_views`), never by its position in the batch: with a public
+seed, position keys would let one added example shift every later example's
+views, beyond the sensitivity C. All ops are stateless, so a restarted or
+resumed run sees exactly the same views, eagerly or in tf.data.
 
 Typical use in the trainer (the dataset yields `(images, labels)` per step):
 
@@ -215,6 +219,8 @@ def make_augmult_map_fn(
     The batch at position `step` gets `tf.random.fold_in(seed, step)` as its
     seed, so every step sees fresh augmentations and a run restarted from step
     s (`dataset.enumerate(start=s)`) sees the same ones as the original run.
+    Each example's views are keyed by that seed and its own pixels
+    (`example_keyed_views`), not by its position in the batch.
     Use a different `seed` for evaluation (AugTest) than for training.
 
     Example:
@@ -244,7 +250,7 @@ def make_augmult_map_fn(
     def map_fn(step, batch):
         images, labels = batch
         step_seed = tf.random.fold_in(base_seed, tf.cast(step, tf.int64))
-        views = augmult_views(
+        views = example_keyed_views(
             images, step_seed, augment_fn=augment_fn, augmult=augmult
         )
         return views, labels
