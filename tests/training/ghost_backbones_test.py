@@ -14,8 +14,10 @@
 - A trainable BatchNorm, or one that normalizes with batch statistics, is
   refused with a message that says how to freeze it.
 
-Every model is built by `build_backbone_model` (one function, to be replaced by
-`tfdp.models.build_finetune_model` once it lands).
+The smoke runs load each saved application through
+`tfdp.models.build_finetune_model` (its 10-class classifier replaced by a new
+head), as a user's config does; the float64 checks build the same
+architecture in `build_backbone_model`, with dropout off.
 """
 
 import logging
@@ -27,6 +29,7 @@ import pytest
 import tensorflow as tf
 
 from tfdp import accounting
+from tfdp import models
 from tfdp.dp import ghost_norms
 from tfdp.models import validation
 from tfdp.training import ghost_clipping
@@ -56,8 +59,11 @@ def _all_layers(model):
 
 
 def save_application(name, directory):
-    """`keras.applications.<name>(weights=None, include_top=False)` on 32x32x3, as a .keras file."""
-    backbone = getattr(keras.applications, name)(weights=None, include_top=False,
+    """`keras.applications.<name>(weights=None, classes=10)` on 32x32x3, as a .keras file.
+
+    A stand-in for a user's pretrained classifier: random weights, its own top.
+    """
+    backbone = getattr(keras.applications, name)(weights=None, classes=NUM_CLASSES,
                                                  input_shape=INPUT_SHAPE)
     path = str(directory / f"{name}.keras")
     backbone.save(path)
@@ -245,8 +251,9 @@ SLOW_SMOKE = {("EfficientNetB0", "all"), ("ConvNeXtTiny", "all")}
 def test_keras_application_trains_two_dp_steps_on_the_ghost_path(
         name, trainable, saved_applications, caplog, tensorflow_warnings):
     keras.utils.set_random_seed(0)
-    model = build_backbone_model(saved_applications[name], trainable)
-    head = model.get_layer("head")
+    model = models.build_finetune_model(NUM_CLASSES, INPUT_SHAPE,
+                                        backbone=saved_applications[name], trainable=trainable)
+    head = model.get_layer(models.finetune.HEAD)
     frozen = _frozen_state(model)
     trained = [v.path for v in model.trainable_variables]
     if trainable == "head":
