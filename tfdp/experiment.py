@@ -400,7 +400,7 @@ def train_and_evaluate(
         # data normalization (released once per workdir).
         _check_builder_bindings(model_fn)
         with dist.scope():
-            extractor, model = _feature_extractor(
+            extractor, model, backbone = _feature_extractor(
                 features, model_fn, train, augmult=augmult, augmentation=augmentation)
         train, test, head_kwargs = _features(train, test, extractor,
                                              mechanism.data_normalization, workdir)
@@ -499,6 +499,8 @@ def train_and_evaluate(
             )
             if audit is not None:
                 report["audit"] = audit.result(dp_model, mechanism)
+        if backbone is not None:  # outside this run's guarantee: the report says whence
+            report["backbone"] = backbone
         _finish(report, dp_model, extractor.compose(model) if extractor else model, out_dir,
                 image_shape=image_shape)
         if out_dir != workdir:
@@ -914,27 +916,73 @@ def _feature_extractor(features, model_fn, train, *, augmult, augmentation):
     gradients.
 
     Returns:
-      `(extractor, model)`: the extractor or None, and the model built on
-      pixels (None for ScatterNet, whose head is built on the features).
+      `(extractor, model, backbone)`: the extractor or None, the model built
+      on pixels (None for ScatterNet, whose head is built on the features),
+      and the model's pretrained backbone's provenance
+      (`tfdp.models.backbone_provenance`) or None.
 
     Raises:
-      ValueError: an unknown `features`.
+      ValueError: an unknown `features`, or a backbone trained on examples of
+        this run's private split (`_check_backbone_data`).
     """
     if features == "scatternet":
         image_shape = train.image_shape
         return models.FrozenFeatureExtractor(
             name="scatternet", compute_features=models.compute_scatternet_features,
-            compose=lambda head: models.build_scatternet_classifier(head, image_shape)), None
+            compose=lambda head: models.build_scatternet_classifier(head, image_shape)
+        ), None, None
     if features is not None:
         raise ValueError(f"Unknown features {features!r}; use None or 'scatternet'.")
     model = model_fn(num_classes=train.num_classes, input_shape=train.image_shape)
+    backbone = _check_backbone_data(model, train)
     extractor = models.frozen_feature_extractor(model)
     if extractor is not None and (augmult > 0 or augmentation is not None):
         logging.info("Only the head trains, but with augmult=%d the %s runs forward on every "
                      "view (no backward pass through it) instead of once.", augmult,
                      extractor.name)
-        return None, model
-    return extractor, (None if extractor is not None else model)
+        return None, model, backbone
+    return extractor, (None if extractor is not None else model), backbone
+
+
+def _check_backbone_data(model, train):
+    """The provenance of `model`'s pretrained backbone, refused if it saw this run's data.
+
+    The guarantee of a fine-tuning run covers its own training only: the
+    backbone's weights are a released function of the backbone's training
+    data, which must therefore be public or disjoint from the private data
+    (De et al. 2022, Sec. 4: pretraining on public data). For a tfdp-workdir
+    backbone this is checked: a backbone trained (privately or not) on a
+    split of the same dataset that shares an example with this run's split is
+    refused. Keras files and keras.applications weights cannot be checked;
+    the report says so.
+
+    Returns:
+      The provenance dict (`tfdp.models.backbone_provenance`), or None for a
+      model without a pretrained backbone.
+
+    Raises:
+      ValueError: on a backbone trained on overlapping data.
+    """
+    backbone = getattr(model, models.finetune.PROVENANCE_ATTRIBUTE, None)
+    if backbone is None:
+        return None
+    if not backbone["verified"]:
+        logging.warning(
+            "The pretrained backbone %s (%s) cannot be checked: this run's guarantee assumes "
+            "its training data is public, or disjoint from %s %s. The report says so.",
+            backbone["source"], backbone["kind"], train.name, train.split)
+        return backbone
+    if backbone["dataset"] == train.name and data.splits_overlap(
+            train.name, backbone["train_split"], train.split, data_dir=train.data_dir):
+        trained = ("WITHOUT privacy" if backbone["privacy"] == "NOT PRIVATE" else
+                   f"at epsilon = {backbone['privacy']['epsilon']:.4g}")
+        raise ValueError(
+            f"The backbone {backbone['source']} was trained {trained} on {train.name} "
+            f"{backbone['train_split']!r}, which shares examples with this run's private "
+            f"split {train.split!r}. Its weights would release those examples outside this "
+            "run's guarantee. Pretrain on a disjoint public split (e.g. 'train[:2000]' "
+            "and fine-tune on 'train[2000:]'), or train from scratch.")
+    return backbone
 
 
 def _features(train, test, extractor, data_normalization, workdir):

@@ -9,6 +9,7 @@ import pytest
 import tensorflow as tf
 
 from tfdp import accounting
+from tfdp import data
 from tfdp import models
 from tfdp.export import saved_model
 from tfdp.training.dp_model import DPModel
@@ -16,9 +17,14 @@ from tfdp.training.dp_model import DPModel
 
 @pytest.fixture(scope="module")
 def pretrain_workdir(tmp_path_factory, run_smoke_module):
-    """A finished 2-step tfdp workdir of build_tramer_cnn (28x28x1, 10 classes) with an EMA."""
+    """A finished 2-step tfdp workdir of build_tramer_cnn (28x28x1, 10 classes) with an EMA.
+
+    Trained on the mock 'test' split: disjoint from the 'train' split the fine-tuning tests
+    train on, as a backbone's data must be (`tfdp.experiment._check_backbone_data`).
+    """
     workdir = tmp_path_factory.mktemp("pretrain") / "wd"
-    run_smoke_module(workdir, ["fashion_mnist.gin"], ["tfdp.train_and_evaluate.ema_decay = 0.9"])
+    run_smoke_module(workdir, ["fashion_mnist.gin"], ["tfdp.train_and_evaluate.ema_decay = 0.9",
+                                                      "tfdp.train_and_evaluate.train_split = 'test'"])
     return str(workdir)
 
 
@@ -335,3 +341,53 @@ def test_train_and_evaluate_fine_tunes_a_workdir_backbone(
         reader = tf.train.load_checkpoint(checkpoint)
         kernel, bias = (reader.get_tensor(name) for name in sorted(trained))
         np.testing.assert_allclose(logits, features @ kernel + bias, atol=1e-5)
+
+
+# -- The backbone's data: outside the fine-tuning guarantee, so public or disjoint ---------
+
+
+@pytest.mark.parametrize("private", [True, False])
+def test_a_backbone_trained_on_the_private_split_is_refused_before_any_output(
+        run_smoke, tmp_path, private):
+    backbone = tmp_path / "backbone"
+    # (Mock data ignores slices, so both use 'train'; test_splits_overlap covers slices.)
+    run_smoke(backbone, ["fashion_mnist.gin"],
+              [] if private else ["tfdp.train_and_evaluate.privacy = None"])
+    workdir = tmp_path / "finetune"
+    workdir.mkdir()
+    trained = "at epsilon = 3" if private else "WITHOUT privacy"
+    with pytest.raises(ValueError, match=trained + r".*shares examples with this run's private "
+                                                   r"split 'train'.*disjoint public split"):
+        run_smoke(workdir, ["fashion_mnist_finetune.gin"], [
+            f'PRETRAINED_BACKBONE = "{backbone}"', 'TRAINABLE = "head"',
+            "tfdp.train_and_evaluate.train_split = 'train'"])
+    assert os.listdir(workdir) == []
+
+
+def test_the_report_says_whence_the_backbone_came(run_smoke, tmp_path, pretrain_workdir,
+                                                    keras_backbone):
+    checked = run_smoke(tmp_path / "a", ["fashion_mnist_finetune.gin"], [
+        f'PRETRAINED_BACKBONE = "{pretrain_workdir}"', 'TRAINABLE = "head"',
+        "tfdp.train_and_evaluate.train_split = 'train'"])
+    assert checked["backbone"] == {
+        "source": os.path.abspath(pretrain_workdir), "kind": "tfdp workdir", "verified": True,
+        "dataset": "fashion_mnist", "train_split": "test",
+        "privacy": {"epsilon": pytest.approx(3.0, rel=1e-3), "delta": 1e-5}}
+    card = (tmp_path / "a" / "privacy_report.md").read_text()
+    assert "outside this guarantee" in card and "shares no example" in card
+    unchecked = run_smoke(tmp_path / "b", ["fashion_mnist_finetune.gin"], [
+        f'PRETRAINED_BACKBONE = "{keras_backbone[0]}"', 'TRAINABLE = "head"',
+        "tfdp.train_and_evaluate.train_split = 'train'"])
+    assert unchecked["backbone"]["verified"] is False
+    assert "Not checked" in (tmp_path / "b" / "privacy_report.md").read_text()
+
+
+@pytest.mark.parametrize("a, b, overlap", [
+    ("train[:2000]", "train[2000:]", False), ("train[:2001]", "train[2000:]", True),
+    ("train", "test", False), ("train[:50%]", "train[2000:]", True),
+    ("test+train[:10]", "train[10:]", False), ("train[:2000]", "train[-58000:]", False),
+    ("train[:10%]", "train[5999:6001]", True)])
+def test_splits_overlap(a, b, overlap):
+    with data.mock_data(num_examples=60000):
+        assert data.splits_overlap("fashion_mnist", a, b) is overlap
+        assert data.splits_overlap("fashion_mnist", b, a) is overlap

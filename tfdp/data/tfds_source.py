@@ -22,6 +22,7 @@ so no statistic is ever computed from the private training set (Tramer & Boneh
 """
 
 import os
+import types
 import textwrap
 
 import numpy as np
@@ -319,3 +320,38 @@ def _no_array_record_message(builder):
         f"  tfds convert_format --dataset_version_dir={builder.data_dir} "
         "--out_file_format=array_record"
     )
+
+
+def splits_overlap(name, split_a, split_b, *, data_dir=None):
+    """Whether two split strings of one TFDS dataset share any example.
+
+    Resolves both (e.g. "train[:2000]" and "train[2000:]") to absolute
+    example ranges of their base splits (`tfds.core.ReadInstruction`, with
+    the splits' sizes) and intersects them, so percent slices and unions
+    ("train[:10%]+test") are exact too.
+
+    Args:
+      name: TFDS name, e.g. "fashion_mnist".
+      split_a, split_b: TFDS split strings.
+      data_dir: TFDS data_dir (None: TFDS's default).
+
+    Returns:
+      bool: True if some example is in both.
+
+    Raises:
+      ValueError: if a split string is not valid for the dataset (TFDS's).
+    """
+    def ranges(split):
+        # [(split name, first, end)] of the examples a split string reads; the split sizes
+        # come from TFDSSource, which also answers under tfdp.data.mock_data.
+        bases = {part.split("[")[0].strip() for part in split.split("+")}
+        sizes = {base: types.SimpleNamespace(
+            num_examples=TFDSSource(name, base, data_dir=data_dir).num_examples)
+                 for base in bases}
+        return [(i.splitname, i.from_ or 0,
+                 sizes[i.splitname].num_examples if i.to is None else i.to)
+                for i in tfds.core.ReadInstruction.from_spec(split).to_absolute(sizes)]
+
+    return any(name_a == name_b and max(start_a, start_b) < min(end_a, end_b)
+               for name_a, start_a, end_a in ranges(split_a)
+               for name_b, start_b, end_b in ranges(split_b))

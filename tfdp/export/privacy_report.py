@@ -286,6 +286,7 @@ def render_markdown(report: dict) -> str:
                      f"{audit['confidence']:.0%} confidence (see below) |")
     lines += ["", "## What the guarantee assumes", ""]
     lines += [f"- {a}" for a in report["assumptions"]]
+    lines += _backbone_lines(report)
     if report.get("audit"):
         lines += ["", *render_audit(report["audit"])]
     lines += ["", "## Hyper-parameters", ""]
@@ -293,6 +294,25 @@ def render_markdown(report: dict) -> str:
     lines += ["", "## Software", ""]
     lines += [f"- {k} {v}" for k, v in sorted(report["software"].items())]
     return "\n".join(lines) + "\n"
+
+
+def _backbone_lines(report: dict) -> list:
+    """What the guarantee assumes of a fine-tuned model's pretrained backbone (issue 20)."""
+    backbone = report.get("backbone")
+    if not backbone:
+        return []
+    line = (f"- The pretrained backbone `{backbone['source']}` ({backbone['kind']}) is "
+            "outside this guarantee: its weights are a function of its own training data, "
+            "which must be public or disjoint from this run's data. ")
+    if backbone.get("verified"):
+        privacy = backbone["privacy"]
+        trained = ("NOT PRIVATELY" if privacy == "NOT PRIVATE" else
+                   f"at epsilon = {privacy['epsilon']:.4g}, delta = {privacy['delta']:.3g}")
+        line += (f"Checked: it was trained {trained} on `{backbone['dataset']}` "
+                 f"`{backbone['train_split']}`, which shares no example with this run's split.")
+    else:
+        line += "Not checked: tfdp cannot see what it was trained on."
+    return [line]
 
 
 def _split_lines(report: dict) -> list:

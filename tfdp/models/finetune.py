@@ -24,6 +24,7 @@ statistics in training mode, so no example is mixed with another
 """
 
 import fnmatch
+import json
 import os
 
 import gin
@@ -141,7 +142,48 @@ def build_finetune_model(
     gate = _StopGradientIfFrozen(lambda: not trunk.trainable_variables, name="trunk_gate")
     model = keras.Model(images, head(gate(trunk(images))), name=name)
     set_trainable(model, trainable)
+    # Where the backbone came from, for the trainer's data check and the report (a plain
+    # attribute: not a Keras-tracked one).
+    object.__setattr__(model, PROVENANCE_ATTRIBUTE, backbone_provenance(backbone))
     return model
+
+
+PROVENANCE_ATTRIBUTE = "_tfdp_backbone_provenance"
+
+
+def backbone_provenance(backbone):
+    """What is known of a backbone's training: its source, and for a tfdp workdir its data.
+
+    A fine-tuned model's privacy guarantee covers only the fine-tuning data;
+    the backbone's own training is outside it, so its data must be public, or
+    disjoint from the fine-tuning data (`tfdp.train_and_evaluate` refuses a
+    tfdp-workdir backbone trained on an overlapping split of the same dataset).
+
+    Args:
+      backbone: as `load_backbone`.
+
+    Returns:
+      A JSON-serializable dict: `source` (the path or name) and `kind`
+      ("tfdp workdir", "keras file", "keras.applications"); for a tfdp workdir
+      also `dataset`, `train_split` (from its operative config) and `privacy`
+      ("NOT PRIVATE", or `{"epsilon", "delta"}` from its privacy report); for
+      the others `verified: False` (their training data cannot be checked).
+    """
+    if backbone.startswith(APPLICATIONS_PREFIX):
+        return {"source": backbone, "kind": "keras.applications", "verified": False}
+    if os.path.isfile(backbone):
+        return {"source": os.path.abspath(backbone), "kind": "keras file", "verified": False}
+    bindings = _operative_bindings(os.path.join(backbone, _OPERATIVE_CONFIG))
+    privacy = "NOT PRIVATE"
+    report_path = os.path.join(backbone, "privacy_report.json")
+    if os.path.isfile(report_path):
+        with open(report_path) as f:
+            report = json.load(f)
+        privacy = {"epsilon": report["epsilon"], "delta": report["delta"]}
+    return {"source": os.path.abspath(backbone), "kind": "tfdp workdir", "verified": True,
+            "dataset": bindings.get(("train_and_evaluate", "dataset")),
+            "train_split": bindings.get(("train_and_evaluate", "train_split"), "train"),
+            "privacy": privacy}
 
 
 class _StopGradientIfFrozen(keras.layers.Layer):
