@@ -302,3 +302,16 @@ def test_static_chunks_give_the_update_of_variable_chunks():
         updates.append([w.numpy() - b for w, b in zip(model.trainable_variables, before)])
     for a, b in zip(*updates):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-8)
+
+
+def test_replicas_that_do_not_split_evenly_over_hosts_are_refused():
+    class ThreeHosts:  # 4 replicas over 3 input pipelines
+        num_replicas_in_sync = 4
+
+        @staticmethod
+        def distribute_datasets_from_function(dataset_fn):
+            return dataset_fn(tf.distribute.InputContext(
+                num_input_pipelines=3, input_pipeline_id=0, num_replicas_in_sync=4))
+
+    with pytest.raises(ValueError, match="do not split evenly over 3 hosts"):
+        distribute.distribute_chunks(ThreeHosts(), lambda replicas: None, accumulation_steps=1)

@@ -336,3 +336,14 @@ def test_empty_chunks_of_a_conv_model_are_padded_not_an_error(batch, accumulatio
     step((tf.ones([batch, 6, 6, 1]), tf.zeros([batch], tf.int32)))
     changed = any(np.any(w0 != w1) for w0, w1 in zip(before, _weights(model)))
     assert changed == (batch > 0)  # noiseless: only real examples move the weights
+
+
+def test_compile_refuses_a_batch_norm_unfrozen_after_the_model_was_wrapped():
+    inputs = keras.Input((4,))
+    bn = keras.layers.BatchNormalization()
+    bn.trainable = False  # frozen: accepted by DPModel.__init__
+    model = keras.Model(inputs, keras.layers.Dense(3)(bn(inputs)))
+    dp = DPModel(model, _mechanism(l2_clip_norm=1.0, noise_multiplier=1.0, batch_size=4))
+    bn.trainable = True  # now it would normalize with batch statistics
+    with pytest.raises(ValueError, match="BatchNorm"):
+        dp.compile(optimizer="sgd")

@@ -250,7 +250,14 @@ def distribute_logical_batches(strategy, dataset, *, per_replica_size=None):
         return tuple(per_replica(t) for t in tensors)
 
     def dataset_fn(input_context):
-        local = num_replicas // input_context.num_input_pipelines
+        local, uneven = divmod(num_replicas, input_context.num_input_pipelines)
+        if uneven or input_context.num_replicas_in_sync != num_replicas:
+            # Hosts with unequal replica counts would leave chunks unread and shift later
+            # steps' chunks: an update would no longer be one Poisson batch.
+            raise ValueError(
+                f"{num_replicas} replicas do not split evenly over "
+                f"{input_context.num_input_pipelines} hosts (input pipelines); give every "
+                "host the same number of devices.")
         first = input_context.input_pipeline_id * local
         # Consecutive elements go to this worker's local replicas in turn.
         return dataset.map(split).flat_map(
@@ -299,7 +306,14 @@ def distribute_chunks(strategy, make_chunks, *, accumulation_steps):
         return ChunkedInput(make_chunks(range(1)), int(accumulation_steps))
 
     def dataset_fn(input_context):
-        local = num_replicas // input_context.num_input_pipelines
+        local, uneven = divmod(num_replicas, input_context.num_input_pipelines)
+        if uneven or input_context.num_replicas_in_sync != num_replicas:
+            # Hosts with unequal replica counts would leave chunks unread and shift later
+            # steps' chunks: an update would no longer be one Poisson batch.
+            raise ValueError(
+                f"{num_replicas} replicas do not split evenly over "
+                f"{input_context.num_input_pipelines} hosts (input pipelines); give every "
+                "host the same number of devices.")
         first = input_context.input_pipeline_id * local
         return make_chunks(range(first, first + local))
 

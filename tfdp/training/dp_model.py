@@ -377,6 +377,8 @@ class DPModel(chunked.ChunkedTraining, ema.EMAParameters, keras.Model):
         super().compile(optimizer=optimizer, **kwargs)
         # Build the optimizer (and the EMA) now, outside any tf.function.
         self.optimizer.build(self.trainable_variables)
+        # Again here: trainability may have changed since __init__ (e.g. a BatchNorm unfrozen).
+        models.validate_dp_model(self.model)
         self._ghost = self._plan_clipping()
         if self._ghost is None or self._ghost.fallback_variables:
             refuse_onednn_broadcast_matmul(self.model)
