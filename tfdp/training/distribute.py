@@ -250,18 +250,10 @@ def distribute_logical_batches(strategy, dataset, *, per_replica_size=None):
         return tuple(per_replica(t) for t in tensors)
 
     def dataset_fn(input_context):
-        local, uneven = divmod(num_replicas, input_context.num_input_pipelines)
-        if uneven or input_context.num_replicas_in_sync != num_replicas:
-            # Hosts with unequal replica counts would leave chunks unread and shift later
-            # steps' chunks: an update would no longer be one Poisson batch.
-            raise ValueError(
-                f"{num_replicas} replicas do not split evenly over "
-                f"{input_context.num_input_pipelines} hosts (input pipelines); give every "
-                "host the same number of devices.")
-        first = input_context.input_pipeline_id * local
+        local = _local_replicas(num_replicas, input_context)
         # Consecutive elements go to this worker's local replicas in turn.
         return dataset.map(split).flat_map(
-            lambda *t: tf.data.Dataset.from_tensor_slices(t).skip(first).take(local)
+            lambda *t: tf.data.Dataset.from_tensor_slices(t).skip(local.start).take(len(local))
         ).prefetch(tf.data.AUTOTUNE)
 
     return strategy.distribute_datasets_from_function(dataset_fn)
@@ -306,19 +298,28 @@ def distribute_chunks(strategy, make_chunks, *, accumulation_steps):
         return ChunkedInput(make_chunks(range(1)), int(accumulation_steps))
 
     def dataset_fn(input_context):
-        local, uneven = divmod(num_replicas, input_context.num_input_pipelines)
-        if uneven or input_context.num_replicas_in_sync != num_replicas:
-            # Hosts with unequal replica counts would leave chunks unread and shift later
-            # steps' chunks: an update would no longer be one Poisson batch.
-            raise ValueError(
-                f"{num_replicas} replicas do not split evenly over "
-                f"{input_context.num_input_pipelines} hosts (input pipelines); give every "
-                "host the same number of devices.")
-        first = input_context.input_pipeline_id * local
-        return make_chunks(range(first, first + local))
+        return make_chunks(_local_replicas(num_replicas, input_context))
 
     return ChunkedInput(strategy.distribute_datasets_from_function(dataset_fn),
                         int(accumulation_steps))
+
+
+def _local_replicas(num_replicas, input_context):
+    """The global replica ids of this host (input pipeline): a contiguous range.
+
+    Raises:
+      ValueError: if the replicas do not split evenly over the hosts. Hosts with unequal
+        replica counts would leave chunks unread and shift later steps' chunks: an update
+        would no longer be one Poisson batch.
+    """
+    local, uneven = divmod(num_replicas, input_context.num_input_pipelines)
+    if uneven or input_context.num_replicas_in_sync != num_replicas:
+        raise ValueError(
+            f"{num_replicas} replicas do not split evenly over "
+            f"{input_context.num_input_pipelines} hosts (input pipelines); give every "
+            "host the same number of devices.")
+    first = input_context.input_pipeline_id * local
+    return range(first, first + local)
 
 
 class _MultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy):
