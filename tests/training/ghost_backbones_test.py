@@ -210,23 +210,49 @@ def test_a_batch_norm_in_training_mode_is_refused_with_how_to_freeze_it(variable
 # -- Smoke runs: 2 DP steps on the ghost path ---------------------------------------
 
 
-def _two_dp_steps(model, caplog, tensorflow_warnings, batch_size=2):
+class _AbslMessages(logging.Handler):
+    """Collects the "absl" logger's records at INFO and above, whatever its level was.
+
+    pytest's caplog missed them under xdist once main_test had run `absl.app` in the
+    same worker; a handler on the absl logger itself does not depend on that.
+    """
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.text = ""
+
+    def emit(self, record):
+        self.text += record.getMessage() + "\n"
+
+    def __enter__(self):
+        self._logger = logging.getLogger("absl")
+        self._level = self._logger.level
+        self._logger.setLevel(logging.INFO)
+        self._logger.addHandler(self)
+        return self
+
+    def __exit__(self, *exc):
+        self._logger.removeHandler(self)
+        self._logger.setLevel(self._level)
+
+
+def _two_dp_steps(model, tensorflow_warnings, batch_size=2):
     """2 DP steps of DPModel(clipping="auto"); returns (dp, losses, seconds)."""
     start = time.perf_counter()
     dp = DPModel(model, _mechanism(batch_size), clipping="auto")
-    with caplog.at_level(logging.INFO):
-        dp.compile(optimizer=keras.optimizers.SGD(0.01))
-    assert dp.clipping_path == "ghost"
-    assert "per-example norms of all" in caplog.text  # ghost_clipping.log_plan
     rng = np.random.default_rng(0)
     losses = []
-    for _ in range(2):
-        images = rng.uniform(0, 255, (batch_size, *INPUT_SHAPE)).astype(np.float32)
-        metrics = dp.train_on_batch(images, rng.integers(0, NUM_CLASSES, batch_size),
-                                    return_dict=True)
-        losses.append(float(metrics["loss"]))
+    with _AbslMessages() as absl_messages:
+        dp.compile(optimizer=keras.optimizers.SGD(0.01))
+        for _ in range(2):
+            images = rng.uniform(0, 255, (batch_size, *INPUT_SHAPE)).astype(np.float32)
+            metrics = dp.train_on_batch(images, rng.integers(0, NUM_CLASSES, batch_size),
+                                        return_dict=True)
+            losses.append(float(metrics["loss"]))
+    assert dp.clipping_path == "ghost"
+    assert "per-example norms of all" in absl_messages.text  # ghost_clipping.log_plan
     for text in ("vectorized_map", "per-example gradients", "uses a while_loop"):
-        assert text not in caplog.text
+        assert text not in absl_messages.text
         assert not any(text in message for message in tensorflow_warnings)
     assert np.all(np.isfinite(losses)), losses
     return dp, losses, time.perf_counter() - start
@@ -249,7 +275,7 @@ SLOW_SMOKE = {("EfficientNetB0", "all"), ("ConvNeXtTiny", "all")}
     pytest.param(name, trainable, marks=[pytest.mark.slow] if (name, trainable) in SLOW_SMOKE
                  else []) for name in APPLICATIONS for trainable in ("head", "all")])
 def test_keras_application_trains_two_dp_steps_on_the_ghost_path(
-        name, trainable, saved_applications, caplog, tensorflow_warnings):
+        name, trainable, saved_applications, tensorflow_warnings):
     keras.utils.set_random_seed(0)
     model = models.build_finetune_model(NUM_CLASSES, INPUT_SHAPE,
                                         backbone=saved_applications[name], trainable=trainable)
@@ -262,7 +288,7 @@ def test_keras_application_trains_two_dp_steps_on_the_ghost_path(
         assert len(trained) > 2 and not any("moving" in p or "gamma" in p and "bn" in p
                                             for p in trained)
     before = {v.path: v.numpy() for v in model.trainable_variables}
-    _, losses, seconds = _two_dp_steps(model, caplog, tensorflow_warnings)
+    _, losses, seconds = _two_dp_steps(model, tensorflow_warnings)
     print(f"{name} {trainable}: 2 DP steps in {seconds:.1f} s, losses {losses}")
     for path, value in _frozen_state(model).items():  # BatchNorm statistics and frozen weights
         np.testing.assert_array_equal(value, frozen[path], err_msg=path)
@@ -271,12 +297,12 @@ def test_keras_application_trains_two_dp_steps_on_the_ghost_path(
 
 
 @pytest.mark.parametrize("depth", [2])
-def test_a_small_vit_trains_two_dp_steps_on_the_ghost_path(depth, caplog,
+def test_a_small_vit_trains_two_dp_steps_on_the_ghost_path(depth,
                                                             tensorflow_warnings):
     keras.utils.set_random_seed(0)
     model = ghost_testing.image_vit(NUM_CLASSES, input_shape=INPUT_SHAPE, depth=depth)
     assert all(layer.trainable for layer in model.layers)
-    _, losses, seconds = _two_dp_steps(model, caplog, tensorflow_warnings, batch_size=4)
+    _, losses, seconds = _two_dp_steps(model, tensorflow_warnings, batch_size=4)
     print(f"ViT depth {depth}: 2 DP steps in {seconds:.1f} s, losses {losses}")
 
 
