@@ -243,6 +243,30 @@ DEPTHWISE_CASES = [  # (kernel, strides, dilation, padding, size, depth_multipli
 ]
 
 
+def _depthwise_by_patches(inputs, kernel, strides, dilation, padding):
+    """A depthwise conv as patches x kernel: TensorFlow's own CPU kernel takes unequal
+    strides only with oneDNN on (off, it raises "only supports equal length strides")."""
+    kh, kw, channels, multiplier = kernel.shape
+    patches = tf.image.extract_patches(inputs, [1, kh, kw, 1], [1, *strides, 1],
+                                       [1, *dilation, 1], padding.upper())
+    patches = tf.reshape(patches, [*patches.shape[:3], kh, kw, channels])
+    out = tf.einsum("bhwijc,ijcm->bhwcm", patches, kernel)
+    return tf.reshape(out, [*out.shape[:3], channels * multiplier])
+
+
+def test_the_patch_reference_is_tensorflow_s_depthwise_conv():
+    x, kernel = _normal(2, 6, 6, 3), tf.Variable(_normal(2, 3, 3, 2))
+    for strides, padding in (((1, 1), "same"), ((2, 2), "valid"), ((1, 2), "same")):
+        try:
+            expected = tf.nn.depthwise_conv2d(x, kernel, [1, *strides, 1], padding.upper())
+        except tf.errors.InvalidArgumentError:  # unequal strides without oneDNN
+            assert strides[0] != strides[1]
+            continue
+        np.testing.assert_allclose(
+            _depthwise_by_patches(x, kernel, strides, (1, 1), padding), expected,
+            rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("kernel_size, strides, dilation, padding, size, multiplier",
                          DEPTHWISE_CASES)
 @pytest.mark.parametrize("num_views", [1, 2])
@@ -253,6 +277,8 @@ def test_depthwise_kernel(kernel_size, strides, dilation, padding, size, multipl
     kernel = tf.Variable(_normal(*kernel_size, channels, multiplier))
 
     def conv(inputs):
+        if strides[0] != strides[1]:
+            return _depthwise_by_patches(inputs, kernel, strides, dilation, padding)
         return tf.nn.depthwise_conv2d(inputs, kernel, [1, *strides, 1], padding.upper(),
                                       dilations=dilation)
 
