@@ -13,27 +13,50 @@ from typing import Callable, Sequence
 import tensorflow as tf
 
 
+PER_EXAMPLE_METHODS = ("vectorized", "loop")
+
+
 def per_example_gradients(
     example_loss_fn: Callable[..., tuple[tf.Tensor, tf.Tensor]],
     variables: Sequence[tf.Variable],
     examples,
+    *,
+    method: str = "vectorized",
 ) -> tuple[list[tf.Tensor], tf.Tensor]:
-    """Gradients of a per-example loss, one per example, with `tf.vectorized_map`.
+    """Gradients of a per-example loss, one per example.
+
+    Two methods give the same gradients:
+    - "vectorized" (default): `tf.vectorized_map`, which rewrites every op of
+      one example's forward and backward pass into one batched op. An op on
+      `[1, ...]` becomes one on `[batch, 1, ...]`, so a matmul of a rank-3
+      activation becomes a rank-4 batch matmul that broadcasts the kernel,
+      the op that TensorFlow 2.21's oneDNN kernel computes wrongly
+      (`tfdp.dp.graph_checks.BROADCAST_MATMUL_BUG`).
+    - "loop": `tf.map_fn`, one example at a time (up to 10 in parallel): the
+      ops keep the shapes of a batch of one, so no batch axis is added and
+      nothing is broadcast over one. Slower; DPModel takes it only where
+      the vectorized ops would meet that bug.
 
     Args:
       example_loss_fn: maps ONE example (the `examples` structure without its
         leading batch dimension) to `(loss, aux)`: `loss` a float32 scalar and
         `aux` any float32 tensor (e.g. the example's logits) returned unchanged.
         It must not mix examples (no BatchNorm): it is traced once and
-        vectorized over the batch.
+        vectorized (or looped) over the batch.
       variables: the trainable variables, each of shape `var.shape`.
       examples: a nested structure of tensors, each `[batch, ...]`.
+      method: "vectorized" or "loop".
 
     Returns:
       `(gradients, aux)`: `gradients[i]` is float32 `[batch, *variables[i].shape]`
       (zeros where a variable does not affect the loss), and `aux` is
       `[batch, *aux.shape]`.
+
+    Raises:
+      ValueError: an unknown `method`.
     """
+    if method not in PER_EXAMPLE_METHODS:
+        raise ValueError(f"method must be one of {PER_EXAMPLE_METHODS}, got {method!r}.")
 
     def one_example(example):
         with tf.GradientTape() as tape:
@@ -41,9 +64,17 @@ def per_example_gradients(
         grads = tape.gradient(
             loss, variables, unconnected_gradients=tf.UnconnectedGradients.ZERO
         )
-        return grads, aux
+        # An Embedding's gradient is IndexedSlices (repeated ids add up when densified).
+        return [tf.convert_to_tensor(g) for g in grads], aux
 
-    grads, aux = tf.vectorized_map(one_example, examples)
+    if method == "vectorized":
+        grads, aux = tf.vectorized_map(one_example, examples)
+        return list(grads), aux
+    element = tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape[1:], t.dtype), examples)
+    outputs = tf.function(one_example, autograph=False).get_concrete_function(
+        element).structured_outputs
+    signature = tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape, t.dtype), outputs)
+    grads, aux = tf.map_fn(one_example, examples, fn_output_signature=signature)
     return list(grads), aux
 
 

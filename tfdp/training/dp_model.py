@@ -12,64 +12,13 @@ from tfdp import host
 from tfdp import models
 from tfdp.dp import clipping
 from tfdp.dp import coins
+from tfdp.dp import graph_checks
 from tfdp.dp import noise
 from tfdp.training import chunked
 from tfdp.training import ema
 from tfdp.training import ghost_clipping
 
 CLIPPING_PATHS = ("auto", "vectorized", "ghost")
-
-
-def refuse_onednn_broadcast_matmul(model):
-    """Raises if the vectorized path would meet TensorFlow 2.21's oneDNN broadcast-matmul bug.
-
-    With oneDNN on, `tf.matmul` of a rank-4 tensor with a size-1 axis by a
-    rank-2 matrix returns garbage (up to 1e35) for its last batch entry, or
-    crashes (found 2026-11-25 on TF 2.21; exact with TF_ENABLE_ONEDNN_OPTS=0 and
-    at rank 3). `tf.vectorized_map` builds exactly that op for a Dense or
-    EinsumDense layer applied to a `[batch, T, C]` (or higher-rank) input: each
-    example runs as `[1, T, C]`, batched to `[batch, 1, T, C]`. One example's
-    "gradient" would then be memory that may hold other examples' values, and
-    the clip no longer bounds what one example changes. The ghost path never
-    forms the op; a Dense on `[batch, C]` (after Flatten or pooling) is safe.
-
-    The input ranks are read from the functional graph: a Dense inside a
-    subclassed model's `call` is not seen (its input rank is not recorded).
-
-    Args:
-      model: the wrapped Keras model, whose variables use the vectorized path.
-
-    Raises:
-      ValueError: if oneDNN is on and a Dense or EinsumDense layer takes an
-        input of rank >= 3; the message names the layers and the two ways out.
-    """
-    if not host.onednn_enabled():
-        return
-    exposed = []
-    for layer in _all_layers(model):
-        if isinstance(layer, (keras.layers.Dense, keras.layers.EinsumDense)):
-            try:
-                rank = len(layer.input.shape)
-            except (AttributeError, ValueError):  # a subclassed model's layer: cannot tell
-                continue
-            if rank >= 3:
-                exposed.append(layer.name)
-    if exposed:
-        raise ValueError(
-            f"The per-example gradients of layers {exposed} (Dense or EinsumDense on inputs of "
-            "rank >= 3) would run tf.vectorized_map through a matmul that TensorFlow 2.21 "
-            "computes wrongly with oneDNN on (its last batch entry is garbage), which breaks "
-            "the clip bound. Use clipping='ghost' if every such layer has a ghost-norm rule "
-            "(and no microbatches), or set TF_ENABLE_ONEDNN_OPTS=0 before TensorFlow is "
-            "imported (slower: BUILD.md, 'oneDNN on and off').")
-
-
-def _all_layers(model):
-    """Every layer of `model`, nested models' layers included."""
-    for layer in getattr(model, "layers", []):
-        yield layer
-        if isinstance(layer, keras.Model):
-            yield from _all_layers(layer)
 
 
 def refuse_example_weights(class_weight, sample_weight, *, where):
@@ -274,6 +223,8 @@ class DPModel(chunked.ChunkedTraining, ema.EMAParameters, keras.Model):
         self.model = model
         self.clipping = clipping
         self._ghost = None  # the GhostClipping chosen in compile(), or None
+        self._loop = False  # per-example gradients one example at a time (`_checked`)
+        self._mixing_checked = False  # models.refuse_example_mixing has passed (`compile`)
         self.mechanism = mechanism
         self.accumulation_steps = int(accumulation_steps)
         self.ema_decay = None if ema_decay is None else float(ema_decay)
@@ -379,9 +330,14 @@ class DPModel(chunked.ChunkedTraining, ema.EMAParameters, keras.Model):
         self.optimizer.build(self.trainable_variables)
         # Again here: trainability may have changed since __init__ (e.g. a BatchNorm unfrozen).
         models.validate_dp_model(self.model)
+        # Behaviour, not names: a Lambda or a variable-less layer may mix examples too. A
+        # model that does not state its input shape is checked on the first batch's (`_checked`).
+        self._mixing_checked = False
+        if models.input_example_shape(self.model) is not None:
+            models.refuse_example_mixing(self.model)
+            self._mixing_checked = True
         self._ghost = self._plan_clipping()
-        if self._ghost is None or self._ghost.fallback_variables:
-            refuse_onednn_broadcast_matmul(self.model)
+        self._loop = False
         self._build_ema()
 
     def _plan_clipping(self):
@@ -413,7 +369,14 @@ class DPModel(chunked.ChunkedTraining, ema.EMAParameters, keras.Model):
 
     @property
     def clipping_path(self):
-        """"ghost" or "vectorized": the path `compile` chose for per-example clipping."""
+        """"ghost", "vectorized" or "loop": the path of per-example clipping.
+
+        `compile` chooses "ghost" or "vectorized"; the first trace of the
+        train step changes it to "loop" where the chosen path's ops would
+        meet oneDNN's broadcast-matmul bug (`_checked`).
+        """
+        if self._loop:
+            return "loop"
         return "vectorized" if self._ghost is None else "ghost"
 
     def _example_loss(self, example):
@@ -492,11 +455,79 @@ class DPModel(chunked.ChunkedTraining, ema.EMAParameters, keras.Model):
 
     def _chunk_contribution(self, images, labels, mask, ids=None):
         """What one chunk adds to the accumulators: clipped sums (or microbatch sums)."""
+        tensors = (images, labels, mask) if ids is None else (images, labels, mask, ids)
+        return self._checked(self._chunk_contribution_on_path, tensors)
+
+    def _checked(self, contribution_fn, tensors):
+        """`contribution_fn(*tensors)`, on a path whose ops oneDNN computes correctly.
+
+        TensorFlow 2.21's oneDNN batch matmul computes a rank-4 matmul that
+        broadcasts one operand wrongly, or corrupts the heap
+        (`tfdp.dp.graph_checks.BROADCAST_MATMUL_BUG`): one example's
+        "gradient" could then be anything, and the clip would bound nothing.
+        `tf.vectorized_map` makes that op of any matmul on a rank-3
+        activation (a Dense or EinsumDense on `[batch, T, C]`, in layers at
+        any depth, user layers included), and a model can make it itself.
+        So the check reads the ops that will run, not the layers: with oneDNN
+        on, the chunk's contribution is traced as a function of its own, its
+        graph (nested functions included) is searched for such a matmul
+        (`graph_checks.broadcast_batch_matmuls`), and only a graph without
+        one is called. If the ghost or vectorized path has one, the
+        per-example gradients are computed one example at a time instead
+        (`clipping.per_example_gradients(method="loop")`, whose ops keep the
+        shapes of a batch of one), with a warning, and that graph is checked
+        the same way.
+
+        It is also where a model that did not state its input shape at
+        `compile` (a subclassed model) is checked for mixing examples, on the
+        shape of the first batch traced (`models.refuse_example_mixing`, run
+        eagerly from the trace).
+
+        Raises:
+          ValueError: if even the loop's graph has such a matmul (the model
+            makes one itself); the message names the ops and the way out.
+          tfdp.models.ExampleMixingError: a model that mixes examples.
+        """
+        if not self._mixing_checked:
+            images = tensors[0]
+            example = images.shape[2:] if images.shape.rank == self._input_rank + 1 else (
+                images.shape[1:])
+            with tf.init_scope():  # eagerly, out of the train function's trace
+                models.refuse_example_mixing(self.model, tuple(example))
+            self._mixing_checked = True
+        if not host.onednn_enabled():
+            return contribution_fn(*tensors)
+        specs = [tf.TensorSpec.from_tensor(t) for t in tensors]
+        while True:
+            concrete = tf.function(lambda *args: contribution_fn(*args),
+                                   autograph=False).get_concrete_function(*specs)
+            risky = graph_checks.broadcast_batch_matmuls(graph_checks.graph_nodes(concrete))
+            if not risky:
+                return concrete(*tensors)
+            ops = "; ".join(node.describe() for node in risky[:4]) + (
+                f" and {len(risky) - 4} more" if len(risky) > 4 else "")
+            if self._loop:
+                raise ValueError(
+                    f"{self.model.name}'s per-example gradients need a batch matmul that "
+                    f"TensorFlow 2.21 computes wrongly with oneDNN on, even one example at a "
+                    f"time: {ops}. {graph_checks.BROADCAST_MATMUL_BUG} Make the model's "
+                    "matmuls rank 3 (reshape to [batch, T, C] before a Dense or tf.matmul), "
+                    "or set TF_ENABLE_ONEDNN_OPTS=0 before TensorFlow is imported (slower: "
+                    "BUILD.md, 'oneDNN on and off').")
+            logging.warning(
+                "Per-example clipping: the %s path would run %d batch matmul(s) that "
+                "TensorFlow 2.21's oneDNN kernel computes wrongly (%s); computing per-example "
+                "gradients one example at a time instead (slower; TF_ENABLE_ONEDNN_OPTS=0 "
+                "avoids the bug).", self.clipping_path, len(risky), ops)
+            self._loop = True
+
+    def _chunk_contribution_on_path(self, images, labels, mask, ids=None):
+        """`_chunk_contribution` on the current path, unchecked."""
         if not self.mechanism.num_microbatches:
             return self._clipped_chunk(images, labels, mask)
         grads, (losses, logits) = clipping.per_example_gradients(
-            self._example_loss, self.trainable_variables, (images, labels)
-        )
+            self._example_loss, self.trainable_variables, (images, labels),
+            method=self._per_example_method)
         m = self.mechanism.num_microbatches
         sums = [tf.math.unsorted_segment_sum(g * _expand(mask, g), ids, m) for g in grads]
         counts = tf.math.unsorted_segment_sum(mask, ids, m)
@@ -535,15 +566,15 @@ class DPModel(chunked.ChunkedTraining, ema.EMAParameters, keras.Model):
 
     def _clipped_chunk(self, images, labels, mask):
         """Clipped gradient sum of one chunk (per-example clipping) and its metric sums."""
-        if self._ghost is not None:
+        if self._ghost is not None and not self._loop:
             summed, norms, clipped, losses, logits = self._ghost.clipped_sum(
                 images, labels, mask, l2_clip_norm=self.mechanism.l2_clip_norm,
                 normalize=self.mechanism.normalize_update, loss_fn=self._loss_fn,
                 example_loss_fn=self._example_loss)
         else:
             grads, (losses, logits) = clipping.per_example_gradients(
-                self._example_loss, self.trainable_variables, (images, labels)
-            )
+                self._example_loss, self.trainable_variables, (images, labels),
+                method=self._per_example_method)
             summed, norms, clipped = clipping.clipped_sum(
                 grads, self.mechanism.l2_clip_norm, normalize=self.mechanism.normalize_update,
                 mask=mask,
@@ -557,6 +588,10 @@ class DPModel(chunked.ChunkedTraining, ema.EMAParameters, keras.Model):
             tf.reduce_sum(mask),
         )
         return summed, stats
+
+    @property
+    def _per_example_method(self):
+        return "loop" if self._loop else "vectorized"
 
     def draw_microbatch_ids(self, mask):
         """Each example's microbatch: i.i.d. Uniform{0..M-1}, int32 `[batch]`.
