@@ -152,21 +152,26 @@ class _Recorder:
         self.backward = backward
         self.cut = cut
 
-    def call(self, layer, inputs):
-        """Calls `layer` on `inputs`, through its rule if it has trainable variables."""
+    def call(self, layer, inputs, **options):
+        """Calls `layer` on `inputs`, through its rule if it has trainable variables.
+
+        `options` are call arguments that the layer's rule takes
+        (`call_options`, e.g. MultiHeadAttention's `use_causal_mask`); the
+        layer gets them too when it is called unchanged.
+        """
         if not layer.trainable_variables:
-            return layer(inputs)
+            return layer(inputs, **options)
         rule = ghost_norms.find_layer_rule(layer)
         if rule is None:
             self.uncovered.append((layer.name, f"no rule for {type(layer).__name__}"))
-            return layer(inputs)
+            return layer(inputs, **options)
         try:
-            return rule(layer, inputs, self)
+            return rule(layer, inputs, self, **options)
         except ghost_norms.UnsupportedLayer as reason:
             self.uncovered.append((layer.name, str(reason)))
             if isinstance(inputs, list) and getattr(rule, "takes_several_inputs", False):
-                return layer(*inputs)  # the positional arguments of `_call_layer`
-            return layer(inputs)
+                return layer(*inputs, **options)  # the positional arguments of `_call_layer`
+            return layer(inputs, **options)
 
     def site(self, layer, variables, inputs, forward, norms, *, listed=False):
         """Runs `forward(*inputs)`, records it as a site, and returns its output.
@@ -212,18 +217,23 @@ class _Record:
 
 
 class TappedLayer(keras.layers.Layer):
-    """Calls one layer through its rule; returns `[output, *site inputs and outputs]`."""
+    """Calls one layer through its rule; returns `[output, *site inputs and outputs]`.
 
-    def __init__(self, layer, context, **kwargs):
+    `options`: the layer call's arguments that its rule takes (`call_options`),
+    fixed when the functional graph was built (e.g. `use_causal_mask=True`).
+    """
+
+    def __init__(self, layer, context, options=None, **kwargs):
         super().__init__(**kwargs)
         self.layer = layer
+        self.options = dict(options or {})
         self.record = _Record()
         self.context = context  # threading.local: `.backward` of the current clipped_sum
 
     def call(self, inputs):
         recorder = _Recorder(getattr(self.context, "backward", None),
                              cut=getattr(self.context, "cut", False))
-        output = recorder.call(self.layer, inputs)
+        output = recorder.call(self.layer, inputs, **self.options)
         self.record.sites = [spec for spec, _, _ in recorder.sites]
         self.record.uncovered = recorder.uncovered
         return [output] + [t for _, site_inputs, out in recorder.sites for t in (*site_inputs, out)]
@@ -451,13 +461,16 @@ def _embedding(layer, inputs, recorder):
 
 
 @register(keras.layers.MultiHeadAttention)
-def _multi_head_attention(layer, inputs, recorder):
+def _multi_head_attention(layer, inputs, recorder, use_causal_mask=False):
     """Replays `MultiHeadAttention.call` with its four EinsumDense projections tapped.
 
     Covers the plain layer: `(query, value[, key])` without masks, dropout,
-    gate or sliding window, attention over the sequence axis of rank-3 inputs.
-    The attention itself is `ops.dot_product_attention` with the layer's
-    1/sqrt(key_dim) scale, as the layer computes it; it has no variables.
+    gate or sliding window, attention over the sequence axis of rank-3 inputs,
+    with or without `use_causal_mask` (query position i attends to key
+    positions j <= i, the layer's `_compute_causal_mask`, which is
+    `dot_product_attention`'s `is_causal`). The attention itself is
+    `ops.dot_product_attention` with the layer's 1/sqrt(key_dim) scale, as the
+    layer computes it; it has no variables.
     `tests/training/ghost_clipping_test.py` checks that the replay equals the layer.
     """
     query, value, key = (list(inputs) + [None, None])[:3] if isinstance(
@@ -470,13 +483,16 @@ def _multi_head_attention(layer, inputs, recorder):
     _require(not config["dropout"] and not config.get("use_gate")
              and config.get("sliding_window") is None,
              "MultiHeadAttention with dropout, a gate or a sliding window")
+    _require(isinstance(use_causal_mask, bool), "MultiHeadAttention's use_causal_mask a tensor")
     attended = ops.dot_product_attention(
         recorder.call(layer.query_dense, query), recorder.call(layer.key_dense, key),
-        recorder.call(layer.value_dense, value), scale=1.0 / float(layer.key_dim) ** 0.5)
+        recorder.call(layer.value_dense, value), scale=1.0 / float(layer.key_dim) ** 0.5,
+        is_causal=use_causal_mask)
     return recorder.call(layer.output_dense, attended)
 
 
 _multi_head_attention.takes_several_inputs = True  # (query, value[, key]): `_call_layer`
+_multi_head_attention.call_options = ("use_causal_mask",)  # passed through `_call_layer`
 
 
 @register(NFResBlock)
@@ -659,14 +675,16 @@ class GhostClipping:
         unless it gets a mask or an explicit `training` (which its layers
         would then have to see).
         """
-        several = getattr(ghost_norms.find_layer_rule(layer), "takes_several_inputs", False)
+        rule = ghost_norms.find_layer_rule(layer)
+        several = getattr(rule, "takes_several_inputs", False)
+        options = {k: kwargs[k] for k in getattr(rule, "call_options", ()) if k in kwargs}
         # A Keras mask carried by an input (a Masking layer upstream) is read inside the
         # layer's call (MultiHeadAttention); a TappedLayer would drop it: call it unchanged.
         # (`_keras_mask` is where Keras' masking guide documents a tensor's mask; Keras 3
         # exports no getter.)
         masked = any(getattr(a, "_keras_mask", None) is not None for a in args)
         plain = (len(args) == 1 or (several and len(args) <= 3)) and kwargs.get(
-            "mask") is None and set(kwargs) <= {"mask", "training"} and not masked
+            "mask") is None and set(kwargs) <= {"mask", "training", *options} and not masked
         if (isinstance(layer, keras.Model) and plain and kwargs.get("training") is None
                 and len(getattr(layer, "outputs", None) or ()) == 1):
             try:
@@ -680,7 +698,8 @@ class GhostClipping:
                 layer) is None else "called with a mask, keyword arguments or several inputs")
             self._uncovered.append((layer.name, reason))
             return layer(*args, **kwargs)
-        tapped = TappedLayer(layer, self._context, name=f"tapped_{len(self._tapped)}_{layer.name}")
+        tapped = TappedLayer(layer, self._context, options,
+                             name=f"tapped_{len(self._tapped)}_{layer.name}")
         outputs = tapped(args[0] if len(args) == 1 else list(args))
         self._tapped.append((tapped, outputs))
         return outputs[0]
