@@ -215,3 +215,244 @@ def validate_dp_model(model, *, check_inputs=None, atol=1e-5):
                 "Some layer mixes examples across the batch or is random in training mode "
                 "(e.g. dropout). " + _FIX_HINT
             )
+
+
+# -- The behavioural check: does one example move another's output? ----------
+
+_PROBE_SIZE = 4  # examples in the probe batch
+_UNKNOWN_DIM = 32  # probe size of an input dimension the model leaves open
+# Probe pixel ranges, tried in order: tfdp's image range, then small values for a model
+# whose inputs are ids (an Embedding rejects ids >= its vocabulary).
+_PROBE_SCALES = (255.0, 2.0)
+
+
+class ExampleMixingError(ValueError):
+    """A model whose output for one example depends on the other examples of its batch."""
+
+
+def input_example_shape(model):
+    """The shape of one example of `model`'s input, or None if the model does not say.
+
+    Functional and Sequential models say (`model.inputs`); a subclassed model
+    does not, until it is called on data.
+
+    Raises:
+      ExampleMixingError: a model with several inputs (DP-SGD takes one batch of images).
+    """
+    inputs = getattr(model, "inputs", None)
+    if not inputs:
+        return None
+    if len(inputs) != 1:
+        raise ExampleMixingError(
+            f"{model.name} must have exactly one input (a batch of images) for DP-SGD; it has "
+            f"{len(inputs)}.")
+    return tuple(inputs[0].shape)
+
+
+def _probe_shape(model, example_shape):
+    """The probe batch's shape, and whether its batch size is fixed by the model."""
+    batch = None
+    if example_shape is None:
+        shape = input_example_shape(model)
+        if shape is None:
+            raise ExampleMixingError(
+                f"Cannot check that {model.name} keeps examples apart: its input shape is not "
+                "known. Pass example_shape, or build it as a functional model.")
+        batch, example_shape = shape[0], shape[1:]
+    fixed = batch is not None
+    return (batch if fixed else _PROBE_SIZE,
+            *(_UNKNOWN_DIM if d is None else int(d) for d in example_shape)), fixed
+
+
+def _call(model, inputs):
+    """`model(inputs, training=True)`, flattened to numpy, changing no variable.
+
+    Each call runs in a fresh `keras.StatelessScope`: updates of variables
+    (a BatchNormalization's moving statistics, a `keras.random.SeedGenerator`'s
+    state) are collected there and dropped, so every call starts from the same
+    state and a layer that draws random numbers with Keras' seed generators
+    (Dropout, GaussianNoise) draws the same ones each time.
+    """
+    with keras.StatelessScope():
+        outputs = model(inputs, training=True)
+    return [np.asarray(keras.ops.convert_to_numpy(o)) for o in keras.tree.flatten(outputs)]
+
+
+def _others_moved(before, after, changed, rows):
+    """Whether any output row other than `changed` differs (exactly) between two calls."""
+    for a, b in zip(before, after):
+        if a.ndim == 0 or a.shape[0] != rows or a.shape != b.shape:
+            continue  # not batch-major: cannot be compared row by row
+        keep = np.arange(rows) != changed
+        if not np.array_equal(a[keep], b[keep], equal_nan=True):
+            return True
+    return False
+
+
+def _probe_pairs(shape, scale, seed=0):
+    """A probe batch and, for the first and the last example, the batch with it replaced."""
+    rng = np.random.default_rng(seed)
+    base = (rng.random(shape) * scale).astype(np.float32)
+    pairs = []
+    for j in sorted({0, shape[0] - 1}):
+        other = base.copy()
+        other[j] = (rng.random(shape[1:]) * scale).astype(np.float32)
+        pairs.append((j, other))
+    return base, pairs
+
+
+def _recorded_calls(model, inputs):
+    """`[(path, layer, args, output)]` of every layer call of a functional or Sequential model.
+
+    Built with `keras.models.clone_model(..., call_function=...)`, the public
+    hook into each layer call of a functional model (the same one
+    `tfdp.training.GhostClipping` uses), sharing the layers; a Sequential's
+    layers are called in order. None for a subclassed model.
+    """
+    calls = []
+    tensor = keras.Input(batch_shape=inputs.shape, dtype="float32")
+
+    def record(layer, *args, **kwargs):
+        output = layer(*args, **kwargs)
+        calls.append((layer, args, output))
+        return output
+
+    if isinstance(model, keras.Sequential):
+        x = tensor
+        for layer in model.layers:
+            x = record(layer, x)
+    else:
+        try:
+            keras.models.clone_model(model, input_tensors=tensor, clone_function=lambda l: l,
+                                     call_function=record)
+        except (ValueError, TypeError):
+            return None
+    return tensor, calls
+
+
+def _first_mixing_layer(model, inputs, changed_inputs, changed, path):
+    """The path of the first layer call whose output rows move with another example's input.
+
+    Looks inside a nested functional or Sequential model whose inputs do not
+    yet move; a subclassed model is named as a whole.
+    """
+    recorded = _recorded_calls(model, inputs)
+    if recorded is None or not recorded[1]:
+        return path
+    tensor, calls = recorded
+    rows = inputs.shape[0]
+    wanted = []  # each call's output, then a nested model's input (to look inside it)
+    for layer, args, output in calls:
+        wanted.append(output)
+        if isinstance(layer, keras.Model) and len(args) == 1:
+            wanted.append(args[0])
+    probe = keras.Model(tensor, wanted)
+    outs_a, outs_b = _call(probe, inputs), _call(probe, changed_inputs)
+    flat = 0
+    for layer, args, output in calls:
+        count = len(keras.tree.flatten(output))
+        moved = _others_moved(outs_a[flat:flat + count], outs_b[flat:flat + count], changed,
+                              rows)
+        flat += count
+        nested = isinstance(layer, keras.Model) and len(args) == 1
+        if nested:
+            in_count = len(keras.tree.flatten(args[0]))
+            in_a, in_b = outs_a[flat:flat + in_count], outs_b[flat:flat + in_count]
+            flat += in_count
+        if moved:
+            name = f"{path}/{layer.name}"
+            if nested and len(in_a) == 1 and not _others_moved(in_a, in_b, changed, rows):
+                return _first_mixing_layer(layer, in_a[0], in_b[0], changed, name)
+            return name
+    return path
+
+
+def refuse_example_mixing(model, example_shape=None):
+    """Raises if, in training mode, one example's input moves another example's output.
+
+    DP-SGD's sensitivity assumes that each example's loss, and so its
+    gradient, depends on that example alone: a layer that mixes examples
+    (BatchNorm with batch statistics, a `Lambda` that subtracts the batch
+    mean, a `LayerNormalization(axis=0)`, a user layer that reduces over the
+    batch axis) lets one example move the others' gradients, and the clip no
+    longer bounds what it changes (How to DP-fy ML, Ponomareva et al. 2023,
+    Sec. 5.5.1). Layer classes and names cannot tell (a Lambda has neither),
+    so this checks the behaviour on a probe batch of random images in
+    [0, 255] (tfdp's input range; [0, 2) where the model rejects those, e.g.
+    an Embedding's ids), in the model's input shape (an open dimension is
+    probed at 32), in training mode:
+    1. the first and then the last example is replaced by another random
+       image: every other example's outputs must stay BITWISE equal. Exact
+       equality is justified: the two calls run the same ops on inputs of the
+       same shapes (the kernels' blocking and reduction orders depend on
+       shapes, not values), so a per-example model gives identical rows;
+    2. the last example is removed: the others' outputs must stay within
+       1e-4 of the largest output (a batch-size-dependent op such as a
+       division by the batch size; a different batch size may change the
+       kernels' blocking, hence the tolerance), unless the model fixes its
+       batch size.
+    Each call runs in its own `keras.StatelessScope` (nothing of the model
+    changes, and Keras' seeded random layers such as Dropout draw the same
+    numbers in both calls). A model whose outputs differ between two calls on
+    the SAME batch (random ops outside Keras' seed generators) cannot be
+    checked and is refused.
+
+    Args:
+      model: a built `keras.Model` with one input (the one DPModel wraps).
+      example_shape: the shape of one example, without the batch axis (e.g.
+        `(28, 28, 1)`); None: the model's input shape (`input_example_shape`).
+
+    Raises:
+      ExampleMixingError (a ValueError): naming the first layer whose output
+        mixes examples (its path from the model down; a subclassed model is
+        named whole), or the model whose outputs are not repeatable, with the
+        fix; if the model cannot run on a probe batch at all; or if its input
+        shape is unknown and no `example_shape` is given.
+    """
+    shape, fixed_batch = _probe_shape(model, example_shape)
+    if shape[0] < 2:
+        return  # a batch of one example cannot mix examples
+    errors = []
+    for scale in _PROBE_SCALES:
+        base, pairs = _probe_pairs(shape, scale)
+        try:
+            reference = _call(model, base)
+        except Exception as error:  # noqa: BLE001 (the model rejects this range; try the next)
+            errors.append(f"{type(error).__name__}: {str(error).splitlines()[0][:200]}")
+            continue
+        break
+    else:
+        raise ExampleMixingError(
+            f"Cannot check that {model.name} keeps examples apart: it fails on a probe batch "
+            f"of shape {list(shape)} ({'; '.join(errors)}). Build the model with a fixed "
+            "input shape (keras.Input(shape=(H, W, C))) that takes float32 images.")
+    for changed, other in pairs:
+        if not _others_moved(reference, _call(model, other), changed, shape[0]):
+            continue
+        if _others_moved(reference, _call(model, base), -1, shape[0]):
+            raise ExampleMixingError(
+                f"{model.name} gives different outputs in two training-mode calls on the same "
+                "batch: it draws random numbers that Keras' seed generators do not control "
+                "(e.g. tf.random.* in a custom layer), so tfdp cannot check that it keeps "
+                "examples apart. Draw them with keras.random.* and a "
+                "keras.random.SeedGenerator, as Keras' Dropout does.")
+        layer = _first_mixing_layer(model, base, other, changed, model.name)
+        raise ExampleMixingError(
+            f"In training mode, the output of {model.name} for one example changes when "
+            f"another example of the batch changes: layer {layer} mixes examples across the "
+            "batch (e.g. a batch mean, a normalization over axis 0), so one example could move "
+            "the clipped gradient sum by more than l2_clip_norm and the reported epsilon would "
+            "not hold. " + _FIX_HINT)
+    if not fixed_batch:
+        fewer = _call(model, base[:-1])
+        scale = max(1e-30, max(float(np.max(np.abs(r))) if r.size else 0.0 for r in reference))
+        for full, part in zip(reference, fewer):
+            if full.ndim and full.shape[0] == shape[0] and part.shape == (shape[0] - 1,
+                                                                         *full.shape[1:]):
+                if not np.allclose(full[:-1], part, rtol=0.0, atol=1e-4 * scale,
+                                   equal_nan=True):
+                    raise ExampleMixingError(
+                        f"In training mode, the outputs of {model.name} change when an example "
+                        "is removed from the batch: some layer depends on the batch size (e.g. "
+                        "divides by it), so adding or removing one example moves the others' "
+                        "gradients and the clip no longer bounds its effect. " + _FIX_HINT)
