@@ -952,16 +952,18 @@ def _check_backbone_data(model, train):
     data, which must therefore be public or disjoint from the private data
     (De et al. 2022, Sec. 4: pretraining on public data). For a tfdp-workdir
     backbone this is checked: a backbone trained (privately or not) on a
-    split of the same dataset that shares an example with this run's split is
-    refused. Keras files and keras.applications weights cannot be checked;
-    the report says so.
+    split of the same dataset (any spelling TFDS accepts: versions and configs
+    do not make another dataset, `tfdp.data.dataset_identity`) that shares an
+    example with this run's split is refused. Keras files and
+    keras.applications weights cannot be checked; the report says so.
 
     Returns:
       The provenance dict (`tfdp.models.backbone_provenance`), or None for a
       model without a pretrained backbone.
 
     Raises:
-      ValueError: on a backbone trained on overlapping data.
+      ValueError: on a backbone trained on overlapping data, or a backbone
+        workdir that does not record its dataset.
     """
     backbone = getattr(model, models.finetune.PROVENANCE_ATTRIBUTE, None)
     if backbone is None:
@@ -972,14 +974,22 @@ def _check_backbone_data(model, train):
             "its training data is public, or disjoint from %s %s. The report says so.",
             backbone["source"], backbone["kind"], train.name, train.split)
         return backbone
-    if backbone["dataset"] == train.name and data.splits_overlap(
+    if backbone["dataset"] is None:
+        raise ValueError(
+            f"The backbone workdir {backbone['source']} does not record the dataset it was "
+            "trained on (its operative_config.gin binds no tfdp.train_and_evaluate.dataset), "
+            "so tfdp cannot check that it shares no example with this run's private data. "
+            "Export it as a .keras file if its training data is public.")
+    # Datasets are compared as TFDS identities, not strings: "fashion_mnist:3.0.1" and
+    # "Fashion_MNIST" are fashion_mnist (tfdp.data.dataset_identity).
+    if data.same_dataset(backbone["dataset"], train.name) and data.splits_overlap(
             train.name, backbone["train_split"], train.split, data_dir=train.data_dir):
         trained = ("WITHOUT privacy" if backbone["privacy"] == "NOT PRIVATE" else
                    f"at epsilon = {backbone['privacy']['epsilon']:.4g}")
         raise ValueError(
-            f"The backbone {backbone['source']} was trained {trained} on {train.name} "
-            f"{backbone['train_split']!r}, which shares examples with this run's private "
-            f"split {train.split!r}. Its weights would release those examples outside this "
+            f"The backbone {backbone['source']} was trained {trained} on "
+            f"{backbone['dataset']} {backbone['train_split']!r}, which shares examples with "
+            f"this run's private split {train.split!r} of {train.name}. Its weights would release those examples outside this "
             "run's guarantee. Pretrain on a disjoint public split (e.g. 'train[:2000]' "
             "and fine-tune on 'train[2000:]'), or train from scratch.")
     return backbone

@@ -364,6 +364,40 @@ def test_a_backbone_trained_on_the_private_split_is_refused_before_any_output(
     assert os.listdir(workdir) == []
 
 
+def test_every_spelling_of_the_private_dataset_is_recognised(run_smoke, tmp_path):
+    # Issue 26: a backbone trained WITHOUT privacy on fashion_mnist 'train' was accepted for
+    # private fine-tuning on 'train' when the config spelled the dataset
+    # 'fashion_mnist:3.0.1' (dataset names were compared as strings).
+    backbone = tmp_path / "backbone"
+    run_smoke(backbone, ["fashion_mnist.gin"], ["tfdp.train_and_evaluate.privacy = None",
+                                                "tfdp.train_and_evaluate.dataset = 'fashion_mnist:3.*.*'"])
+    for i, spelling in enumerate(["fashion_mnist", "fashion_mnist:3.0.1", "Fashion_MNIST",
+                                  "FashionMnist"]):
+        workdir = tmp_path / f"finetune_{i}"
+        workdir.mkdir()
+        with pytest.raises(ValueError, match=r"WITHOUT privacy on fashion_mnist:3\.\*\.\* "
+                                             r"'train', which shares examples"):
+            run_smoke(workdir, ["fashion_mnist_finetune.gin"], [
+                f'PRETRAINED_BACKBONE = "{backbone}"', 'TRAINABLE = "head"',
+                f"tfdp.train_and_evaluate.dataset = '{spelling}'",
+                "tfdp.train_and_evaluate.train_split = 'train'"])
+        assert os.listdir(workdir) == [], spelling
+
+
+@pytest.mark.parametrize("spelling", [
+    "fashion_mnist", "fashion_mnist:3.0.1", "fashion_mnist:3.*.*", "Fashion_MNIST",
+    "FashionMnist", "fashion_mnist/fashion_mnist", "fashion_mnist/fashion_mnist:3.0.1"])
+def test_dataset_identity_of_every_tfds_spelling(spelling):
+    assert data.dataset_identity(spelling) == "fashion_mnist"
+    assert data.same_dataset(spelling, "fashion_mnist")
+    assert not data.same_dataset(spelling, "mnist")
+
+
+def test_dataset_identity_of_a_name_tfds_refuses():
+    with pytest.raises(ValueError, match="dataset_name"):
+        data.dataset_identity(" fashion_mnist")
+
+
 def test_the_report_says_whence_the_backbone_came(run_smoke, tmp_path, pretrain_workdir,
                                                     keras_backbone):
     checked = run_smoke(tmp_path / "a", ["fashion_mnist_finetune.gin"], [

@@ -322,6 +322,38 @@ def _no_array_record_message(builder):
     )
 
 
+def dataset_identity(name):
+    """The dataset that a TFDS name spells, whatever the spelling: its TFDS dataset name.
+
+    TFDS accepts several spellings of one dataset (`tfds.builder` parses
+    them with `tfds.core.naming.parse_builder_name_kwargs`): "fashion_mnist",
+    "Fashion_MNIST" (CamelCase is snake-cased), "fashion_mnist:3.0.1",
+    "fashion_mnist:3.*.*", "fashion_mnist/default:3.0.1" and builder
+    keyword arguments ("fashion_mnist/key=value"). Versions and configs are
+    dropped on purpose: two versions of a dataset hold the same examples, and
+    two configs of one dataset may (a subset config, another resolution), so
+    for the question "may these two runs share an example" they count as one
+    dataset. (Datasets of different names that share examples, e.g.
+    "imagenet2012" and "imagenet2012_subset", are not recognised.)
+
+    Args:
+      name: a TFDS dataset name as a config or the user gives it.
+
+    Returns:
+      str: the dataset's TFDS name, e.g. "fashion_mnist".
+
+    Raises:
+      ValueError: a name TFDS cannot parse (TFDS's message).
+    """
+    parsed, _ = tfds.core.naming.parse_builder_name_kwargs(str(name))
+    return parsed.name
+
+
+def same_dataset(name_a, name_b):
+    """Whether two TFDS names spell the same dataset (`dataset_identity`)."""
+    return dataset_identity(name_a) == dataset_identity(name_b)
+
+
 def splits_overlap(name, split_a, split_b, *, data_dir=None):
     """Whether two split strings of one TFDS dataset share any example.
 
