@@ -135,3 +135,138 @@ def test_iter_layers_visits_every_layer_once_with_paths():
     assert paths[0] == model.name
     assert len(paths) == len(set(paths)) == 1 + len(model.layers)
     assert f"{model.name}/logits" in paths
+
+
+# -- refuse_example_mixing: behaviour on a probe batch, not class names (issue 26) ----------
+
+from tfdp import accounting  # noqa: E402
+from tfdp import make_private  # noqa: E402
+from tfdp.models.validation import ExampleMixingError, refuse_example_mixing  # noqa: E402
+from tfdp.training.dp_model import DPModel  # noqa: E402
+
+
+class _TFRandom(keras.layers.Layer):
+    """Random numbers outside Keras' seed generators: not repeatable, so not checkable."""
+
+    def call(self, x):
+        import tensorflow as tf  # pylint: disable=g-import-not-at-top
+
+        return x + tf.random.normal(tf.shape(x))
+
+
+class _MixingSubclass(keras.Model):
+    """A subclassed model (no `inputs`) that subtracts the batch mean."""
+
+    def __init__(self):
+        super().__init__()
+        self.dense = keras.layers.Dense(2)
+
+    def call(self, x):
+        return self.dense(x - ops.mean(x, axis=0))
+
+
+def _mixing_cases():
+    return {
+        # Issue 26's two variable-less layers: 1.75 C and 1.695 C on the ghost path.
+        "batch_center": keras.layers.Lambda(lambda t: t - ops.mean(t, axis=0),
+                                            name="batch_center"),
+        "norm_axis0": keras.layers.LayerNormalization(axis=0, center=False, scale=False,
+                                                      name="norm_axis0"),
+        "only_first": keras.layers.Lambda(  # moves only the others when example 0 changes
+            lambda t: t + ops.mean(t[:1], axis=0), name="only_first"),
+        "only_last": keras.layers.Lambda(lambda t: t + ops.mean(t[-1:], axis=0),
+                                         name="only_last"),
+        "tiny": keras.layers.Lambda(lambda t: t + 1e-6 * ops.sum(t, axis=0), name="tiny"),
+        "custom": _BatchMean(name="custom"),
+    }
+
+
+@pytest.mark.parametrize("name", sorted(_mixing_cases()))
+def test_a_layer_that_mixes_examples_is_named_whatever_its_class(name):
+    model = _conv_model(lambda x: _mixing_cases()[name](x))
+    with pytest.raises(ExampleMixingError, match=rf"layer model/{name} mixes examples.*"
+                                                 r"GroupNormalization"):
+        refuse_example_mixing(model)
+
+
+def test_the_first_mixing_layer_inside_a_nested_model_is_named():
+    inner_inputs = keras.Input((6, 6, 16))
+    x = keras.layers.Conv2D(4, 1, name="before")(inner_inputs)
+    x = keras.layers.Lambda(lambda t: t - ops.mean(t, axis=0), name="center")(x)
+    inner = keras.Model(inner_inputs, keras.layers.Conv2D(2, 1, name="after")(x), name="inner")
+    model = _conv_model(inner)
+    with pytest.raises(ExampleMixingError, match=r"layer model/inner/center mixes examples"):
+        refuse_example_mixing(model)
+
+
+def test_a_batch_size_dependent_layer_is_refused():
+    divide = keras.layers.Lambda(lambda t: t / ops.cast(ops.shape(t)[0], "float32"))
+    with pytest.raises(ExampleMixingError, match="change when an example is removed"):
+        refuse_example_mixing(_conv_model(divide))
+
+
+def test_unrepeatable_random_layers_are_refused_and_keras_seeded_ones_accepted():
+    with pytest.raises(ExampleMixingError, match="two training-mode calls on the same batch"):
+        refuse_example_mixing(_conv_model(_TFRandom()))
+    refuse_example_mixing(_conv_model(keras.layers.Dropout(0.5)))
+    refuse_example_mixing(_conv_model(keras.layers.GaussianNoise(1.0)))
+
+
+@pytest.mark.parametrize("norm_layer", [
+    lambda: keras.layers.GroupNormalization(4), lambda: keras.layers.LayerNormalization(),
+    lambda: keras.layers.Activation("relu"), lambda: keras.layers.UnitNormalization()])
+def test_per_example_layers_pass_the_probe(norm_layer):
+    refuse_example_mixing(_conv_model(norm_layer()))
+
+
+def test_the_probe_changes_nothing_in_the_model():
+    keras.utils.set_random_seed(0)
+    bn = keras.layers.BatchNormalization()
+    bn.trainable = False
+    model = _conv_model(bn)
+    before = [w.copy() for w in model.get_weights()]
+    refuse_example_mixing(model)
+    for a, b in zip(before, model.get_weights()):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_embedding_inputs_are_probed_at_a_smaller_range():
+    inputs = keras.Input((5,))
+    x = keras.layers.Embedding(7, 4)(inputs)  # ids >= 7 are refused by the gather
+    x = keras.layers.Lambda(lambda t: t - ops.mean(t, axis=0), name="center")(x)
+    model = keras.Model(inputs, keras.layers.Dense(2)(keras.layers.Flatten()(x)), name="model")
+    with pytest.raises(ExampleMixingError, match="model/center mixes examples"):
+        refuse_example_mixing(model)
+
+
+def _mechanism():
+    return accounting.DPMechanism(num_examples=64, batch_size=8, num_steps=2,
+                                  noise_multiplier=1.0, l2_clip_norm=1.0, delta=1e-5)
+
+
+@pytest.mark.parametrize("clipping", ["auto", "ghost", "vectorized"])
+def test_dp_model_compile_refuses_a_mixing_layer_on_every_path(clipping):
+    model = _conv_model(_mixing_cases()["batch_center"])
+    dp = DPModel(model, _mechanism(), clipping=clipping)  # the names pass
+    with pytest.raises(ExampleMixingError, match="model/batch_center mixes examples"):
+        dp.compile(optimizer="sgd")
+
+
+def test_make_private_refuses_a_mixing_layer():
+    model = _conv_model(_mixing_cases()["norm_axis0"])
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 256, (64, 8, 8, 3)).astype(np.uint8)
+    y = rng.integers(0, 2, 64)
+    with pytest.raises(ExampleMixingError, match="model/norm_axis0 mixes examples"):
+        make_private(model, (x, y), batch_size=8, epochs=1, target_epsilon=3.0,
+                     target_delta=1e-3, l2_clip_norm=1.0, optimizer="sgd")
+
+
+def test_a_subclassed_model_is_checked_on_its_first_batch():
+    model = _MixingSubclass()
+    model(np.zeros((2, 3), np.float32))
+    dp = DPModel(model, _mechanism())
+    dp.compile(optimizer="sgd")  # no input shape to probe yet
+    x = np.random.default_rng(0).normal(size=(4, 3)).astype(np.float32)
+    with pytest.raises(ExampleMixingError, match="mixes examples"):
+        dp.train_on_batch(x, np.array([0, 1, 0, 1]))
