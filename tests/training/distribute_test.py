@@ -5,7 +5,10 @@ multi-replica scenarios run ONCE in a subprocess (`_SCRIPT`) that splits the
 CPU into 4 logical devices and, for R = 1, 2 and 4 replicas of a
 `MirroredStrategy`, trains a DPModel through `fit` (Keras' own distribution
 path) on batches split by `tfdp.training.distribute`. It writes the weight
-updates to .npy files that the tests below check.
+updates to .npy files that the tests below check. The noise and the
+microbatch-sensitivity scenarios run on both input layouts: whole logical
+batches (`distribute_logical_batches`) and the path the trainer runs,
+accumulation chunks (`distribute_chunks` -> `ChunkedInput`, a = 2).
 """
 
 import os
@@ -68,6 +71,18 @@ class FixedIds(Noiseless):
         return tf.slice(self.id_table, [replica * n], [n])
 
 
+class IdsInData(Noiseless):
+    """Chunked input: each slot's microbatch id is its third input column, which the
+    model slices off (so it changes no gradient)."""
+
+    def _contribution(self, data):
+        self._ids = tf.cast(data[0][:, 2], tf.int32)
+        return super()._contribution(data)
+
+    def draw_microbatch_ids(self, mask):
+        return self._ids
+
+
 def mechanism(l2_clip_norm, noise_multiplier, batch_size, num_microbatches=None):
     return accounting.DPMechanism(
         num_examples=1000, batch_size=int(batch_size), num_steps=10,
@@ -125,6 +140,59 @@ def microbatch_deltas(strategy, r):
     return np.array(deltas)
 
 
+A = 2  # accumulation chunks per replica on the chunked path
+
+
+def chunk_elements(slots, r):
+    """The chunk elements of one logical batch [S, ...] (S = r A n) in the order a host deals
+    them to its replicas: chunk 0 of every replica, then chunk 1 (tfdp.data.train_chunks)."""
+    n = len(slots) // (r * A)
+    return [slots[(q * A + j) * n:(q * A + j + 1) * n] for j in range(A) for q in range(r)]
+
+
+def chunked_input(strategy, r, elements):
+    """A ChunkedInput of `elements` ((images, labels, mask) chunks, dealing order)."""
+    ds = tf.data.Dataset.from_tensor_slices(tuple(np.stack(t) for t in zip(*elements)))
+    return distribute.distribute_chunks(strategy, lambda replicas: ds, accumulation_steps=A)
+
+
+def microbatch_deltas_chunked(strategy, r):
+    """`microbatch_deltas` on the trainer's path: R replicas x A chunks of n slots.
+
+    The slots hold D = [-3, 2, -1] or D' = [4, -3, 2, -1] (times 10 e_1) then masked
+    padding; replica q's chunk j is slots [(q A + j) n, (q A + j + 1) n), so adding the
+    first example shifts every other one into another chunk or replica. Each slot's
+    microbatch id rides in its third input column; the shared examples keep theirs.
+    """
+    slots_total = max(4, r * A)
+    with strategy.scope():
+        inputs = keras.Input((3,))
+        features = keras.layers.Lambda(lambda t: t[:, :2])(inputs)
+        model = keras.Model(inputs, keras.layers.Dense(
+            10, use_bias=False, kernel_initializer="zeros")(features))
+        dp = IdsInData(model, mechanism(1.0, 0.0, 4, num_microbatches=2), accumulation_steps=A)
+        dp.compile(optimizer=keras.optimizers.SGD(1.0))
+
+    def clipped_sum(cs, ids):
+        kernel = model.trainable_variables[0]
+        kernel.assign(tf.zeros_like(kernel))
+        pad = slots_total - len(cs)
+        rows = [[10.0 * c, 0.0, float(i)] for c, i in zip(cs, ids)] + [[0.0, 0.0, 0.0]] * pad
+        slots = list(zip(np.array(rows, np.float32), np.zeros(slots_total, np.int32),
+                         np.array([1.0] * len(cs) + [0.0] * pad, np.float32)))
+        elements = [tuple(np.stack(t) for t in zip(*chunk))
+                    for chunk in chunk_elements(slots, r)]
+        dp.fit(chunked_input(strategy, r, elements), epochs=1, steps_per_epoch=1, verbose=0)
+        return -2.0 * kernel.numpy()  # SGD lr 1: update = -clipped sum / M, M = 2
+
+    deltas = []
+    for ids in np.ndindex(2, 2, 2):
+        for added in range(2):
+            before = clipped_sum([-3, 2, -1], list(ids))
+            deltas.append(np.linalg.norm(clipped_sum([4, -3, 2, -1], [added, *ids]) - before))
+    return np.array(deltas)
+
+
 def fit(strategy, dp, model, ds, steps):
     before = [w.numpy().copy() for w in model.trainable_variables]
     dp.fit(distribute.distribute_logical_batches(strategy, ds), epochs=1, steps_per_epoch=steps,
@@ -150,7 +218,17 @@ for r in replica_counts:
     # 1. All examples masked: the update is exactly -noise / B.
     model, dp = build(strategy, 400, l2_clip_norm=CLIP, noise_multiplier=SIGMA, batch_size=BATCH)
     zero = tf.data.Dataset.from_tensors((tf.ones([8, 8]), tf.zeros([8], tf.int32), tf.zeros([8])))
-    np.save(f"{out}/noise_{r}.npy", fit(strategy, dp, model, zero, 1))
+    np.save(f"{out}/noise_batches_{r}.npy", fit(strategy, dp, model, zero, 1))
+    # 1b. The same on the chunked path: A all-masked chunks per replica, one update.
+    model, dp = build(strategy, 400, l2_clip_norm=CLIP, noise_multiplier=SIGMA, batch_size=BATCH,
+                      accumulation_steps=A)
+    masked = (np.ones([2, 8], np.float32), np.zeros([2], np.int32), np.zeros([2], np.float32))
+    before = [w.numpy().copy() for w in model.trainable_variables]
+    dp.fit(chunked_input(strategy, r, [masked] * (r * A)), epochs=1, steps_per_epoch=1,
+           verbose=0)
+    assert int(dp.optimizer.iterations.numpy()) == 1
+    np.save(f"{out}/noise_chunks_{r}.npy", np.concatenate(
+        [(w.numpy() - b).ravel() for w, b in zip(model.trainable_variables, before)]))
     # 2. No noise, variable batches padded with masked zeros to a multiple of R
     #    (R = 2: 7 -> 8, 3 -> 4, 0 -> 2, 5 -> 6 slots), EMA on, 4 updates.
     model, dp = build(strategy, 16, l2_clip_norm=0.05, noise_multiplier=0.0, batch_size=10.0,
@@ -161,8 +239,9 @@ for r in replica_counts:
     np.save(f"{out}/ema_{r}.npy", np.stack([
         np.concatenate([strategy.experimental_local_results(e.value)[i].numpy().ravel()
                         for e in dp.ema_variables]) for i in range(r)]))
-    # 3. Microbatches that span replicas: the sensitivity stays 2C.
-    np.save(f"{out}/microbatch_deltas_{r}.npy", microbatch_deltas(strategy, r))
+    # 3. Microbatches that span replicas (and chunks): the sensitivity stays 2C.
+    np.save(f"{out}/microbatch_deltas_batches_{r}.npy", microbatch_deltas(strategy, r))
+    np.save(f"{out}/microbatch_deltas_chunks_{r}.npy", microbatch_deltas_chunked(strategy, r))
 '''
 
 
@@ -187,12 +266,15 @@ def replica_runs(tmp_path_factory):
     return lambda name: np.load(out / f"{name}.npy")
 
 
+@pytest.mark.parametrize("layout", ["batches", "chunks"])
 @pytest.mark.parametrize("replicas", REPLICAS)
-def test_summed_noise_has_std_sigma_c_over_b_for_every_replica_count(replica_runs, replicas):
+def test_summed_noise_has_std_sigma_c_over_b_for_every_replica_count(replica_runs, replicas,
+                                                                   layout):
     # Zero gradients (all-zero mask), SGD at lr 1: the update is -(sum of the R
     # replicas' draws) / B, each draw N(0, (sigma C / sqrt(R))^2): std sigma C / B.
-    # Shared draws would give sqrt(R) times that and fail the first KS test.
-    deltas = replica_runs(f"noise_{replicas}")
+    # Shared draws would give sqrt(R) times that and fail the first KS test; noise per
+    # chunk instead of per logical batch would give sqrt(2) times that.
+    deltas = replica_runs(f"noise_{layout}_{replicas}")
     assert deltas.size == 8 * 400 + 400 + 400 * 10 + 10
     expected = SIGMA * CLIP / BATCH
     assert stats.kstest(deltas, "norm", args=(0, expected)).pvalue > 1e-3
@@ -232,13 +314,14 @@ def test_masked_padding_contributes_nothing():
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-9)
 
 
+@pytest.mark.parametrize("layout", ["batches", "chunks"])
 @pytest.mark.parametrize("replicas", REPLICAS)
-def test_microbatched_sensitivity_is_2c_across_replicas(replica_runs, replicas):
+def test_microbatched_sensitivity_is_2c_across_replicas(replica_runs, replicas, layout):
     # Adjacent batches built by hand (tests/training/dp_model_test.py has the same with
-    # 1, 2 and 4 accumulation chunks): adding one example moves the others to another
-    # replica, but microbatches are summed over all replicas before clipping, so only
-    # the added example's microbatch changes.
-    deltas = replica_runs(f"microbatch_deltas_{replicas}")
+    # 1, 2 and 4 accumulation chunks of one batch): adding one example moves the others
+    # to another replica (and chunk), but microbatches are summed over all chunks and
+    # replicas before clipping, so only the added example's microbatch changes.
+    deltas = replica_runs(f"microbatch_deltas_{layout}_{replicas}")
     assert deltas.shape == (16,)
     assert deltas.max() <= 2.0 + 1e-5
     assert deltas.max() >= 2.0 - 1e-5
