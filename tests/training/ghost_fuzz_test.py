@@ -127,9 +127,11 @@ RULED = ["conv", "ws_conv", "scaled_ws_conv", "group_norm", "layer_norm", "dense
 STRUCTURE = ["add", "concatenate", "shared", "nested", "shared_with_nested", "called_inside"]
 FALLBACK = ["unruled"]
 # Blocks whose variables (may) take the fallback: the whole model's forward pass then runs
-# under tf.vectorized_map, where a Dense or EinsumDense on [batch, T, C] meets TF 2.21's
-# oneDNN broadcast-matmul bug (BUILD.md, issue 20; DPModel refuses that combination). So
-# models with a sequence stage draw their image blocks without them.
+# under tf.vectorized_map, where an EinsumDense on [batch, T, C] meets TF 2.21's oneDNN
+# broadcast-matmul bug (BUILD.md, issue 26). GhostClipping.clipped_sum, which this fuzzer
+# calls directly, runs its fallback without DPModel's check of the traced ops, so models with
+# a sequence stage draw their image blocks without them here; tests/training/dp_model_fuzz.py
+# draws them through DPModel, in a process of its own.
 FALLS_BACK = ["unruled", "shared", "shared_with_nested", "called_inside"]
 SEQUENCE = ["attention", "einsum", "layer_norm", "dense", "mlp"]
 
@@ -374,12 +376,19 @@ def _add_sequence_block(block, x):
     raise ValueError(kind)
 
 
-def build_model(spec):
-    """The Keras model of a drawn spec (deterministic: same spec, same architecture)."""
+def build_model(spec, add_block=None, add_sequence_block=None):
+    """The Keras model of a drawn spec (deterministic: same spec, same architecture).
+
+    `add_block` and `add_sequence_block` (default: this module's) build one
+    block; `tests/training/dp_model_fuzz.py` passes its own, which know more
+    kinds.
+    """
+    add_block = add_block or _add_block
+    add_sequence_block = add_sequence_block or _add_sequence_block
     inputs = keras.Input(spec["input_shape"])
     x = inputs
     for block in spec["blocks"]:
-        x = _add_block(block, x)
+        x = add_block(block, x)
     sequence = spec.get("sequence")
     if sequence is not None:
         if "tokens" in sequence:  # int ids [T] (floats, truncated by Embedding)
@@ -393,7 +402,7 @@ def build_model(spec):
             x = x + keras.layers.Embedding(x.shape[1], x.shape[-1])(
                 ghost_testing.positions(x))
         for block in sequence["blocks"]:
-            x = _add_sequence_block(block, x)
+            x = add_sequence_block(block, x)
     if spec["head"] == "flatten":
         x = keras.layers.Flatten()(x)
     else:
@@ -545,8 +554,8 @@ def _vectorized(model, images, labels, loop=False):
 
 
 def _has_rank3_matmul(model):
-    """True if a Dense or EinsumDense of `model` (nested models too) takes a rank >= 3 input
-    (the condition of `tfdp.training.dp_model.refuse_onednn_broadcast_matmul`)."""
+    """True if a Dense or EinsumDense of `model` (nested models too) takes a rank >= 3 input:
+    the float32 reference then loops over examples (see `_vectorized`)."""
     from tfdp.models import validation
     for _, layer in validation.iter_layers(model):
         if isinstance(layer, (keras.layers.Dense, keras.layers.EinsumDense)):

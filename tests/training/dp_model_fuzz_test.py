@@ -1,0 +1,51 @@
+"""The privacy fuzzer through DPModel's train step, with oneDNN on and off.
+
+Each run is a process of its own (`tests/training/dp_model_fuzz.py`, whose
+docstring lists what it draws and asserts): a crash of TensorFlow 2.21's oneDNN
+broadcast batch matmul fails the test instead of killing a pytest worker. The
+default suite draws 25 derandomized cases per setting; `-m slow` draws
+`DP_FUZZ_EXAMPLES` (default 300) per setting.
+"""
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from tfdp import host
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def _fuzz(onednn, examples):
+    env = dict(os.environ, **{host.ENV_VAR: onednn})
+    env.pop(host.SET_BY_TFDP_VAR, None)
+    done = subprocess.run([sys.executable, "-m", "tests.training.dp_model_fuzz", str(examples)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=3000)
+    cases = [line for line in done.stdout.splitlines() if line.startswith("CASE ")]
+    assert done.returncode == 0, (
+        f"rc {done.returncode} after {len(cases)} cases:\n{done.stdout[-2000:]}\n"
+        f"{done.stderr[-6000:]}")
+    summary = [line for line in done.stdout.splitlines() if line.startswith("FUZZ OK")]
+    assert summary and summary[0].endswith(f"onednn={onednn == '1'}"), done.stdout[-2000:]
+    return cases
+
+
+@pytest.mark.parametrize("onednn", ["1", "0"])
+def test_fuzz_dp_model_step(onednn):
+    cases = _fuzz(onednn, 25)
+    assert len(cases) == 25
+    # The draw reaches every outcome: refused mixing layers, and all three paths.
+    outcomes = {line.split()[1] for line in cases}
+    assert {"refused", "ghost", "vectorized"} <= outcomes, outcomes
+    if onednn == "1":
+        assert "loop" in outcomes, outcomes  # fallback attention: one example at a time
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("onednn", ["1", "0"])
+def test_fuzz_dp_model_step_long(onednn):
+    examples = int(os.environ.get("DP_FUZZ_EXAMPLES", 300))
+    assert len(_fuzz(onednn, examples)) == examples
