@@ -633,17 +633,18 @@ def _check_augmentation(features, augmentation, augmult, augtest):
 
 def _load_data(dataset, train_split, test_split, *, data_dir, image_size, num_examples,
                prepare_train=None):
-    """Stage 2: the two splits, opened for reading by index (`tfdp.data.TFDSSource`).
+    """Stage 2: the two splits, opened for reading by index (`tfdp.data.open_split`).
 
-    No split is held in memory (ArrayRecord on disk). `prepare_train` (an
-    audit's canaries) may change the training split first. The training
-    split's size is then checked against NUM_EXAMPLES, which the accountant
-    uses.
+    By default from ArrayRecord on disk (`tfdp.data.TFDSSource`); gin's
+    `tfdp.data.open_split.source` chooses the pure-TF input instead (arrays
+    in memory, or a JPEG folder). `prepare_train` (an audit's canaries) may
+    change the training split first. The training split's size is then
+    checked against NUM_EXAMPLES, which the accountant uses.
     """
-    train = data.TFDSSource(dataset, train_split, data_dir=data_dir, image_size=image_size)
+    train = data.open_split(dataset, train_split, data_dir=data_dir, image_size=image_size)
     if prepare_train is not None:
         train = prepare_train(train)
-    test = data.TFDSSource(dataset, test_split, data_dir=data_dir, image_size=image_size)
+    test = data.open_split(dataset, test_split, data_dir=data_dir, image_size=image_size)
     if train.num_examples != num_examples:
         raise ValueError(
             f"NUM_EXAMPLES={num_examples} but the {dataset!r} split {train_split!r} has "
@@ -1037,10 +1038,11 @@ def _features(train, test, extractor, data_normalization, workdir):
                 "settings, or use a new workdir.")
     logging.info("Computing the features of the %s for %d + %d images once.",
                  extractor.name, train.num_examples, test.num_examples)
+    pure_tf = train.pure_tf  # the features keep the input's sampler (numpy or in-graph)
     train, test = (data.read_split(source) for source in (train, test))
     train = train._replace(images=extractor.compute_features(train.images))
     test = test._replace(images=extractor.compute_features(test.images))
-    sources = data.ArraySource(*train), data.ArraySource(*test)
+    sources = data.ArraySource(*train, pure_tf=pure_tf), data.ArraySource(*test, pure_tf=pure_tf)
     if not data_normalization:
         return (*sources, {})
     if released is None:
