@@ -20,7 +20,9 @@ Layout:
     DATA_DIR/validation.tfdp_index.tsv
 
 Labels are the positions of the class folder names in sorted order (for
-ImageNet: the sorted synsets, the label order of TFDS's imagenet2012). The
+ImageNet: the sorted synsets, the label order of TFDS's imagenet2012); every
+split must have the same class folders (an empty one is allowed, and listed
+in the table's header). The
 table lists the examples in a fixed pseudorandom order (a public permutation
 of the sorted paths, seeded by `TABLE_ORDER_SEED`), so that a slice such as
 `train[10000:]` leaves out a uniformly random 10,000 images, not the first
@@ -75,9 +77,9 @@ def build_index(data_dir, split_name, *, decode=False):
       rows a list of (relative path, label, size in bytes) in table order.
 
     Raises:
-      ValueError: the folder is missing, holds no class folders, a class
-        folder holds no image, or a file is empty, not an image, or (with
-        decode) does not decode; the message names the files (up to 10).
+      ValueError: the folder is missing, holds no class folders or no image,
+        or a file is empty, not an image, or (with decode) does not decode;
+        the message names the files (up to 10).
     """
     root = _join(data_dir, split_name)
     if not tf.io.gfile.isdir(root):
@@ -102,9 +104,9 @@ def build_index(data_dir, split_name, *, decode=False):
             if problem:
                 bad.append(f"{relative} ({problem})")
             rows.append((relative, label, size))
-    if empty:
-        raise ValueError(f"Class folders of {root} hold no image: {', '.join(empty[:10])}. "
-                         "Remove them or put their images back.")
+    if not rows:
+        raise ValueError(f"{root} holds no image ({', '.join(IMAGE_EXTENSIONS)}) in its class "
+                         "folders.")
     if decode and not bad:
         bad = _undecodable(root, rows)
     if bad:
@@ -113,8 +115,28 @@ def build_index(data_dir, split_name, *, decode=False):
     order = np.random.default_rng(TABLE_ORDER_SEED).permutation(len(rows))
     rows = [rows[i] for i in order]
     header = {"format": INDEX_FORMAT, "version": INDEX_VERSION, "split": split_name,
-              "classes": classes, "num_examples": len(rows)}
+              "classes": classes, "empty_classes": empty, "num_examples": len(rows)}
     return header, rows
+
+
+def index_split(data_dir, split_name, *, decode=False):
+    """Indexes DATA_DIR/split_name into DATA_DIR/split_name.tfdp_index.tsv (what the tool runs).
+
+    Args:
+      data_dir, split_name, decode: as `build_index`.
+
+    Returns:
+      `(path, header)`: the table written and its header.
+
+    Raises:
+      ValueError: as `build_index`, or class folders that differ from the
+        train split's table (then nothing is written).
+    """
+    header, rows = build_index(data_dir, split_name, decode=decode)
+    _check_same_classes(data_dir, split_name, header["classes"])
+    path = index_path(data_dir, split_name)
+    write_index(path, header, rows)
+    return path, header
 
 
 def write_index(path, header, rows):
@@ -256,6 +278,7 @@ class JPEGFolderSource:
         self.num_examples = len(relative)
         self.image_shape = (image_size, image_size, 3)
         self._root = _join(data_dir, base)
+        _check_same_classes(data_dir, base, self.classes)
         _spot_check(self._root, relative, sizes, data_dir, base)
         with tf.device("/CPU:0"):
             self._paths = tf.Variable(relative.astype(bytes), trainable=False, dtype=tf.string,
@@ -311,6 +334,30 @@ def _slice(split, base, size):
 class _Size:
     def __init__(self, num_examples):
         self.num_examples = num_examples
+
+
+def read_header(path):
+    """The header dict of an index table (its first line only), or None if there is none."""
+    if not tf.io.gfile.exists(path):
+        return None
+    with tf.io.gfile.GFile(path, "r") as f:
+        first = f.readline()
+    prefix = f"# {INDEX_FORMAT} "
+    return json.loads(first[len(prefix):]) if first.startswith(prefix) else None
+
+
+def _check_same_classes(data_dir, base, classes):
+    """Refuses a split whose class folders differ from the train split's (labels would differ)."""
+    if base == "train":
+        return
+    train = read_header(index_path(data_dir, "train"))
+    if train is not None and train.get("classes") != classes:
+        differ = sorted(set(train.get("classes", [])) ^ set(classes))
+        raise ValueError(
+            f"The class folders of {_join(data_dir, base)} differ from those of "
+            f"{_join(data_dir, 'train')} ({len(differ)} differ, e.g. {', '.join(differ[:5])}), "
+            "so the same label would mean two classes. Give every split the same class "
+            "folders (an empty folder is allowed) and index them again.")
 
 
 def _spot_check(root, relative, sizes, data_dir, base):
