@@ -149,3 +149,115 @@ def test_gs_without_the_client_says_what_to_install(monkeypatch):
     monkeypatch.setattr(builtins, "__import__", no_google)
     with pytest.raises(workdir_lib.WorkdirError, match=r"pip install -e \"\.\[tpu,gcs\]\""):
         workdir_lib.check_lockable("gs://bucket/runs/x")
+
+
+# -- GCSLeaseStore against a local fake of google-cloud-storage's preconditions --------------
+
+
+class _PreconditionFailed(Exception):
+    pass
+
+
+class _NotFound(Exception):
+    pass
+
+
+class _FakeBucket:
+    """Objects with generations, as Cloud Storage keeps them (one lock: atomic calls)."""
+
+    def __init__(self):
+        self.objects, self.lock, self.counter = {}, threading.Lock(), 0
+
+    def blob(self, name):
+        return _FakeBlob(self, name)
+
+    def get_blob(self, name):
+        with self.lock:
+            if name not in self.objects:
+                return None
+            blob = _FakeBlob(self, name)
+            blob.generation = self.objects[name][1]
+            return blob
+
+
+class _FakeBlob:
+    def __init__(self, bucket, name):
+        self.bucket, self.name, self.generation = bucket, name, None
+
+    def _check(self, if_generation_match):
+        current = self.bucket.objects.get(self.name, (None, 0))[1]
+        if if_generation_match is not None and current != if_generation_match:
+            raise _PreconditionFailed(self.name)
+
+    def upload_from_string(self, data, if_generation_match=None):
+        with self.bucket.lock:
+            self._check(if_generation_match)
+            self.bucket.counter += 1
+            self.bucket.objects[self.name] = (bytes(data), self.bucket.counter)
+            self.generation = self.bucket.counter
+
+    def download_as_bytes(self, if_generation_match=None):
+        with self.bucket.lock:
+            if self.name not in self.bucket.objects:
+                raise _NotFound(self.name)
+            self._check(if_generation_match)
+            return self.bucket.objects[self.name][0]
+
+    def delete(self, if_generation_match=None):
+        with self.bucket.lock:
+            if self.name not in self.bucket.objects:
+                raise _NotFound(self.name)
+            self._check(if_generation_match)
+            del self.bucket.objects[self.name]
+
+
+@pytest.fixture
+def fake_gcs(monkeypatch):
+    import sys  # pylint: disable=g-import-not-at-top
+    import types  # pylint: disable=g-import-not-at-top
+
+    bucket = _FakeBucket()
+    storage = types.ModuleType("google.cloud.storage")
+    storage.Client = lambda: types.SimpleNamespace(bucket=lambda name: bucket)
+    exceptions = types.ModuleType("google.api_core.exceptions")
+    exceptions.PreconditionFailed, exceptions.NotFound = _PreconditionFailed, _NotFound
+    cloud = types.ModuleType("google.cloud")
+    cloud.storage = storage
+    api_core = types.ModuleType("google.api_core")
+    api_core.exceptions = exceptions
+    google = types.ModuleType("google")
+    google.cloud, google.api_core = cloud, api_core
+    for name, module in (("google", google), ("google.cloud", cloud),
+                         ("google.cloud.storage", storage), ("google.api_core", api_core),
+                         ("google.api_core.exceptions", exceptions)):
+        monkeypatch.setitem(sys.modules, name, module)
+    return bucket
+
+
+def test_the_gcs_store_uses_generation_preconditions(fake_gcs):
+    workdir_lib.check_lockable("gs://bucket/runs/x")  # the client is there: accepted
+    store, path = lease_lib.store_for("gs://bucket/runs/x"), "gs://bucket/runs/x/.tfdp.lock"
+    assert isinstance(store, lease_lib.GCSLeaseStore)
+    first = store.create(path, b"a")
+    assert first is not None and store.create(path, b"b") is None  # ifGenerationMatch=0
+    assert store.read(path) == (b"a", first)
+    assert fake_gcs.objects["runs/x/.tfdp.lock"][0] == b"a"
+    assert store.replace(path, b"c", first + 100) is None
+    second = store.replace(path, b"c", first)
+    assert second is not None and store.read(path) == (b"c", second)
+    assert not store.delete(path, first) and store.delete(path, second)
+    assert store.read(path) is None and not fake_gcs.objects
+
+
+def test_a_lease_on_the_fake_gcs_refuses_a_second_holder_and_is_released(fake_gcs):
+    store, path = lease_lib.GCSLeaseStore(), "gs://bucket/wd/.tfdp.lock"
+    first = lease_lib.Lease(path, store, lease_seconds=60, renew_every_seconds=0.1)
+    first.acquire()
+    try:
+        time.sleep(0.5)  # a few renewals, each a conditional rewrite
+        assert fake_gcs.objects["wd/.tfdp.lock"][1] > 1
+        with pytest.raises(lease_lib.LeaseHeldError, match=r"pid \d+ on "):
+            lease_lib.Lease(path, store).acquire()
+    finally:
+        first.release()
+    assert not fake_gcs.objects and not first.lost
