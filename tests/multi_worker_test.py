@@ -268,7 +268,8 @@ def _assert_reads_share(reads, share):
 
 # -- The pure-TF input: the same share, read with TensorFlow ops only (issue 28) --
 
-_PURE_TF_WRAPPER = _SHARE_WRAPPER.replace('''# Record the training records this process reads: the indices of every read.
+_PURE_TF_WRAPPER = _SHARE_WRAPPER.replace(
+    '''# Record the training records this process reads: the indices of every read.
 from tfdp.data import tfds_source
 reads, lock = [], threading.Lock()
 original_fetch = tfds_source.TFDSSource._fetch

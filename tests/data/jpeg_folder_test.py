@@ -74,7 +74,8 @@ def test_read_gives_each_file_s_pixels_and_its_folder_s_label_eagerly_and_in_tf_
     (images, labels), = list(ds.as_numpy_iterator())
     np.testing.assert_array_equal(images, want_images)
     np.testing.assert_array_equal(labels, want_labels)
-    graph = tf.compat.v1.GraphDef.FromString(ds._as_serialized_graph().numpy())  # pylint: disable=protected-access
+    serialized = ds._as_serialized_graph().numpy()  # pylint: disable=protected-access
+    graph = tf.compat.v1.GraphDef.FromString(serialized)
     nodes = graph_checks.graph_nodes(graph)
     assert "ReadFile" in {n.op for n in nodes} and graph_checks.host_callbacks(nodes) == []
 

@@ -25,6 +25,8 @@ Every batch is a pure function of (seed, step, N, q): a run resumed at step k
 continues the very same stream from step k.
 """
 
+# The argument checks are tfdp.data.sampling's own (the same messages on both paths).
+# pylint: disable=protected-access
 import fractions
 
 import numpy as np
@@ -40,6 +42,7 @@ _SHUFFLE_SALT = 0x5EED_0004
 # pick ThreeFry on a TPU; the input runs on host CPUs, but every host must agree.)
 _ALG = "philox"
 _TWO_POW_64 = 2**64
+
 
 
 def inclusion_threshold(sampling_prob):
@@ -141,7 +144,7 @@ def poisson_indices_in_graph(seed, step, *, num_examples, sampling_prob):
     Raises:
       ValueError: N < 1, or q not in (0, 1].
     """
-    num_examples = sampling_lib._check_num_examples(num_examples)  # pylint: disable=protected-access
+    num_examples = sampling_lib._check_num_examples(num_examples)
     if not 0.0 < sampling_prob <= 1.0:
         raise ValueError(
             f"sampling_prob must be in (0, 1], got {sampling_prob}; it is the expected "
@@ -179,8 +182,8 @@ def shuffled_indices_in_graph(seed, step, *, num_examples, batch_size):
     Raises:
       ValueError: N < 1, batch_size not in [1, N].
     """
-    num_examples = sampling_lib._check_num_examples(num_examples)  # pylint: disable=protected-access
-    sampling_lib._check_batch_size(batch_size, num_examples)  # pylint: disable=protected-access
+    num_examples = sampling_lib._check_num_examples(num_examples)
+    sampling_lib._check_batch_size(batch_size, num_examples)
     steps_per_epoch = num_examples // batch_size
     step = tf.cast(step, tf.int64)
     epoch, position = step // steps_per_epoch, step % steps_per_epoch
@@ -220,10 +223,10 @@ def index_batches_in_graph(*, sampling, num_examples, batch_size, num_steps, see
     if sampling not in sampling_lib.SAMPLING_SCHEMES:
         raise ValueError(f"Unknown sampling scheme {sampling!r}; use one of "
                          f"{sampling_lib.SAMPLING_SCHEMES}.")
-    sampling_lib._check_seed_and_step(seed, 0)  # pylint: disable=protected-access
-    num_examples = sampling_lib._check_num_examples(num_examples)  # pylint: disable=protected-access
-    sampling_lib._check_batch_size(batch_size, num_examples)  # pylint: disable=protected-access
-    sampling_lib._check_steps(num_steps, start_step)  # pylint: disable=protected-access
+    sampling_lib._check_seed_and_step(seed, 0)
+    num_examples = sampling_lib._check_num_examples(num_examples)
+    sampling_lib._check_batch_size(batch_size, num_examples)
+    sampling_lib._check_steps(num_steps, start_step)
     with tf.device("/CPU:0"):  # merged with the host's device scope
         secret = tf.Variable(int(seed), dtype=tf.int64, trainable=False,
                              name="sampling_seed")

@@ -1,10 +1,12 @@
 """`open_split`: the one place a config chooses how examples are read.
 
-| source         | reads                                        | sampler   | runs on |
-|----------------|----------------------------------------------|-----------|---------|
-| `array_record` | a TFDS split in ArrayRecord (`TFDSSource`)   | numpy     | one host, or one process per host (GPUs) |
-| `in_memory`    | the same split, loaded once (`ArraySource`)  | in graph  | anywhere: a `tf.gather` |
-| `jpeg_folder`  | DATA_DIR/split/<class>/*.JPEG (`JPEGFolderSource`) | in graph | anywhere: `tf.io.read_file` |
+| source         | reads                                    | sampler  | runs on              |
+|----------------|------------------------------------------|----------|----------------------|
+| `array_record` | a TFDS split in ArrayRecord (TFDSSource) | numpy    | one host, or one     |
+|                |                                          |          | process per host     |
+| `in_memory`    | the same split, loaded once (ArraySource)| in graph | anywhere: tf.gather  |
+| `jpeg_folder`  | DATA_DIR/SPLIT/<class>/*.JPEG            | in graph | anywhere:            |
+|                | (JPEGFolderSource)                       |          | tf.io.read_file      |
 
 `array_record` is the default, and the path every measured result in
 README.md and BUILD.md took. `in_memory` and `jpeg_folder` are the pure-TF
