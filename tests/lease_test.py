@@ -261,3 +261,16 @@ def test_a_lease_on_the_fake_gcs_refuses_a_second_holder_and_is_released(fake_gc
     finally:
         first.release()
     assert not fake_gcs.objects and not first.lost
+
+
+def test_gs_without_credentials_says_what_to_do(fake_gcs, monkeypatch):
+    import sys  # pylint: disable=g-import-not-at-top
+
+    def no_credentials():
+        raise RuntimeError("Your default credentials were not found.")
+
+    monkeypatch.setattr(sys.modules["google.cloud.storage"], "Client", no_credentials)
+    with pytest.raises(workdir_lib.WorkdirError,
+                       match=r"Cannot open Cloud Storage for the workdir's lease \(RuntimeError: "
+                             r"Your default credentials were not found\.\).*application-default"):
+        workdir_lib.check_lockable("gs://bucket/runs/x")

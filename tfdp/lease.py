@@ -133,7 +133,13 @@ class GCSLeaseStore:
                 "A gs:// workdir is locked by a lease object, which needs the "
                 "google-cloud-storage client: pip install -e \".[tpu,gcs]\" (or pip install "
                 "google-cloud-storage).") from None
-        self._client = storage.Client()
+        try:
+            self._client = storage.Client()
+        except Exception as e:  # pylint: disable=broad-except  (google.auth's errors)
+            raise ValueError(
+                f"Cannot open Cloud Storage for the workdir's lease ({type(e).__name__}: "
+                f"{' '.join(str(e).split())[:300]}). On a TPU VM the VM's service account is "
+                "used; elsewhere run `gcloud auth application-default login`.") from None
         self._failed = (exceptions.PreconditionFailed, exceptions.NotFound)
 
     def _blob(self, path):
