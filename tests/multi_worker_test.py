@@ -297,6 +297,8 @@ def read(self, indices):
 array_source.ArraySource.read = read
 ''')
 
+assert "tf.print(indices" in _PURE_TF_WRAPPER and "_fetch" not in _PURE_TF_WRAPPER
+
 
 def _printed_reads(path):
     """The non-empty index vectors tf.print wrote, one per line ("[3 17 40]")."""
