@@ -12,7 +12,10 @@ Pipelines:
            R = 8 replicas x a chunks x n = 72 slots, a = B / 512, so S = 1.125 B
            and every element is one chunk of 72 slots, whatever B;
   batches  the previous one: one element per logical batch (`train_batches`,
-           `augment_dataset(as_uint8=True)`, `pad_batches` to S = 1.125 B).
+           `augment_dataset(as_uint8=True)`, `pad_batches` to S = 1.125 B);
+  jpeg     the pure-TF input (issue 28): the trainer's chunks over the same examples
+           in ImageNet's JPEG-folder layout (`JPEGFolderSource`, `--jpeg_dir`), read
+           with tf.io.read_file and sampled in the graph; no Python in the pipeline.
 A cell is PIPELINE@B, or PIPELINE@BxT for T logical batches (chunks@1024x8 reads as many
 chunks as chunks@8192: tf.data's autotuning and the allocator grow with the elements
 read, which this separates from B). Rounds are interleaved over the cells.
@@ -20,6 +23,12 @@ read, which this separates from B). Rounds are interleaved over the cells.
   python tools/make_synthetic_imagenet.py --data_dir=/tmp/pods_synth/n10000 --num_train=10000
   python benchmarks/pod_input.py --data_dir=/tmp/pods_synth/n10000 \
       --cells=chunks@1024,chunks@1024x8,chunks@8192,batches@256,batches@512 --rounds=2
+
+The pure-TF input against the ArrayRecord one (issue 28), on the same 10,000 examples:
+  python tools/make_synthetic_imagenet.py --layout=jpeg_folder \
+      --data_dir=/tmp/pods_synth/jpeg10000 --num_train=10000
+  python benchmarks/pod_input.py --data_dir=/tmp/pods_synth/n10000 \
+      --jpeg_dir=/tmp/pods_synth/jpeg10000 --cells=chunks@1024,jpeg@1024,jpeg@8192 --rounds=2
 """
 
 import json
@@ -37,6 +46,8 @@ from tfdp import host
 host.enable_onednn()  # before any worker imports TensorFlow (workers inherit the variable)
 
 _DATA_DIR = flags.DEFINE_string("data_dir", None, "TFDS data dir holding synthetic_imagenet.")
+_JPEG_DIR = flags.DEFINE_string("jpeg_dir", None, "The same examples as a JPEG folder "
+                                "(make_synthetic_imagenet.py --layout=jpeg_folder), for jpeg@B.")
 _CELLS = flags.DEFINE_list("cells", ["chunks@1024", "chunks@8192"], "PIPELINE@B to measure.")
 _ROUNDS = flags.DEFINE_integer("rounds", 2, "Interleaved repeats of every cell.")
 _AUGMULT = flags.DEFINE_integer("augmult", 4, "Views per example (imagenet.gin: 4).")
@@ -65,17 +76,21 @@ def _measure(pipeline, batch_size, num_steps):
     from tfdp import experiment  # pylint: disable=g-import-not-at-top
 
     rss_after_import = _rss_mb()
-    source = data.TFDSSource("synthetic_imagenet", "train", data_dir=_DATA_DIR.value,
-                             image_size=_IMAGE_SIZE)
+    if pipeline == "jpeg":
+        source = data.open_split("synthetic_imagenet", "train", data_dir=_JPEG_DIR.value,
+                                 image_size=_IMAGE_SIZE, source="jpeg_folder")
+    else:
+        source = data.TFDSSource("synthetic_imagenet", "train", data_dir=_DATA_DIR.value,
+                                 image_size=_IMAGE_SIZE)
     chunks_per_replica = max(1, batch_size // (_REPLICAS * _SLOTS * 8 // 9))  # S = 9/8 B
-    static = (_REPLICAS * chunks_per_replica * _SLOTS if pipeline == "chunks"
+    static = (_REPLICAS * chunks_per_replica * _SLOTS if pipeline in ("chunks", "jpeg")
               else batch_size * 9 // 8)
     mechanism = accounting.DPMechanism(
         num_examples=source.num_examples, batch_size=batch_size, num_steps=num_steps,
         noise_multiplier=2.5, l2_clip_norm=1.0, delta=1e-6)
     augment_fn = augment.get_augmentation("imagenet_resize_crop", image_size=_IMAGE_SIZE)
     cpu, start = _cpu_seconds(), time.perf_counter()
-    if pipeline == "chunks":
+    if pipeline in ("chunks", "jpeg"):
         ds = experiment._train_dataset(  # pylint: disable=protected-access
             source, mechanism, seed=_SEED, start_step=0, augment_fn=augment_fn,
             augment_seed=[_SEED, 1], augmult=_AUGMULT.value, static_batch_size=static,
@@ -101,7 +116,7 @@ def _measure(pipeline, batch_size, num_steps):
 
 def _run_worker(cell):
     command = [sys.executable, __file__, f"--worker={cell}", f"--data_dir={_DATA_DIR.value}",
-               f"--augmult={_AUGMULT.value}"]
+               f"--augmult={_AUGMULT.value}", f"--jpeg_dir={_JPEG_DIR.value}"]
     done = subprocess.run(command, capture_output=True, text=True, check=False)
     if done.returncode:
         raise RuntimeError(f"{cell} failed:\n{done.stderr[-3000:]}")

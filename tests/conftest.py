@@ -75,3 +75,10 @@ def synthetic_imagenet_dir(tmp_path_factory):
     """A TFDS data_dir holding a tiny `synthetic_imagenet` in ArrayRecord (about 1 s)."""
     return data.prepare_synthetic_imagenet(
         tmp_path_factory.mktemp("synthetic_imagenet"), **SYNTHETIC_IMAGENET)
+
+
+@pytest.fixture(scope="session")
+def synthetic_jpeg_dir(tmp_path_factory):
+    """The same examples as ImageNet's JPEG-folder layout, indexed (a few seconds)."""
+    return data.synthetic_imagenet.write_jpeg_folder(
+        tmp_path_factory.mktemp("synthetic_jpeg") / "imagenet", **SYNTHETIC_IMAGENET)

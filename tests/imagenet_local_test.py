@@ -45,6 +45,26 @@ def test_config_runs_two_steps_on_local_imagenet_shaped_data(
     assert not any("while_loop" in m for m in tensorflow_warnings), tensorflow_warnings
 
 
+def test_imagenet_gin_runs_on_a_jpeg_folder_through_the_pure_tf_input(
+        tmp_path, run_smoke, synthetic_jpeg_dir, monkeypatch):
+    # ImageNet's own layout (train/<synset>/*.JPEG), read with tf.io.read_file and sampled in
+    # the graph: the numpy sampler and the ArrayRecord reader are never called.
+    from tfdp.data import sampling  # pylint: disable=g-import-not-at-top
+    from tfdp.data import tfds_source  # pylint: disable=g-import-not-at-top
+
+    def python_input(*args, **kwargs):
+        raise AssertionError("the pure-TF input called the Python input path")
+
+    monkeypatch.setattr(sampling, "poisson_indices", python_input)
+    monkeypatch.setattr(tfds_source.TFDSSource, "_fetch", python_input)
+    report = run_smoke(tmp_path, ["imagenet.gin"], [
+        *SMOKE_PARAMS, f"DATA_DIR = '{synthetic_jpeg_dir}'", "NUM_EXAMPLES = 40",
+        "tfdp.data.open_split.source = 'jpeg_folder'"], mock=False)
+    assert report["steps"] == 2 and report["num_examples"] == 40
+    assert "open_split.source = 'jpeg_folder'" in (tmp_path / "operative_config.gin").read_text()
+    assert os.path.isdir(tmp_path / "export")
+
+
 def test_a_truncated_shard_is_refused_before_the_workdir_is_touched(
         tmp_path, run_smoke, synthetic_imagenet_dir):
     # Before: a 200-line "Corrupted Riegeli/records file" traceback, and checkpoints/ckpt-0

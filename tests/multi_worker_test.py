@@ -146,11 +146,11 @@ with data.mock_data(num_examples=64):
 SHARE_STEPS, SAMPLING_SEED, ACCUMULATION, SHARE_BATCH = 3, 7, 2, 32
 
 
-def _run_cluster(tmp_path, name, workers, local_devices):
+def _run_cluster(tmp_path, name, workers, local_devices, wrapper=None, extra_params=()):
     """One job of `workers` processes x `local_devices` CPU replicas; returns its dir."""
     root = tmp_path / name
     root.mkdir()
-    (root / "run.py").write_text(_SHARE_WRAPPER)
+    (root / "run.py").write_text(wrapper or _SHARE_WRAPPER)
     cluster = {"worker": [f"127.0.0.1:{port}" for port in _free_ports(workers)]}
     command = [
         sys.executable, str(root / "run.py"), f"--workdir={root / 'workdir'}",
@@ -167,6 +167,7 @@ def _run_cluster(tmp_path, name, workers, local_devices):
             "tfdp.train_and_evaluate.deterministic = True",
             "tfdp.train_and_evaluate.noise_seed = 3",
             f"tfdp.train_and_evaluate.sampling_seed = {SAMPLING_SEED}",
+            *extra_params,
         )],
     ]
     procs = []
@@ -263,3 +264,88 @@ def _assert_reads_share(reads, share):
     extra = collections.Counter(reads) - collections.Counter(share)
     prefixes = [collections.Counter(share[:k]) for k in range(len(share) + 1)]
     assert extra in prefixes, (extra, share)
+
+
+# -- The pure-TF input: the same share, read with TensorFlow ops only (issue 28) --
+
+_PURE_TF_WRAPPER = _SHARE_WRAPPER.replace(
+    '''# Record the training records this process reads: the indices of every read.
+from tfdp.data import tfds_source
+reads, lock = [], threading.Lock()
+original_fetch = tfds_source.TFDSSource._fetch
+def fetch(self, indices):
+    if self.split == "train" and len(indices):
+        with lock:
+            reads.append([int(i) for i in indices])
+    return original_fetch(self, indices)
+tfds_source.TFDSSource._fetch = fetch
+def dump():
+    with open(os.environ["TFDP_TEST_READS"], "w") as f:
+        json.dump(reads, f)
+atexit.register(dump)
+''', '''# Record the training examples this process reads, with a graph op (no Python callback):
+# tf.print of every gather's indices into a file.
+from tfdp.data import array_source
+original_read = array_source.ArraySource.read
+def read(self, indices):
+    if getattr(self, "split", None) == "train":
+        logged = tf.print(indices, output_stream="file://" + os.environ["TFDP_TEST_READS"],
+                          summarize=-1)
+        with tf.control_dependencies([logged]):
+            indices = tf.identity(indices)
+    return original_read(self, indices)
+array_source.ArraySource.read = read
+''')
+
+assert "tf.print(indices" in _PURE_TF_WRAPPER and "_fetch" not in _PURE_TF_WRAPPER
+
+
+def _printed_reads(path):
+    """The non-empty index vectors tf.print wrote, one per line ("[3 17 40]")."""
+    lines = path.read_text().splitlines() if path.exists() else []
+    return [tuple(int(i) for i in line.strip("[]").split()) for line in lines
+            if line.strip("[]").strip()]
+
+
+def test_the_pure_tf_input_reads_each_worker_s_share_and_matches_one_worker(tmp_path):
+    params = ["tfdp.data.open_split.source = 'in_memory'"]
+    roots = []
+    for name, workers, local in (("two_workers", 2, 2), ("one_worker", 1, 4)):
+        root, procs = _run_cluster(tmp_path, name, workers=workers, local_devices=local,
+                                   wrapper=_PURE_TF_WRAPPER, extra_params=params)
+        roots.append((root, procs))
+    _wait([p for _, procs in roots for p in procs])
+    (two, _), (one, _) = roots
+
+    reports = [json.loads((root / "workdir" / "privacy_report.json").read_text())
+               for root in (two, one)]
+    assert reports[0]["epsilon"] == reports[1]["epsilon"] > 0
+    assert reports[0]["truncation"] == reports[1]["truncation"]
+    static = reports[0]["truncation"]["static_batch_size"]
+    n = static // (4 * ACCUMULATION)
+    expected, whole = {0: [], 1: []}, []
+    for step in range(SHARE_STEPS):
+        batch = data.poisson_indices_in_graph(
+            SAMPLING_SEED, step, num_examples=64,
+            sampling_prob=SHARE_BATCH / 64).numpy()[:static].tolist()
+        for chunk in range(ACCUMULATION):
+            for replica in range(4):
+                k = replica * ACCUMULATION + chunk
+                if batch[k * n:(k + 1) * n]:
+                    expected[replica // 2].append(tuple(batch[k * n:(k + 1) * n]))
+                    whole.append(expected[replica // 2][-1])
+    reads = [_printed_reads(two / f"reads{index}.json") for index in range(2)]
+    for index in range(2):
+        _assert_reads_share(reads[index], expected[index])
+    assert not set(reads[0]) & set(reads[1])
+    _assert_reads_share(_printed_reads(one / "reads0.json"), whole)
+    # The numpy sampler's batches are not what was read (another stream, the same law).
+    numpy_first = data.poisson_indices(SAMPLING_SEED, 0, num_examples=64,
+                                       sampling_prob=SHARE_BATCH / 64)[:static].tolist()
+    assert numpy_first != sorted(sum((list(c) for c in whole[:4 * ACCUMULATION]), []))
+
+    mine, reference = _checkpoint_floats(two / "workdir"), _checkpoint_floats(one / "workdir")
+    assert mine.keys() == reference.keys() and len(mine) > 5
+    for name in mine:
+        np.testing.assert_allclose(mine[name], reference[name], rtol=1e-5, atol=1e-6,
+                                   err_msg=name)

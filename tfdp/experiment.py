@@ -33,6 +33,7 @@ from tfdp import augment
 from tfdp import data
 from tfdp import host
 from tfdp import models
+from tfdp import storage
 from tfdp import workdir as workdir_lib
 from tfdp.dp import coins
 from tfdp.export import privacy_report
@@ -321,7 +322,8 @@ def train_and_evaluate(
         workdir of the other privacy mode.
       tfdp.data.DatasetNotFoundError: if the dataset is not prepared, or a
         shard is missing or corrupt; the message says what to run.
-      tfdp.workdir.WorkdirError: (a ValueError) the workdir is a URL, is in
+      tfdp.workdir.WorkdirError: (a ValueError) the workdir is a URL tfdp
+        cannot lock (not gs://, or no Cloud Storage client), is in
         use by another run, is not writable, holds outputs of an earlier run
         but no checkpoint to resume, or holds a corrupt checkpoint; or a
         write failed during the run (full disk), after which the same
@@ -383,7 +385,7 @@ def train_and_evaluate(
 
     # 3. The workdir: locked for the whole run by the chief (which writes it), then
     # checked: a checkpoint of this very mechanism, or no output of an earlier run.
-    workdir_lib.check_local(workdir)
+    workdir_lib.check_lockable(workdir)
     chief = distribute.is_chief(dist)
     with contextlib.ExitStack() as run:
         if chief:
@@ -433,7 +435,7 @@ def train_and_evaluate(
                     dist, coins.secret_seed() if sampling_seed is None else sampling_seed))
 
         # 6. Restore, or write a first checkpoint that holds the secret coins.
-        os.makedirs(out_dir, exist_ok=True)
+        storage.makedirs(out_dir)
         manager, start_step = _restore(dp_model, ledger, out_dir, latest)
 
         # 7. Fit.
@@ -633,17 +635,18 @@ def _check_augmentation(features, augmentation, augmult, augtest):
 
 def _load_data(dataset, train_split, test_split, *, data_dir, image_size, num_examples,
                prepare_train=None):
-    """Stage 2: the two splits, opened for reading by index (`tfdp.data.TFDSSource`).
+    """Stage 2: the two splits, opened for reading by index (`tfdp.data.open_split`).
 
-    No split is held in memory (ArrayRecord on disk). `prepare_train` (an
-    audit's canaries) may change the training split first. The training
-    split's size is then checked against NUM_EXAMPLES, which the accountant
-    uses.
+    By default from ArrayRecord on disk (`tfdp.data.TFDSSource`); gin's
+    `tfdp.data.open_split.source` chooses the pure-TF input instead (arrays
+    in memory, or a JPEG folder). `prepare_train` (an audit's canaries) may
+    change the training split first. The training split's size is then
+    checked against NUM_EXAMPLES, which the accountant uses.
     """
-    train = data.TFDSSource(dataset, train_split, data_dir=data_dir, image_size=image_size)
+    train = data.open_split(dataset, train_split, data_dir=data_dir, image_size=image_size)
     if prepare_train is not None:
         train = prepare_train(train)
-    test = data.TFDSSource(dataset, test_split, data_dir=data_dir, image_size=image_size)
+    test = data.open_split(dataset, test_split, data_dir=data_dir, image_size=image_size)
     if train.num_examples != num_examples:
         raise ValueError(
             f"NUM_EXAMPLES={num_examples} but the {dataset!r} split {train_split!r} has "
@@ -709,8 +712,7 @@ def _check_workdir(workdir, mechanism, *, audit, sampling_seed, noise_seed):
             logging.info("%s already holds this finished run (%d steps; see %s); its report "
                          "and export are unchanged.", workdir, steps, workdir_lib.FINISHED_FILE)
             name = privacy_report.REPORT_JSON if private else privacy_report.NOT_PRIVATE_JSON
-            with open(os.path.join(workdir, name)) as f:
-                return latest, json.load(f)
+            return latest, json.loads(storage.read_text(os.path.join(workdir, name)))
         logging.warning("%s holds all %d steps of this run but no finished export and report "
                         "(no %s): writing them now.", workdir, steps, workdir_lib.FINISHED_FILE)
     elif changes:
@@ -728,7 +730,7 @@ def _stops_cleanly(out_dir):
     already saved stay, and the same command resumes from them.
     """
     checkpoint_dir = os.path.join(out_dir, CHECKPOINT_DIR)
-    before = set(os.listdir(checkpoint_dir)) if os.path.isdir(checkpoint_dir) else set()
+    before = set(storage.listdir(checkpoint_dir)) if storage.isdir(checkpoint_dir) else set()
     try:
         yield
     except (OSError, tf.errors.ResourceExhaustedError, tf.errors.PermissionDeniedError) as e:
@@ -873,7 +875,10 @@ def _finish(report, dp_model, export_model, out_dir, *, image_shape):
                      [privacy_report.REPORT_JSON, privacy_report.REPORT_MD]) if private else
                     (privacy_report.write_not_private_report,
                      [privacy_report.NOT_PRIVATE_JSON, privacy_report.NOT_PRIVATE_MD]))
-    tmp = tempfile.mkdtemp(prefix=".report.tmp-", dir=out_dir)
+    # Beside the outputs on a local disk (renamed into place); in a local temp folder for a
+    # URL workdir (each file then uploaded as one object).
+    tmp = tempfile.mkdtemp(prefix=".report.tmp-",
+                           dir=None if storage.is_url(out_dir) else out_dir)
     try:
         paths = write(report, tmp)
         with dp_model.use_ema_parameters():
@@ -882,17 +887,15 @@ def _finish(report, dp_model, export_model, out_dir, *, image_shape):
                 asset_paths=paths, overwrite=True,
             )
         for path in paths:
-            os.replace(path, os.path.join(out_dir, os.path.basename(path)))
+            storage.move(path, os.path.join(out_dir, os.path.basename(path)))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     for name in files:
-        with open(os.path.join(out_dir, name), "rb") as mine, open(
-                os.path.join(out_dir, EXPORT_DIR, "assets", name), "rb") as exported:
-            if mine.read() != exported.read():
-                raise RuntimeError(f"{name} differs from the export's copy; not finished.")
-    with open(os.path.join(out_dir, files[0])) as f:
-        if json.load(f)["steps"] != report["steps"]:
-            raise RuntimeError("The privacy report read back is not this run's; not finished.")
+        if storage.read_bytes(os.path.join(out_dir, name)) != storage.read_bytes(
+                os.path.join(out_dir, EXPORT_DIR, "assets", name)):
+            raise RuntimeError(f"{name} differs from the export's copy; not finished.")
+    if json.loads(storage.read_text(os.path.join(out_dir, files[0])))["steps"] != report["steps"]:
+        raise RuntimeError("The privacy report read back is not this run's; not finished.")
     workdir_lib.write_finished(out_dir, {
         "steps": report["steps"],
         **({"epsilon": report["epsilon"], "delta": report["delta"]} if private
@@ -1034,9 +1037,8 @@ def _features(train, test, extractor, data_normalization, workdir):
         return train, test, {}
     path = os.path.join(workdir, DATA_NORMALIZATION_FILE)
     released = None
-    if data_normalization and os.path.exists(path):
-        with open(path) as f:
-            released = json.load(f)
+    if data_normalization and storage.exists(path):
+        released = json.loads(storage.read_text(path))
         settings = dataclasses.asdict(data_normalization)
         if released.get("released_with") != settings:
             raise ValueError(
@@ -1047,10 +1049,11 @@ def _features(train, test, extractor, data_normalization, workdir):
                 "settings, or use a new workdir.")
     logging.info("Computing the features of the %s for %d + %d images once.",
                  extractor.name, train.num_examples, test.num_examples)
+    pure_tf = train.pure_tf  # the features keep the input's sampler (numpy or in-graph)
     train, test = (data.read_split(source) for source in (train, test))
     train = train._replace(images=extractor.compute_features(train.images))
     test = test._replace(images=extractor.compute_features(test.images))
-    sources = data.ArraySource(*train), data.ArraySource(*test)
+    sources = data.ArraySource(*train, pure_tf=pure_tf), data.ArraySource(*test, pure_tf=pure_tf)
     if not data_normalization:
         return (*sources, {})
     if released is None:
@@ -1066,9 +1069,8 @@ def _features(train, test, extractor, data_normalization, workdir):
         released = {"feature_mean": mean.numpy().tolist(),
                     "feature_variance": variance.numpy().tolist(),
                     "released_with": dataclasses.asdict(data_normalization)}
-        os.makedirs(workdir, exist_ok=True)
-        with open(path, "w") as f:
-            json.dump(released, f)
+        storage.makedirs(workdir)
+        storage.write_whole(path, json.dumps(released))
     return (*sources, {k: np.asarray(released[k], np.float32)
                        for k in ("feature_mean", "feature_variance")})
 

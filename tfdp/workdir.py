@@ -8,6 +8,9 @@ its workdir, and this module holds the code of each:
    the same workdir is refused (exit 2) with the holder's pid, host and start
    time, which the holder writes into the lock file. The kernel drops the lock
    when its process dies, even on SIGKILL, so a rerun after a kill resumes.
+   On an object store (a gs:// workdir) the lock is a lease object
+   (`tfdp.lease`): created only if absent, renewed while the run lives,
+   taken over only once it has expired.
 2. **No second run in a used workdir** (`earlier_run_outputs`): a workdir
    with outputs of an earlier run (metrics, report, export, TensorBoard
    events, checkpoint files) but no checkpoint that resumes it is refused:
@@ -17,12 +20,16 @@ its workdir, and this module holds the code of each:
    to resume is read in full before anything is built or written; a
    truncated `.index` or `.data` file is named, with what to do.
 4. **Finished is one atomic fact** (`write_finished`, `finished`): the file
-   `FINISHED` is written (to a temporary name, then renamed) only after the
-   SavedModel and the report are complete and read back. A workdir without
-   it is not finished, whatever else it holds; a rerun whose checkpoint has
-   every step but no FINISHED writes the export and the report again.
+   `FINISHED` is written whole (to a temporary name, then renamed; on an
+   object store, as one object) only after the SavedModel and the report are
+   complete and read back. A workdir without it is not finished, whatever
+   else it holds; a rerun whose checkpoint has every step but no FINISHED
+   writes the export and the report again.
 
-Pure Python except `resume_checkpoint` (which reads checkpoints with
+The workdir is a local (or mounted) folder, or a gs:// URL (ram:// in the
+tests). Every file operation goes through `tfdp.storage`, which keeps the
+POSIX operations on local paths and uses `tf.io.gfile` on URLs. Pure Python
+on a local workdir except `resume_checkpoint` (which reads checkpoints with
 TensorFlow, imported there), so the CLI can check the lock cheaply.
 """
 
@@ -30,12 +37,13 @@ import contextlib
 import datetime
 import errno
 import fcntl
-import glob
 import json
 import os
 import re
-import shutil
 import socket
+
+from tfdp import lease as lease_lib
+from tfdp import storage
 
 LOCK_FILE = ".tfdp.lock"
 FINISHED_FILE = "FINISHED"
@@ -60,39 +68,56 @@ class WorkdirLockedError(WorkdirError):
     """Another process holds the workdir's lock."""
 
 
-def check_local(workdir):
-    """Refuses a workdir URL (gs://, s3://, ...).
+def check_lockable(workdir):
+    """Refuses a workdir that tfdp cannot lock: a URL of an unsupported store, or no client.
 
-    The lock is an `fcntl.flock`, which needs a local (or mounted) file
-    system; an object store has none, and running without a lock would let
-    two runs mix their outputs. Train into a local workdir and copy it, or
-    mount the bucket (e.g. gcsfuse).
+    A local (or mounted) folder is locked with `fcntl.flock`; gs:// (and
+    ram://, in the tests) with a lease object (`tfdp.lease`). Running without
+    a lock would let two runs mix their outputs, so any other scheme (s3://,
+    hdfs://, ...) is refused before anything is written, and so is gs://
+    without its client library.
 
     Raises:
-      WorkdirError: for a path with a `scheme://` prefix.
+      WorkdirError: for a URL whose scheme has no lease store, or whose
+        store cannot be opened (the message says what to install).
     """
-    if re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*://", str(workdir)):
+    if not storage.is_url(workdir):
+        return
+    if storage.scheme(workdir) not in lease_lib.STORES:
         raise WorkdirError(
-            f"--workdir={workdir} is a URL; tfdp locks its workdir (one run at a time) with "
-            "fcntl, which needs a local or mounted file system. Use a local workdir and copy "
-            "it once FINISHED is written, or mount the bucket (e.g. with gcsfuse).")
+            f"--workdir={workdir} is a {storage.scheme(workdir)}:// URL; tfdp locks its workdir "
+            "(one run at a time) with fcntl on a local or mounted folder, and with a lease "
+            f"object on {', '.join(s + '://' for s in sorted(lease_lib.STORES))} only. Use a "
+            "gs:// or local workdir, or mount the bucket (e.g. with gcsfuse).")
+    try:
+        lease_lib.store_for(workdir)
+    except ValueError as e:
+        raise WorkdirError(str(e)) from None
 
 
 @contextlib.contextmanager
-def locked(workdir):
+def locked(workdir, *, lease_seconds=lease_lib.LEASE_SECONDS,
+           renew_every_seconds=lease_lib.RENEW_EVERY_SECONDS):
     """Holds an exclusive lock on `workdir` for the block; creates the workdir.
 
     The lock file `.tfdp.lock` holds the holder's pid, host and start time
     while it runs, and is deleted when the block ends. If the block fails and
     the workdir was created here and holds nothing else, the workdir is
-    removed again, so that a refused run leaves nothing behind.
+    removed again, so that a refused run leaves nothing behind. On a URL the
+    lock is a lease object of the same name (`tfdp.lease`; `lease_seconds`
+    and `renew_every_seconds` are its lifetime and renewal period).
 
     Raises:
       WorkdirLockedError: another process holds the lock; the message names it.
+        Also raised from inside the block when this run loses its lease.
       WorkdirError: the workdir cannot be created or written (read-only, full,
-        a file in the way, no permission).
+        a file in the way, no permission), or is a URL tfdp cannot lock.
     """
     workdir = os.fspath(workdir)
+    if storage.is_url(workdir):
+        with _leased(workdir, lease_seconds, renew_every_seconds):
+            yield workdir
+        return
     created = not os.path.isdir(workdir)
     path = os.path.join(workdir, LOCK_FILE)
     try:
@@ -114,6 +139,42 @@ def locked(workdir):
         if created:
             with contextlib.suppress(OSError):
                 os.rmdir(workdir)  # only if empty: this run wrote nothing that stays
+
+
+@contextlib.contextmanager
+def _leased(workdir, lease_seconds, renew_every_seconds):
+    """`locked` on an object store: the lease object WORKDIR/.tfdp.lock (`tfdp.lease`)."""
+    check_lockable(workdir)
+    created = not storage.isdir(workdir)
+    lease = lease_lib.Lease(storage.join(workdir, LOCK_FILE), lease_lib.store_for(workdir),
+                            lease_seconds=lease_seconds,
+                            renew_every_seconds=renew_every_seconds)
+    try:
+        storage.makedirs(workdir)
+        lease.acquire()
+    except lease_lib.LeaseHeldError as e:
+        raise WorkdirLockedError(
+            f"The workdir {workdir} is in use by another run ({e.holder}). One workdir holds "
+            "one run: wait for that run to end, or use another workdir. (A killed run's "
+            "lease is taken over once it has expired.)") from None
+    except Exception as e:  # pylint: disable=broad-except  (gfile and client errors)
+        raise WorkdirError(
+            f"Cannot write into the workdir {workdir}: {_first_line(e)} "
+            f"({type(e).__name__}). Check the URL and your write access to it.") from None
+    try:
+        yield
+    except KeyboardInterrupt:
+        if lease.lost:
+            raise WorkdirLockedError(
+                f"This run lost its lease on the workdir {workdir} (another run took it over "
+                "after it expired, or it could not be renewed) and stopped, so that two runs "
+                "never write one workdir. Run the same command again once the other run has "
+                "ended; it resumes from the last checkpoint.") from None
+        raise
+    finally:
+        lease.release()
+        if created:
+            storage.rmdir_if_empty(workdir)
 
 
 def _acquire(path):
@@ -167,13 +228,13 @@ def earlier_run_outputs(workdir):
     any file in `checkpoints/` other than an interrupted save's `*_temp`
     folder.
     """
-    if not os.path.isdir(workdir):
+    if not storage.isdir(workdir):
         return []
-    found = [name + ("/" if os.path.isdir(os.path.join(workdir, name)) else "")
-             for name in RUN_OUTPUTS if os.path.lexists(os.path.join(workdir, name))]
-    checkpoints = os.path.join(workdir, CHECKPOINT_DIR)
-    if os.path.isdir(checkpoints):
-        found += [f"{CHECKPOINT_DIR}/{name}" for name in sorted(os.listdir(checkpoints))
+    found = [name + ("/" if storage.isdir(storage.join(workdir, name)) else "")
+             for name in RUN_OUTPUTS if storage.exists(storage.join(workdir, name))]
+    checkpoints = storage.join(workdir, CHECKPOINT_DIR)
+    if storage.isdir(checkpoints):
+        found += [f"{CHECKPOINT_DIR}/{name}" for name in sorted(storage.listdir(checkpoints))
                   if not name.endswith("_temp")]
     return sorted(found)
 
@@ -194,8 +255,14 @@ def refuse_used_workdir(workdir, found):
 
 def checkpoint_files(prefix):
     """The files of the checkpoint `prefix` (e.g. `.../ckpt-4`): its .index and .data shards."""
-    return sorted(glob.glob(glob.escape(prefix) + ".index")
-                  + glob.glob(glob.escape(prefix) + ".data-*"))
+    folder, name = prefix.rsplit("/", 1) if storage.is_url(prefix) else os.path.split(prefix)
+    return sorted(storage.glob(folder, _escape(name) + ".index")
+                  + storage.glob(folder, _escape(name) + ".data-*"))
+
+
+def _escape(name):
+    """A file name with glob's special characters escaped (glob.escape, for any path)."""
+    return re.sub(r"([*?[])", r"[\1]", name)
 
 
 def resume_checkpoint(checkpoint_dir):
@@ -233,9 +300,10 @@ def resume_checkpoint(checkpoint_dir):
 
     # Absolute: get_checkpoint_state joins a relative folder into the paths it returns,
     # which would then be joined twice below (README's --workdir is relative).
-    checkpoint_dir = os.path.abspath(checkpoint_dir)
-    state_file = os.path.join(checkpoint_dir, "checkpoint")
-    if not os.path.exists(state_file):
+    if not storage.is_url(checkpoint_dir):
+        checkpoint_dir = os.path.abspath(checkpoint_dir)
+    state_file = storage.join(checkpoint_dir, "checkpoint")
+    if not storage.exists(state_file):
         return None
     try:
         state = tf.train.get_checkpoint_state(checkpoint_dir)
@@ -246,7 +314,8 @@ def resume_checkpoint(checkpoint_dir):
     listed = list(state.all_model_checkpoint_paths) if state else []
     if state and state.model_checkpoint_path and state.model_checkpoint_path not in listed:
         listed.append(state.model_checkpoint_path)
-    listed = [p if os.path.isabs(p) else os.path.join(checkpoint_dir, p) for p in listed]
+    listed = [p if os.path.isabs(p) or storage.is_url(p) else storage.join(checkpoint_dir, p)
+              for p in listed]
     existing = [p for p in listed if checkpoint_files(p)]
     if not existing:
         return None
@@ -276,10 +345,10 @@ def checkpoint_problem(prefix):
     import tensorflow as tf  # pylint: disable=g-import-not-at-top
 
     index = prefix + ".index"
-    if not os.path.exists(index):
+    if not storage.exists(index):
         return f"{index} is missing"
     try:
-        reader = tf.train.load_checkpoint(prefix)
+        reader = storage.checkpoint_reader(prefix)
     except (tf.errors.OpError, ValueError, IndexError, RuntimeError) as e:
         return f"{index} cannot be read ({_first_line(e)}; a truncated file?)"
     try:
@@ -311,27 +380,20 @@ def remove_partial_checkpoints(checkpoint_dir, before):
     entries that were not in `checkpoint_dir` when the run started (`before`)
     are removed, and only those of checkpoints the state does not list.
     """
-    if not os.path.isdir(checkpoint_dir):
+    if not storage.isdir(checkpoint_dir):
         return
     listed = set()
-    state_file = os.path.join(checkpoint_dir, "checkpoint")
-    if os.path.exists(state_file):
-        with contextlib.suppress(OSError):
-            with open(state_file) as f:
-                listed = set(re.findall(r'"(?:[^"]*/)?(ckpt-\d+)"', f.read()))
-    for name in sorted(set(os.listdir(checkpoint_dir)) - set(before)):
+    state_file = storage.join(checkpoint_dir, "checkpoint")
+    if storage.exists(state_file):
+        with contextlib.suppress(Exception):  # pylint: disable=broad-except
+            listed = set(re.findall(r'"(?:[^"]*/)?(ckpt-\d+)"', storage.read_text(state_file)))
+    for name in sorted(set(storage.listdir(checkpoint_dir)) - set(before)):
         base = re.match(r"(ckpt-\d+)", name)
         if name == "checkpoint" or (base and base.group(1) in listed and
                                     not name.endswith("_temp")):
             continue
-        path = os.path.join(checkpoint_dir, name)
-        with contextlib.suppress(OSError):
-            if os.path.isdir(path):
-                shutil.rmtree(path)
-            else:
-                os.unlink(path)
-    with contextlib.suppress(OSError):
-        os.rmdir(checkpoint_dir)  # only if it is empty now
+        storage.remove_any(storage.join(checkpoint_dir, name))
+    storage.rmdir_if_empty(checkpoint_dir)  # only if it is empty now
 
 
 def finished(workdir):
@@ -339,14 +401,13 @@ def finished(workdir):
 
     Finished means: `FINISHED` exists and every file it lists is there.
     """
-    path = os.path.join(workdir, FINISHED_FILE)
+    path = storage.join(workdir, FINISHED_FILE)
     try:
-        with open(path) as f:
-            record = json.load(f)
-    except (OSError, ValueError):
+        record = json.loads(storage.read_text(path))
+    except Exception:  # pylint: disable=broad-except  (missing or unreadable: not finished)
         return None
     files = record.get("files", []) if isinstance(record, dict) else []
-    if not files or not all(os.path.exists(os.path.join(workdir, name)) for name in files):
+    if not files or not all(storage.exists(storage.join(workdir, name)) for name in files):
         return None
     return record
 
@@ -354,20 +415,11 @@ def finished(workdir):
 def write_finished(workdir, record):
     """Writes `FINISHED` (a JSON `record` that lists its `files`) atomically, last.
 
-    Written to a temporary name, flushed to disk and renamed, so FINISHED is
-    either absent or complete.
+    Written whole (`tfdp.storage.write_whole`: locally to a temporary name,
+    flushed to disk and renamed; on an object store as one object), so
+    FINISHED is either absent or complete.
     """
-    path = os.path.join(workdir, FINISHED_FILE)
-    tmp = path + f".tmp-{os.getpid()}"
-    try:
-        with open(tmp, "w") as f:
-            json.dump(record, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
+    storage.write_whole(storage.join(workdir, FINISHED_FILE), json.dumps(record, indent=1))
 
 
 def remove_stale_temporaries(workdir):
@@ -376,15 +428,10 @@ def remove_stale_temporaries(workdir):
     Called under the lock, so no other process is writing them.
     """
     for pattern in (".export.tmp-*", ".export.old-*", ".report.tmp-*", FINISHED_FILE + ".tmp-*"):
-        for path in glob.glob(os.path.join(glob.escape(workdir), pattern)):
-            if os.path.isdir(path):
-                shutil.rmtree(path, ignore_errors=True)
-            else:
-                with contextlib.suppress(OSError):
-                    os.unlink(path)
+        for path in storage.glob(workdir, pattern):
+            storage.remove_any(path)
 
 
 def clear_finished(workdir):
     """Removes FINISHED, before a run changes what it certified (more steps, a re-export)."""
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(os.path.join(workdir, FINISHED_FILE))
+    storage.remove(storage.join(workdir, FINISHED_FILE))

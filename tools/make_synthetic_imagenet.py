@@ -1,4 +1,4 @@
-"""Writes the ImageNet-shaped synthetic TFDS dataset `synthetic_imagenet` (ArrayRecord).
+"""Writes the ImageNet-shaped synthetic dataset, as TFDS ArrayRecord or as a JPEG folder.
 
 Same features as TFDS's imagenet2012 (JPEG image, 1000-class label, file_name),
 smooth random 224 x 224 JPEGs (about 22 KB each); for testing and measuring the
@@ -6,6 +6,18 @@ data path of `imagenet.gin` where ImageNet cannot be downloaded. Does nothing if
 the dataset is already in --data_dir.
 
   python tools/make_synthetic_imagenet.py --data_dir=/tmp/synthetic/n5000 --num_train=5000
+
+--layout=jpeg_folder writes the same examples as ImageNet's own layout,
+DATA_DIR/{train,validation}/<synset>/*.JPEG, and indexes it (as
+tools/index_jpeg_folder.py does), for the pure-TF input:
+
+  python tools/make_synthetic_imagenet.py --layout=jpeg_folder \
+    --data_dir=/tmp/synthetic_jpeg/n5000 --num_train=5000
+  python -m tfdp.main --gin_file=imagenet.gin --gin_file=smoke.gin \
+    --gin_param="DATA_DIR='/tmp/synthetic_jpeg/n5000'" \
+    --gin_param="tfdp.data.open_split.source='jpeg_folder'" \
+    --gin_param="tfdp.train_and_evaluate.train_split='train'" \
+    --gin_param="NUM_EXAMPLES=5000" --gin_param="BATCH_SIZE=64" --workdir=/tmp/run_jpeg
 
 Then train on it, e.g.
   python -m tfdp.main --gin_file=imagenet.gin --gin_file=smoke.gin \
@@ -27,12 +39,22 @@ _NUM_VALIDATION = flags.DEFINE_integer("num_validation", 1000,
                                        "Examples in the validation split.")
 _IMAGE_SIZE = flags.DEFINE_integer("image_size", 224, "Height and width of every image.")
 _SEED = flags.DEFINE_integer("seed", 0, "Seed of the images and labels.")
+_LAYOUT = flags.DEFINE_enum("layout", "array_record", ["array_record", "jpeg_folder"],
+                            "A TFDS dataset in ArrayRecord, or ImageNet's JPEG-folder layout.")
 
 
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
     try:
+        if _LAYOUT.value == "jpeg_folder":
+            data_dir = synthetic_imagenet.write_jpeg_folder(
+                _DATA_DIR.value, num_train=_NUM_TRAIN.value,
+                num_validation=_NUM_VALIDATION.value, image_size=_IMAGE_SIZE.value,
+                seed=_SEED.value)
+            print(f"The JPEG folder is in {data_dir}; use DATA_DIR='{data_dir}' with "
+                  "tfdp.data.open_split.source='jpeg_folder'.")
+            return
         data_dir = synthetic_imagenet.prepare_synthetic_imagenet(
             _DATA_DIR.value, num_train=_NUM_TRAIN.value, num_validation=_NUM_VALIDATION.value,
             image_size=_IMAGE_SIZE.value, seed=_SEED.value,

@@ -127,6 +127,7 @@ class _CanarySource:
         self.num_examples = len(order)
         self.num_classes = base.num_classes
         self.image_shape = base.image_shape
+        self.pure_tf = base.pure_tf  # the index map is a tf.gather
 
     def read(self, indices):
         """`(images, labels int32)` at `indices` (int64 [n]), as the base source's `read`."""

@@ -1,10 +1,15 @@
 """Arrays in memory as a source of examples read by index.
 
-For what is small enough to hold, and must be held: the ScatterNet features of
-Tramer & Boneh 2021 (App. C.1) are computed once from every image of a small
-dataset (Fashion-MNIST: 60000 x 7 x 7 x 81 float32, 950 MB; CIFAR-10 similar)
-and then trained on many times. Images themselves are read from disk by
-`TFDSSource`.
+For what is small enough to hold: the pixels of a small dataset
+(Fashion-MNIST: 47 MB, CIFAR-10: 154 MB, ImageNet 32x32: 3.9 GB), read
+once with `tfdp.data.open_split(..., input="in_memory")`; and what must be
+held: the ScatterNet features of Tramer & Boneh 2021 (App. C.1), computed
+once from every image of a small dataset (Fashion-MNIST: 60000 x 7 x 7 x 81
+float32, 950 MB; CIFAR-10 similar) and then trained on many times.
+
+`read` is a `tf.gather`: TensorFlow ops only. With `pure_tf=True` the
+trainer samples its batches in the graph too (`tfdp.data.index_stream`), so
+the input calls no Python at all (the per-host input of a TPU pod).
 
 The arrays are copied once into non-trainable tf.Variables on the host CPU and
 gathered per batch (a tf.data graph would otherwise copy them in as constants,
@@ -28,6 +33,8 @@ class ArraySource:
       num_classes: int, as given.
       image_shape: (height, width, channels) of one example (or the
         shape of its cached features).
+      pure_tf: as given: whether the training batches are sampled in the
+        graph (`tfdp.data.graph_sampling`) rather than in numpy.
 
     Args:
       images: uint8 [num_examples, height, width, channels], or float32
@@ -35,6 +42,9 @@ class ArraySource:
         ScatterNet's [N, h, w, K] or a frozen trunk's [N, F]), numpy or tensor.
       labels: int32 [num_examples] (any integer dtype; cast to int32).
       num_classes: number of classes of the dataset.
+      pure_tf: sample the training batches in the graph (True: the whole
+        input is TensorFlow ops) or in numpy (False, the default: the same
+        stream as the `TFDSSource` the arrays came from).
 
     Raises:
       ValueError: images not uint8 of rank 4 or float32 of rank >= 2; labels not
@@ -42,9 +52,10 @@ class ArraySource:
         strategy scope.
     """
 
-    def __init__(self, images, labels, num_classes):
+    def __init__(self, images, labels, num_classes, *, pure_tf=False):
         self.num_examples = _check_arrays(images, labels)
         self.num_classes = int(num_classes)
+        self.pure_tf = bool(pure_tf)
         self.image_shape = tuple(int(d) for d in images.shape[1:])
         self._images, self._labels = _to_host_variables(images, labels)
 

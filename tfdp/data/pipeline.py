@@ -1,14 +1,21 @@
 """Training and evaluation batches: an index stream, read from a source, in tf.data.
 
-    index_batches (sampling.py: Poisson by default, one index vector per step)
+    index stream (one index vector per step, Poisson by default):
+      sampling.index_batches (numpy, in a tf.numpy_function), or
+      graph_sampling.index_batches_in_graph (TensorFlow ops) for a pure-TF source
       -> source.read (TFDSSource: ArrayRecord records, decoded in parallel;
-                      ArraySource: a gather from memory)
+                      ArraySource: a gather from memory;
+                      JPEGFolderSource: tf.io.read_file of a gathered path, decoded)
       -> prefetch
 
-A source is a `TFDSSource` (a TFDS split read from disk by index: the default,
-for every dataset) or an `ArraySource` (arrays in memory: cached ScatterNet
-features). Both give `num_examples`, `num_classes`, `image_shape` and
-`read(indices int64 [n]) -> (images [n, ...], labels int32 [n])`.
+A source is a `TFDSSource` (a TFDS split read from disk by index), an
+`ArraySource` (arrays in memory: a small dataset, or cached ScatterNet
+features) or a `JPEGFolderSource` (one JPEG file per example). All give
+`num_examples`, `num_classes`, `image_shape`, `pure_tf` and
+`read(indices int64 [n]) -> (images [n, ...], labels int32 [n])`. A source
+with `pure_tf` True reads with TensorFlow ops only, and its index stream is
+then drawn in the graph too, so the whole input runs without Python (as a
+TPU pod's per-host input graphs must; `tfdp.data.open_split` chooses).
 
 The batch of step t depends only on (seed, t), so a run resumed at step k sees
 the batches an uninterrupted run sees from step k on. Elements are produced in
@@ -19,6 +26,7 @@ training step (BUILD.md gives the measured throughput).
 import numpy as np
 import tensorflow as tf
 
+from tfdp.data import graph_sampling
 from tfdp.data import padding as padding_lib
 from tfdp.data import sampling as sampling_lib
 
@@ -54,12 +62,30 @@ def train_batches(source, *, sampling, batch_size, num_steps, seed, start_step=0
       ValueError: as `tfdp.data.index_batches` (unknown scheme, bad seed,
         batch_size not in [1, N], bad steps).
     """
-    ds = sampling_lib.index_batches(
-        sampling=sampling, num_examples=source.num_examples, batch_size=batch_size,
-        num_steps=num_steps, seed=seed, start_step=start_step,
-    )
+    ds = index_stream(source, sampling=sampling, batch_size=batch_size, num_steps=num_steps,
+                      seed=seed, start_step=start_step)
     ds = ds.map(source.read, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
     return ds.prefetch(tf.data.AUTOTUNE)
+
+
+def index_stream(source, *, sampling, batch_size, num_steps, seed, start_step=0):
+    """The index vectors of `source`'s training steps: in the graph when `source.pure_tf`.
+
+    `tfdp.data.index_batches` (numpy, `tf.numpy_function`) for a source that
+    reads through Python anyway (`TFDSSource`), else
+    `tfdp.data.index_batches_in_graph` (TensorFlow ops; the same mechanism,
+    another random stream: `tfdp.data.graph_sampling`).
+
+    Returns:
+      tf.data.Dataset of num_steps - start_step elements, int64 [None].
+
+    Raises:
+      ValueError: as `tfdp.data.index_batches`.
+    """
+    make = (graph_sampling.index_batches_in_graph if source.pure_tf
+            else sampling_lib.index_batches)
+    return make(sampling=sampling, num_examples=source.num_examples, batch_size=batch_size,
+                num_steps=num_steps, seed=seed, start_step=start_step)
 
 
 def train_chunks(source, *, sampling, batch_size, num_steps, seed, num_replicas=1,
@@ -69,7 +95,8 @@ def train_chunks(source, *, sampling, batch_size, num_steps, seed, num_replicas=
 
     Layout (the same on every host; `tfdp.training.distribute` derives the
     sensitivity for it). The index vector of step t is a function of
-    (seed, t) alone, so every host computes the same one. It is truncated to
+    (seed, t) alone (`index_stream`: in the graph for a pure-TF source), so
+    every host computes the same one. It is truncated to
     its first S indices and padded with masked slots to S, the static logical
     batch (`tfdp.data.pad_batch`), or, without a static size, to the smallest
     positive multiple of R a that holds it; S = R a n. Replica r's chunk j is
@@ -124,10 +151,8 @@ def train_chunks(source, *, sampling, batch_size, num_steps, seed, num_replicas=
                 f"replicas x accumulation_steps = {unit}.")
         chunk_size = static_batch_size // unit
     first, local = replicas.start, len(replicas)
-    indices = sampling_lib.index_batches(
-        sampling=sampling, num_examples=source.num_examples, batch_size=batch_size,
-        num_steps=num_steps, seed=seed, start_step=start_step,
-    )
+    indices = index_stream(source, sampling=sampling, batch_size=batch_size,
+                           num_steps=num_steps, seed=seed, start_step=start_step)
 
     def layout(step, batch):
         padded, _, mask = padding_lib.pad_batch(

@@ -70,6 +70,53 @@ def prepare_synthetic_imagenet(data_dir, *, num_train, num_validation, image_siz
     return pathlib.Path(builder.data_dir_root)
 
 
+def write_jpeg_folder(data_dir, *, num_train, num_validation, image_size=224, seed=0):
+    """Writes the same examples as ImageNet's JPEG-folder layout, indexed for reading.
+
+    DATA_DIR/{train,validation}/<class>/synthetic_<split>_<index>.JPEG, with
+    the 1000 class folders n00000000 ... n00000999 (label k is folder k; some
+    stay empty at small N), the same pixels, labels and JPEG bytes as the
+    TFDS dataset (`synthetic_image`), then the index tables
+    `tfdp.data.jpeg_folder.index_split` writes. Idempotent: a folder whose
+    two tables exist is left alone.
+
+    Args:
+      data_dir: the folder to write (local or a gfile URL).
+      num_train, num_validation, image_size, seed: as
+        `prepare_synthetic_imagenet`.
+
+    Returns:
+      `data_dir`, for `tfdp.data.open_split(..., source="jpeg_folder")`.
+
+    Raises:
+      ValueError: num_train or num_validation < 1, or a bad image_size.
+    """
+    from tfdp.data import jpeg_folder  # pylint: disable=g-import-not-at-top
+
+    counts = {"train": int(num_train), "validation": int(num_validation)}
+    if min(counts.values()) < 1:
+        raise ValueError(f"num_train and num_validation must be >= 1, got {num_train} and "
+                         f"{num_validation}.")
+    _size_range(image_size)
+    data_dir = str(data_dir)
+    if all(tf.io.gfile.exists(jpeg_folder.index_path(data_dir, s)) for s in counts):
+        return data_dir
+    for split, count in counts.items():
+        for label in range(NUM_CLASSES):
+            tf.io.gfile.makedirs(f"{data_dir}/{split}/{_synset(label)}")
+        for index in range(count):
+            pixels, label = synthetic_image(seed, split, index, image_size)
+            path = f"{data_dir}/{split}/{_synset(label)}/synthetic_{split}_{index:08d}.JPEG"
+            tf.io.write_file(path, tf.io.encode_jpeg(pixels, quality=JPEG_QUALITY))
+    for split in counts:
+        jpeg_folder.index_split(data_dir, split)
+    return data_dir
+
+
+def _synset(label):
+    return f"n{label:08d}"
+
+
 def synthetic_image(seed, split, index, image_size):
     """The uint8 [height, width, 3] pixels of one example (before JPEG encoding).
 

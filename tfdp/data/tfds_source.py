@@ -54,6 +54,10 @@ class TFDSSource:
       num_examples: int, examples in the split.
       num_classes: int, from the dataset's ClassLabel feature.
       image_shape: (height, width, channels) of the images `read` returns.
+      pure_tf: False: `read` fetches records through Python
+        (`tf.numpy_function`), so its training batches are sampled in numpy
+        too (`tfdp.data.index_stream`); a TPU pod's per-host input cannot run
+        it (use `ArraySource` or `JPEGFolderSource` there).
 
     Args:
       name: TFDS dataset name, optionally with config/version
@@ -86,6 +90,7 @@ class TFDSSource:
         self.split = split
         self.data_dir = data_dir
         self.image_size = image_size
+        self.pure_tf = False
         try:
             builder = tfds.builder(name, data_dir=data_dir)
         except tfds.core.DatasetNotFoundError:

@@ -3,9 +3,12 @@
 import os
 import shutil
 import tempfile
+import uuid
 
 import keras
 import tensorflow as tf
+
+from tfdp import storage
 
 PRIVACY_REPORT_ASSETS = ("privacy_report.json", "privacy_report.md")
 # What a non-private run (`privacy=None`) puts into assets/ instead.
@@ -25,7 +28,11 @@ def export_saved_model(model, export_dir, *, image_shape, asset_paths=(), overwr
 
     The SavedModel is written into a new folder with a unique name beside
     `export_dir` (`.NAME.tmp-XXXXXXXX`), then renamed into place, so
-    `export_dir` holds a complete export or what it held before. Nothing but
+    `export_dir` holds a complete export or what it held before. (On an
+    object store, a gs:// URL, nothing renames a folder atomically: an
+    earlier export is removed and the new one written in place, and the
+    trainer's FINISHED, written last, is what says it is complete.)
+    Nothing but
     an earlier export is ever replaced: a non-empty `export_dir` must hold
     exactly what this function writes (`saved_model.pb`, `variables/`,
     `assets/` with only the privacy report or only the NOT_PRIVATE
@@ -74,6 +81,9 @@ def export_saved_model(model, export_dir, *, image_shape, asset_paths=(), overwr
         "serve", serve,
         input_signature=[tf.TensorSpec([None, *image_shape], tf.uint8, name="images")],
     )
+    if storage.is_url(export_dir):
+        _write_in_place(archive, export_dir, asset_paths, overwrite)
+        return export_dir
     parent, name = os.path.split(os.path.abspath(export_dir))
     os.makedirs(parent, exist_ok=True)
     tmp_dir = tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=parent)
@@ -99,27 +109,55 @@ def export_saved_model(model, export_dir, *, image_shape, asset_paths=(), overwr
     return export_dir
 
 
+def _write_in_place(archive, export_dir, asset_paths, overwrite):
+    """The export on an object store: into a fresh `export_dir` (an earlier export removed).
+
+    A unique temporary name beside it, then a rename, would not make it
+    atomic there (a folder rename copies object by object), so it is written
+    in place; what makes a run's outputs one fact is its FINISHED, which the
+    trainer clears before and writes after (`tfdp.workdir`).
+    """
+    del overwrite  # checked by _check_target
+    if storage.isdir(export_dir) and storage.listdir(export_dir):
+        storage.rmtree(export_dir)
+    # Keras writes into a local folder; each file is then uploaded whole.
+    local = tempfile.mkdtemp(prefix=f".export.tmp-{uuid.uuid4().hex[:8]}-")
+    try:
+        archive.write_out(local, verbose=False)
+        os.makedirs(os.path.join(local, "assets"), exist_ok=True)
+        for path in asset_paths:
+            shutil.copy(path, os.path.join(local, "assets", os.path.basename(path)))
+        for folder, _, names in os.walk(local):
+            relative = os.path.relpath(folder, local)
+            target = export_dir if relative == "." else storage.join(export_dir, relative)
+            storage.makedirs(target)
+            for name in names:
+                storage.copy(os.path.join(folder, name), storage.join(target, name))
+    finally:
+        shutil.rmtree(local, ignore_errors=True)
+
+
 def is_export(path):
     """True if `path` is a folder holding exactly what `export_saved_model` writes."""
-    if not os.path.isdir(path):
+    if not storage.isdir(path):
         return False
-    entries = set(os.listdir(path))
-    assets = os.path.join(path, "assets")
+    entries = set(storage.listdir(path))
+    assets = storage.join(path, "assets")
     return ({"saved_model.pb", "variables"} <= entries <= _EXPORT_ENTRIES
-            and os.path.isdir(assets)
-            and (set(os.listdir(assets)) <= set(PRIVACY_REPORT_ASSETS)
-                 or set(os.listdir(assets)) <= set(NOT_PRIVATE_ASSETS)))
+            and storage.isdir(assets)
+            and (set(storage.listdir(assets)) <= set(PRIVACY_REPORT_ASSETS)
+                 or set(storage.listdir(assets)) <= set(NOT_PRIVATE_ASSETS)))
 
 
 def _check_target(export_dir, overwrite):
     """Refuses an export_dir that is a file, holds other files, or an export not to overwrite."""
-    if os.path.lexists(export_dir) and not os.path.isdir(export_dir):
+    if storage.exists(export_dir) and not storage.isdir(export_dir):
         raise ValueError(f"Cannot export to {export_dir}: it is a file, not a folder. Choose "
                          "a new folder name.")
-    if not os.path.isdir(export_dir) or not os.listdir(export_dir):
+    if not storage.isdir(export_dir) or not storage.listdir(export_dir):
         return
     if not is_export(export_dir):
-        shown = ", ".join(sorted(os.listdir(export_dir))[:5])
+        shown = ", ".join(sorted(storage.listdir(export_dir))[:5])
         raise ValueError(
             f"Cannot export to {export_dir}: it holds files that are not a tfdp export "
             f"({shown}, ...), and tfdp never deletes files it did not write. Choose a new "

@@ -10,6 +10,7 @@ import tensorflow as tf
 from absl import logging
 
 from tfdp import accounting
+from tfdp import storage
 
 
 class StepCallback(keras.callbacks.Callback):
@@ -95,8 +96,7 @@ class MetricsJsonl(keras.callbacks.Callback):
             record[name] = float(value)
         record["wall_time_s"] = round(time.time() - self._start, 2)
         record.update(self.extra)
-        with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        storage.append_text(self.path, json.dumps(record) + "\n")
 
 
 class ProgressLog(keras.callbacks.Callback):
@@ -203,8 +203,7 @@ class OperativeConfigSaver(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch, logs=None):
         if not self._done:
-            with open(self.path, "w") as f:
-                f.write(gin.operative_config_str())
+            storage.write_whole(self.path, gin.operative_config_str())
             self._done = True
 
 
@@ -348,7 +347,7 @@ def check_non_private_ledger(checkpoint_path: str, num_steps: int):  # -> (steps
       ValueError: the checkpoint is a private run's (or an unknown one's), or
         it holds more steps than planned.
     """
-    reader = tf.train.load_checkpoint(checkpoint_path)
+    reader = storage.checkpoint_reader(checkpoint_path)
     if not _is_non_private(reader):
         private = reader.has_tensor(_LEDGER_KEY.format("mechanism_json"))
         raise ValueError(
@@ -394,7 +393,7 @@ def check_privacy_ledger(checkpoint_path: str, mechanism: accounting.DPMechanism
       ValueError: on any mismatch; the message names every differing field
         (never a secret seed's value) and says what to do.
     """
-    reader = tf.train.load_checkpoint(checkpoint_path)
+    reader = storage.checkpoint_reader(checkpoint_path)
     if _is_non_private(reader):
         raise ValueError(
             f"The checkpoint {checkpoint_path} is of a NON-PRIVATE run (privacy=None): its "

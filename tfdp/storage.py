@@ -1,0 +1,199 @@
+"""The file operations of a workdir, for local folders and object stores alike.
+
+Every file operation on a run's workdir goes through these few helpers, so
+a workdir may be a local (or mounted) folder or a `tf.io.gfile` URL: gs://
+(Cloud Storage) on a TPU pod, ram:// (TensorFlow's in-memory file system)
+in the tests. Local paths keep the POSIX operations they always had (atomic
+rename, fsync); URLs go through `tf.io.gfile`, imported only then, so the
+CLI checks a local workdir without importing TensorFlow.
+
+An object store has no atomic rename and no partial objects: an object
+appears whole when its upload ends, or not at all. So `write_whole` writes a
+file to a temporary name and renames it on a local disk, and writes one
+object in one go on a URL; either way a reader sees the old content (or
+none) or the new content, never a part.
+"""
+
+import contextlib
+import glob as glob_lib
+import os
+import re
+import shutil
+
+_URL = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*://")
+
+
+def is_url(path):
+    """True for `scheme://...` (gs://, ram://, s3://), False for a local path."""
+    return bool(_URL.match(os.fspath(path)))
+
+
+def scheme(path):
+    """"gs", "ram", ... for a URL; "" for a local path."""
+    return os.fspath(path).split("://", 1)[0].lower() if is_url(path) else ""
+
+
+def _gfile():
+    import tensorflow as tf  # pylint: disable=g-import-not-at-top
+
+    return tf.io.gfile
+
+
+def join(path, *parts):
+    """Joins with "/" (os.path.join on a local path)."""
+    if is_url(path):
+        return "/".join([os.fspath(path).rstrip("/"), *parts])
+    return os.path.join(path, *parts)
+
+
+def exists(path):
+    """True if a file, folder (or, locally, a dangling symlink) is at `path`."""
+    return _gfile().exists(path) if is_url(path) else os.path.lexists(path)
+
+
+def isdir(path):
+    return _gfile().isdir(path) if is_url(path) else os.path.isdir(path)
+
+
+def listdir(path):
+    """The names in a folder, without trailing slashes."""
+    if is_url(path):
+        return [name.rstrip("/") for name in _gfile().listdir(path)]
+    return os.listdir(path)
+
+
+def makedirs(path):
+    if is_url(path):
+        _gfile().makedirs(path)
+    else:
+        os.makedirs(path, exist_ok=True)
+
+
+def glob(pattern_dir, pattern):
+    """The paths in folder `pattern_dir` whose name matches the glob `pattern`."""
+    if is_url(pattern_dir):
+        return sorted(_gfile().glob(join(pattern_dir, pattern)))
+    return sorted(glob_lib.glob(os.path.join(glob_lib.escape(pattern_dir), pattern)))
+
+
+def read_bytes(path):
+    if is_url(path):
+        with _gfile().GFile(path, "rb") as f:
+            return f.read()
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def read_text(path):
+    return read_bytes(path).decode("utf-8")
+
+
+def write_whole(path, content):
+    """Writes `content` (str or bytes) to `path` so that no reader sees a part of it.
+
+    Local: to `path.tmp-PID`, flushed to disk (fsync), renamed over `path`.
+    URL: one object, uploaded in one write.
+    """
+    data = content.encode("utf-8") if isinstance(content, str) else bytes(content)
+    if is_url(path):
+        if scheme(path) == "ram" and _gfile().exists(path):
+            # TensorFlow's ram:// appends to an existing file instead of replacing it
+            # (measured with TF 2.21); an object store replaces the object.
+            _gfile().remove(path)
+        with _gfile().GFile(path, "wb") as f:
+            f.write(data)
+        return
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+
+
+def append_text(path, text):
+    """Appends a line (or more) to a text file. On an object store the object is rewritten."""
+    if is_url(path):
+        with _gfile().GFile(path, "a") as f:
+            f.write(text)
+        return
+    with open(path, "a") as f:
+        f.write(text)
+
+
+def copy(source, target):
+    """Copies a file (a local one into a URL, or any pair), replacing `target`."""
+    if is_url(source) or is_url(target):
+        if scheme(target) == "ram" and _gfile().exists(target):
+            _gfile().remove(target)  # ram:// would append (see write_whole)
+        _gfile().copy(source, target, overwrite=True)
+    else:
+        shutil.copy(source, target)
+
+
+def move(source, target):
+    """Moves a local file to `target`: an atomic rename locally, one whole object on a URL."""
+    if is_url(target):
+        copy(source, target)
+        os.unlink(source)
+    else:
+        os.replace(source, target)
+
+
+def remove(path):
+    """Removes a file; nothing if it is not there. Raises OSError otherwise."""
+    if is_url(path):
+        import tensorflow as tf  # pylint: disable=g-import-not-at-top
+
+        with contextlib.suppress(tf.errors.NotFoundError):
+            _gfile().remove(path)
+        return
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+
+
+def rmtree(path):
+    """Removes a folder and everything in it; errors are ignored (best effort)."""
+    if is_url(path):
+        with contextlib.suppress(Exception):  # pylint: disable=broad-except
+            _gfile().rmtree(path)
+        return
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def remove_any(path):
+    """Removes a file or a folder tree, ignoring errors."""
+    if isdir(path):
+        rmtree(path)
+    else:
+        with contextlib.suppress(Exception):  # pylint: disable=broad-except
+            remove(path)
+
+
+def rmdir_if_empty(path):
+    """Removes an empty folder (on an object store, its placeholder); else nothing."""
+    with contextlib.suppress(Exception):  # pylint: disable=broad-except
+        if is_url(path):
+            if isdir(path) and not listdir(path):
+                _gfile().rmtree(path)
+        else:
+            os.rmdir(path)
+
+
+def checkpoint_reader(prefix):
+    """A `tf.train.CheckpointReader` of the checkpoint `prefix` (e.g. WORKDIR/checkpoints/ckpt-4).
+
+    What `tf.train.load_checkpoint(prefix)` returns, without its first step
+    (which asks whether `prefix` is a folder, and TensorFlow's ram:// calls
+    every path prefix a folder: measured with TF 2.21).
+
+    Raises:
+      tf.errors.OpError, ValueError: the checkpoint cannot be read.
+    """
+    import tensorflow as tf  # pylint: disable=g-import-not-at-top
+
+    return tf.compat.v1.train.NewCheckpointReader(prefix)
