@@ -5,6 +5,7 @@ import pytest
 import tensorflow as tf
 
 from tfdp.dp import ghost_norms
+from tfdp.dp import precision
 
 RNG = np.random.default_rng(0)
 
@@ -30,15 +31,23 @@ def _per_example(loss_of_example, variable, batch):
     return np.stack(grads)
 
 
+# Issue 27's contract (it replaces issue 18's "equal to the exact norm at 1e-5"): a
+# squared norm never below the exact one, and above it by at most 2e-4 (1e-4 on the
+# norm) on ordinary inputs such as these normal draws. The bound each rule adds to
+# its float32 result (tfdp.dp.ghost_norms, "Rounding") is that excess.
+OVERCOUNT_RTOL = 2e-4
+
+
 def _check(result, per_example, factors):
     """`(squares, weighted_sum)` against the explicit per-example gradients."""
     squares, weighted_sum = result
     expected = np.sum(per_example.reshape(len(per_example), -1) ** 2, axis=1)
-    # The rule adds its rounding bound, n u S^2: visible only where the gradient cancels
-    # to nearly 0, so absolutely tiny next to the batch's largest square.
-    np.testing.assert_allclose(squares.numpy(), expected, rtol=1e-5,
-                               atol=1e-9 * max(1.0, float(np.max(expected))))
-    assert np.all(squares.numpy() >= expected * (1 - 1e-6))
+    # The rule adds its rounding bound: where the gradient cancels to nearly 0 that
+    # is absolutely tiny next to the batch's largest square.
+    atol = 1e-9 * max(1.0, float(np.max(expected)))
+    assert squares.dtype == tf.float32
+    assert np.all(squares.numpy() >= expected * (1 - 1e-6) - atol), (squares, expected)
+    assert np.all(squares.numpy() <= expected * (1 + OVERCOUNT_RTOL) + atol), (squares, expected)
     summed = weighted_sum(tf.constant(factors, tf.float32))
     # A float32 sum over examples: an entry that cancels is off by about 2^-24 of the
     # terms summed, not of the result.
@@ -328,7 +337,8 @@ def test_embedding_negative_ids_are_the_rows_keras_takes():
 
     result = ghost_norms.embedding_sq_norms(ids, g, vocabulary)
     _check(result, _per_example(loss, table, 2), factors=[1.0, 0.5])
-    assert result[0].numpy()[0] == pytest.approx(20.0)  # |(2, 4, 0)|^2, not 5 + 5
+    assert result[0].numpy()[0] == pytest.approx(20.0, rel=1e-5)  # |(2, 4, 0)|^2, not 5 + 5
+    assert result[0].numpy()[0] >= 20.0
 
 
 # -- Broadcast parameters ------------------------------------------------------
@@ -434,20 +444,23 @@ def _cancelling_rows(draw):
 
 
 def _assert_never_too_small(squares, exact, terms, weighted_sum, batch, *, held=False,
-                            rows=None):
+                            rows=None, projection=0):
     """Gram form: never below the exact squared norm of the gradient (a, g) define, and
-    above it by at most 1e-6 relative, or 1e-6 of the cancelling terms' size S where the
-    gradient is (nearly) zero. Direct form (`held`): the float32 per-example gradient is
-    what the sum adds, so the bound is on it (below); it is within float32 rounding of
-    the exact one (2^-24 R S). Both: the vector each example adds has at most the norm
-    computed."""
+    above it by at most 1e-2 relative, or 1e-4 of the cancelling terms' size S where the
+    gradient is (nearly) zero (issue 27's contract: these inputs are adversarial, where
+    the float32 bound may over-count; issue 18's float64 rules kept 1e-6). Direct form
+    (`held`): the float32 per-example gradient is what the sum adds, so the bound is on
+    it (below); it is within float32 rounding of the exact one (2^-24 (R + projection)
+    S, `projection` the float32 WS projection's rounding). Both: the vector each example
+    adds has at most the norm computed."""
     squares = squares.numpy().astype(np.longdouble)
     excess = np.sqrt(squares) - np.sqrt(exact)
     if held:
-        assert np.all(np.abs(excess) <= 1e-6 * np.sqrt(exact) + 2.0**-24 * rows * terms)
+        assert np.all(np.abs(excess) <= 1e-6 * np.sqrt(exact)
+                      + 2.0**-24 * (rows + projection) * terms)
     else:
         assert np.all(squares >= exact), (squares, exact)
-        assert np.all(excess <= 1e-6 * np.sqrt(exact) + 1e-6 * terms), (excess, exact, terms)
+        assert np.all(excess <= 1e-2 * np.sqrt(exact) + 1e-4 * terms), (excess, exact, terms)
     for i in range(batch):
         factors = np.zeros(batch, np.float32)
         factors[i] = 1.0
@@ -481,8 +494,10 @@ def test_ws_kernel_norms_never_come_out_too_small(case):
     centered = w - w.mean(axis=0)
     norms = np.sqrt(np.sum(centered ** 2, axis=0))
     exact, terms = _exact_sq_norms(a, g, views, unit=centered / norms, scale=1 / norms)
+    # The held gradients are projected in float32: two staged sums over the fan-in.
     _assert_never_too_small(squares, exact, terms, weighted_sum, a.shape[0] // views,
-                            held=form == ghost_norms.DIRECT, rows=views * a.shape[1])
+                            held=form == ghost_norms.DIRECT, rows=views * a.shape[1],
+                            projection=2 * precision.sum_chain(fan_in) + 16)
 
 
 @settings(max_examples=40, deadline=None, derandomize=True)

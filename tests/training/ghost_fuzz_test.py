@@ -41,7 +41,12 @@ Definitions.
 
 Assertions, for every real example:
 1. contribution_i <= C (1 + 1e-6).
-2. |norm_i - norm64_i| <= 1e-5 norm64_i where norm64_i > 1e-3 C. Where this
+2. Issue 27's contract (it replaces issue 18's "equal to float64 at 1e-5"): the
+   norm exceeds |v_i| = contribution_i / factor_i (the vector the fast path adds,
+   per unit factor) by at most OVERCOUNT_MAX (the float32 rules' rounding bound;
+   its size is the "norm over-count" event), and
+   |norm_i - norm64_i| <= 1e-5 norm64_i + (norm_i - |v_i|) where
+   norm64_i > 1e-3 C; below norm64_i by at most 1e-5 norm64_i. Where this
    fails, the vectorized float32 path (`tfdp.dp.clipping`) is measured on
    the same input. Its norm is the float32 forward and backward pass of the
    same model, with no ghost rule, so its distance to the float64 norm is
@@ -98,6 +103,7 @@ from tests.training import ghost_testing
 
 CONTRIBUTION_RTOL = 1e-6
 NORM_RTOL = 1e-5
+OVERCOUNT_MAX = 1e-2  # issue 27: the float32 bound's over-count, on adversarial inputs
 DIRECTION_TOL = 1e-2  # times C
 PADDING_TOL = 1e-4  # times C, per real row
 MIN_CLIP_NORM = 1e-12
@@ -605,15 +611,25 @@ def check_contributions(builder, images, labels, mask, *, clip_ratio=None, l2_cl
         worst = max(worst, size / c)
         # 1. The sensitivity.
         assert np.isfinite(size) and size <= c * (1 + CONTRIBUTION_RTOL), what
-        # 2. The norm.
-        if norm64 > 1e-3 * c and abs(norm - norm64) > NORM_RTOL * norm64:
+        # 2. The norm. Issue 27's contract: the norm bounds what is added (1.) and may
+        # exceed it by the float32 rules' rounding bound, `slack` (at most OVERCOUNT_MAX on
+        # these adversarial inputs); what is added is within NORM_RTOL of the float64 norm.
+        added = size / factor if factor > 0 else None  # |v_i|: the vector added per unit factor
+        slack = norm / added - 1.0 if added else 0.0
+        if added and norm64 > 1e-3 * c:
+            _event(f"norm over-count: {_order(slack, 1.0) if slack > 0 else '0'} (relative)")
+            assert slack <= OVERCOUNT_MAX, what + f"; over-count {slack:.3g}"
+        if norm64 > 1e-3 * c and (norm64 - norm > NORM_RTOL * norm64
+                                  or norm - norm64 > NORM_RTOL * norm64 + max(slack, 0) * norm):
             vec_norm, _ = vectorized_error(j, reference[j])
             allowed = NORM_RTOL * norm64 + 2 * abs(vec_norm - norm64)
             _note(f"  norm off by {abs(norm - norm64) / norm64:.3g} (relative); the "
                             f"vectorized float32 path by {abs(vec_norm - norm64) / norm64:.3g}")
             _event(f"norm relaxed: ghost off by {_order(norm - norm64, norm64)}, vectorized "
                    f"by {_order(vec_norm - norm64, norm64)} (relative)")
-            assert abs(norm - norm64) <= allowed, what + f"; vectorized norm {vec_norm:.9g}"
+            assert norm64 - norm <= allowed, what + f"; vectorized norm {vec_norm:.9g}"
+            assert norm - norm64 <= allowed + max(slack, 0) * norm, (
+                what + f"; vectorized norm {vec_norm:.9g}")
         # 3. The direction: nothing dropped, nothing added.
         expected = [factor * g for g in reference[j]]
         error = ghost_testing.global_norm64([a - b for a, b in zip(contribution, expected)])
