@@ -562,3 +562,83 @@ def test_embedding_norms_never_come_out_too_small(case, vocabulary):
                           for v in range(vocabulary)) for i in range(len(ids))])
     terms = np.sum(np.sqrt(np.sum(g64 ** 2, axis=-1)), axis=1)
     _assert_never_too_small(squares, exact, terms, weighted_sum, len(ids), held=True, rows=rows)
+
+
+# -- Issue 27: at the precision a GPU or TPU really uses ------------------------------------
+#
+# `precision.emulate(device)` rounds the inputs of every matmul of the rules as a TPU
+# (one bf16 pass) or an Ampere GPU (TF32) does. With the rules told (`handled`, as
+# `precision.device_inputs()` tells them on such a device), what each example adds is
+# never more than its computed norm; without (the rules planning for float32 products),
+# it is, on the cancelling rows of issue 18.
+
+EMULATED = [precision.BF16, precision.TF32]
+
+
+def _rule_results(a, g, views, form, seed):
+    """`(name, squares, weighted_sum)` of every rule on the rows `a` and gradients `g`."""
+    fan_in, fan_out = a.shape[-1], g.shape[-1]
+    kernel = tf.Variable(np.random.default_rng(seed).normal(size=(fan_in, fan_out)),
+                         dtype=tf.float32)
+    ids = tf.constant(np.random.default_rng(seed).integers(0, 3, a.shape[:2]))
+    per_channel = g[..., :1] * tf.ones_like(a)
+    with mock.patch.object(ghost_norms, "choose_form", lambda *_: form):
+        yield "kernel", ghost_norms.kernel_sq_norms(ghost_norms.Rows.of(a), g, num_views=views)
+        yield "ws", ghost_norms.ws_kernel_sq_norms(ghost_norms.Rows.of(a), g, kernel,
+                                                   epsilon=1e-4, num_views=views)
+    yield "scale", ghost_norms.broadcast_sq_norms(per_channel, (fan_in,), inputs=a,
+                                                  num_views=views)
+    yield "depthwise", ghost_norms.depthwise_kernel_sq_norms(
+        a[:, :, None, :], per_channel[:, :, None, :], kernel_size=(1, 1), strides=(1, 1),
+        dilation_rate=(1, 1), padding="valid", depth_multiplier=1, num_views=views)
+    yield "embedding", ghost_norms.embedding_sq_norms(ids, g, 3, num_views=views)
+
+
+def _worst_excess(results, batch):
+    """max over rules and examples of |what example i adds| / (f sqrt(squares_i)), f = 0.7."""
+    worst = 0.0
+    for _, (squares, weighted_sum) in results:
+        squares = squares.numpy().astype(np.longdouble)
+        for i in range(batch):
+            factors = np.zeros(batch, np.float32)
+            factors[i] = 0.7
+            added = tf.nest.flatten(weighted_sum(tf.constant(factors)))[0].numpy()
+            size = np.sqrt(np.sum(added.astype(np.longdouble) ** 2))
+            bound = np.longdouble(np.float32(0.7)) * np.sqrt(squares[i])
+            if size > 0:
+                worst = max(worst, float(size / bound) if bound > 0 else np.inf)
+    return worst
+
+
+@pytest.mark.parametrize("device", EMULATED, ids=lambda d: d.name)
+@settings(max_examples=30, deadline=None, derandomize=True)
+@given(case=_cancelling_rows())
+def test_no_rule_adds_more_than_its_norm_at_emulated_device_precision(device, case):
+    a, g, views, form, seed = case
+    with precision.emulate(device):
+        assert precision.splits()
+        worst = _worst_excess(list(_rule_results(a, g, views, form, seed)),
+                              a.shape[0] // views)
+    assert worst <= 1.0, worst
+
+
+@pytest.mark.parametrize("device", EMULATED, ids=lambda d: d.name)
+def test_without_the_precision_handling_the_emulated_device_breaks_the_bound(device):
+    # The same rules planning for float32 products on a device that rounds their inputs:
+    # the vectors added exceed their norms (by ~2^-bits). 12 draws of the cancelling rows.
+    found = 0.0
+    for seed in range(12):
+        rng = np.random.default_rng(seed)
+        a = np.full((2, 6, 9), 255.0)
+        a[np.arange(2), rng.integers(0, 6, 2), rng.integers(0, 9, 2)] -= 1.0
+        g = np.where(np.arange(6) % 2 == 0, 1.0, -1.0)[None, :, None] * rng.normal(size=(2, 1, 5))
+        g = g + 1e-3 * rng.normal(size=(2, 6, 5))
+        a, g = tf.constant(a, tf.float32), tf.constant(g, tf.float32)
+        for form in (ghost_norms.DIRECT, ghost_norms.GRAM):
+            with precision.emulate(device, handled=False):
+                assert not precision.splits()
+                found = max(found, _worst_excess(list(_rule_results(a, g, 1, form, seed)), 2))
+            with precision.emulate(device):
+                assert _worst_excess(list(_rule_results(a, g, 1, form, seed)), 2) <= 1.0
+    print(f"{device.name}: worst |added| / norm without the handling: {found}")
+    assert found > 1 + 2.0**-(device.bits + 2), found
