@@ -177,8 +177,9 @@ def test_sum_chains_stay_short():
 def test_compiled_reductions_are_no_longer_than_a_stage():
     # XLA merges consecutive reductions and re-cuts them into windows of 32 on CPU (its
     # tree reduction): no reduction in the compiled sum may chain more than STAGE terms.
-    hlo = tf.function(precision.staged_sum, jit_compile=True).experimental_get_compiler_ir(
-        tf.TensorSpec([4, 590_000], tf.float32))(stage="optimized_hlo")
+    summed = tf.function(lambda t: precision.staged_sum(t), jit_compile=True)
+    hlo = summed.experimental_get_compiler_ir(tf.TensorSpec([4, 590_000], tf.float32))(
+        stage="optimized_hlo")
     import re
     shapes = _hlo_shapes(hlo)
     reductions = 0

@@ -232,8 +232,7 @@ def _one_block_at_a_time(rows: Rows, num_views: int, fn) -> list:
 #   float32 vector: a staged sum of squares, which cannot cancel, with its
 #   rounding bound (`held_squares`). How the held vector was computed (a bf16
 #   pass, a float32 backward pass) does not matter for the bound: it is the
-#   vector added. Sums over positions that cancel (a bias's sum_r g_r after a
-#   group norm) are error-free sums (`precision.compensated_sum`), for accuracy.
+#   vector added.
 # - GRAM (large kernels over few positions; `choose_form`): the per-example
 #   gradient h = sum_r a_r g_r^T is never built. Its rows are first CENTRED per
 #   example over the positions: d_r = a_r - m with m the rows' mean, and
@@ -327,8 +326,8 @@ def _direct_products(rows: Rows, output_grads: tf.Tensor, num_views: int,
     """
     g = example_rows(output_grads, num_views)
     return _one_block_at_a_time(
-        rows, num_views, lambda a: precision.einsum(
-            "bro,brf->bof", g, _centred_columns(a, row_means), exact=False))
+        rows, num_views, lambda a: precision.matmul(g, _centred_columns(a, row_means),
+                                                    transpose_a=True))
 
 
 def _rows_with_mean(a: tf.Tensor, mean: Optional[tf.Tensor]) -> tf.Tensor:
@@ -336,12 +335,6 @@ def _rows_with_mean(a: tf.Tensor, mean: Optional[tf.Tensor]) -> tf.Tensor:
     if mean is None:
         return a
     return tf.concat([a - mean[:, None, :], mean[:, None, :]], axis=1)
-
-
-def _last(t: tf.Tensor, axis: int) -> tf.Tensor:
-    """`t` with `axis` moved last."""
-    perm = [d for d in range(t.shape.rank) if d != axis] + [axis]
-    return tf.transpose(t, perm)
 
 
 def _gram(x: tf.Tensor) -> tf.Tensor:
@@ -354,18 +347,21 @@ def _gram(x: tf.Tensor) -> tf.Tensor:
     return tf.reshape(grams, [batch, count, rows, rows]), width
 
 
-def _rows_times(x: tf.Tensor, matrix: tf.Tensor) -> tf.Tensor:
+def _rows_times(x: tf.Tensor, matrix: tf.Tensor):
     """`x @ matrix` for x `[batch, R, F_k]`, matrix `[F_k, O]`: exact products, chunked over F_k.
 
-    Returns `[batch, R, O, C]` (C chunks, still to be summed) and the chunk length.
+    Returns `([batch, R, O], (chunk length, chunks))`: the chunks' products
+    summed with `staged_sum` (error `precision.chunked_contraction_error`).
     """
     batch, rows, fan_out = tf.shape(x)[0], x.shape[1], matrix.shape[-1]
     chunks = precision.chunk_last_axis(tf.reshape(x, [-1, x.shape[-1]]))  # [batch R, C, c]
     count, width = chunks.shape[1], chunks.shape[2]
-    columns = precision.chunk_last_axis(tf.transpose(matrix), width)  # [O, C, c]
-    products = precision.einsum("cnf,cof->cno", tf.transpose(chunks, [1, 0, 2]),
-                                tf.transpose(columns, [1, 0, 2]), exact=True)  # [C, batch R, O]
-    return tf.reshape(_last(products, 0), [batch, rows, fan_out, count]), width
+    pad = count * width - matrix.shape[0]
+    columns = tf.reshape(tf.pad(matrix, [[0, pad], [0, 0]]), [count, width, fan_out])
+    products = precision.einsum("cnf,cfo->cno", tf.transpose(chunks, [1, 0, 2]), columns,
+                                exact=True)  # [C, batch R, O]
+    summed = precision.staged_sum(products, axis=0)
+    return tf.reshape(summed, [batch, rows, fan_out]), (width, count)
 
 
 def _contract_rows(x: tf.Tensor, y: tf.Tensor) -> tf.Tensor:
@@ -375,7 +371,7 @@ def _contract_rows(x: tf.Tensor, y: tf.Tensor) -> tf.Tensor:
     `rows_contraction_error(R) * sum_r |x_r| |y_r|` of the exact one.
     """
     rows = x.shape[1]
-    chunk = precision.contraction_chunk()
+    chunk = _row_chunk()
     if rows <= chunk:
         return precision.einsum("brf,bro->fo", x, y, exact=True)
     count = -(-rows // chunk)
@@ -384,16 +380,21 @@ def _contract_rows(x: tf.Tensor, y: tf.Tensor) -> tf.Tensor:
     y = tf.reshape(tf.pad(y, pad), [-1, count, chunk, y.shape[-1]])
     partial = precision.einsum("cbrf,cbro->cfo", tf.transpose(x, [1, 0, 2, 3]),
                                tf.transpose(y, [1, 0, 2, 3]), exact=True)  # [C, F_k, O]
-    return precision.staged_sum(_last(partial, 0))
+    return precision.staged_sum(partial, axis=0)
+
+
+def _row_chunk() -> int:
+    """Rows of one example per contraction of `_contract_rows` (one GEMM up to 128 rows)."""
+    return min(precision.ROW_CHUNK, precision.contraction_chunk() * 4)
 
 
 def _rows_contraction_error(rows: int) -> float:
-    chunk = min(rows, precision.contraction_chunk())
+    chunk = min(rows, _row_chunk())
     return precision.chunked_contraction_error(chunk, -(-rows // chunk))
 
 
 def _staged_over(t: tf.Tensor, axis: int) -> tf.Tensor:
-    return precision.staged_sum(_last(t, axis))
+    return precision.staged_sum(t, axis=axis)
 
 
 @dataclasses.dataclass
@@ -532,10 +533,10 @@ def _gram_form(rows: Rows, output_grads: tf.Tensor, num_views: int, *,
     if unit is not None:
         gram.sums = tf.add_n([p["sums"] for p in parts])
         gram.sums_error = 1.01 * (precision.gamma(chain_f) + precision.gamma(blocks))
-        along = tf.concat([p["along"] for p in parts], axis=-1)  # [batch, R1, O, chunks]
-        gram.along = precision.staged_sum(along)
-        gram.along_error = precision.chunked_contraction_error(max(along_widths),
-                                                               along.shape[-1])
+        gram.along = tf.add_n([p["along"] for p in parts])  # [batch, R1, O]
+        width, count = max(w for w, _ in along_widths), max(c for _, c in along_widths)
+        chunked = precision.chunked_contraction_error(width, count)
+        gram.along_error = chunked + (1 + chunked) * precision.gamma(blocks)
     return gram
 
 
@@ -722,9 +723,9 @@ def ws_kernel_sq_norms(
     (the last two: P_o is built from the float32 u_o), each term from the
     rows (`1.h_o = sum_r (sum_k x_rk) y_ro`, `u_o.h_o = sum_r (x_r.u_o) y_ro`),
     with a bound on the rounding of each; the norm returned also covers the
-    projection's own rounding in the weighted sum. Both forms first centre
-    every row over its F columns (`Rows.row_means`): the same P_o h_o, with
-    nearly no component along 1 left for the projection to cancel.
+    projection's own rounding in the weighted sum. The Gram form first
+    centres every row over its F columns (`Rows.row_means`): the same P_o h_o,
+    with nearly no component along 1 left for the bound to cancel.
 
     Args:
       rows: the rows `a` (`Rows.of(inputs)` or `conv2d_patches`), F columns.
@@ -768,16 +769,15 @@ def ws_kernel_sq_norms(
     # P_o removes the direction 1 from h_o: centring every row over its columns first
     # removes it from h exactly, so that a nearly constant input (h nearly parallel to 1)
     # leaves nothing large for P_o to cancel in float32.
-    row_means = rows.row_means(num_views)
     form = choose_form(_static_rows(output_grads, num_views), fan_in, fan_out)
-    if form == DIRECT:
-        held = project(tf.concat(_direct_products(rows, output_grads, num_views, row_means),
-                                 axis=-1) * scale[:, None])
+    if form == DIRECT:  # held: its float32 projection's rounding is in the vector added
+        held = project(tf.concat(_direct_products(rows, output_grads, num_views), axis=-1)
+                       * scale[:, None])
         squares = held_squares(held)
         return squares, _summer(held, squares, to_kernel)
 
     gram = _gram_form(rows, output_grads, num_views, scale=scale, unit=tf.transpose(unit_t),
-                      row_means=row_means)
+                      row_means=rows.row_means(num_views))
     squares = _ws_gram_squares(gram, unit_t, fan_in)
     return squares, gram.weighted_sum(
         rows, num_views, lambda summed: to_kernel(project(tf.transpose(summed))))
@@ -806,10 +806,10 @@ def _ws_gram_squares(gram: _Gram, unit_t: tf.Tensor, fan_in: int) -> tf.Tensor:
     eps = (tf.abs(precision.staged_sum(unit_t))
            + 1.01 * precision.gamma(chain_f) * root_f * unit_norm) / root_f
     y, support = gram.y, gram.support
-    ones = precision.staged_sum(_last(gram.sums[:, :, None] * y, 1)) / root_f  # x_o [batch, O]
-    along = precision.staged_sum(_last(gram.along * y, 1))  # y_o, [batch, O]
+    ones = precision.staged_sum(gram.sums[:, :, None] * y, axis=1) / root_f  # x_o [batch, O]
+    along = precision.staged_sum(gram.along * y, axis=1)  # y_o, [batch, O]
     spread = precision.upper(  # T_o
-        precision.staged_sum(_last(gram.row_norms[:, :, None] * tf.abs(y), 1)),
+        precision.staged_sum(gram.row_norms[:, :, None] * tf.abs(y), axis=1),
         2 * precision.sum_error(num_rows))
     e_x = gram.sums_error + (1 + gram.sums_error) * e_rows + 2 * _U
     e_y = (gram.along_error + (1 + gram.along_error) * e_rows) * unit_norm  # [fan_out]
@@ -861,10 +861,9 @@ def broadcast_sq_norms(
 
     Returns:
       `(squares, weighted_sum)`: float32 `[batch]`; `weighted_sum(factors)`
-      gives float32 `parameter_shape`. Each example's gradient is held (the
-      sums over positions cancel, so they are error-free sums,
-      `precision.compensated_sum`), and its norm is that of the held vector
-      (the module's "Rounding").
+      gives float32 `parameter_shape`. Each example's gradient is held (a
+      staged float32 sum over its positions), and its norm is that of the
+      held vector (the module's "Rounding").
     """
     terms = output_grads if inputs is None else inputs * output_grads
     size = math.prod(parameter_shape)
@@ -872,8 +871,8 @@ def broadcast_sq_norms(
     terms = tf.reshape(terms, [batch, -1, size])  # [batch, R, size]
     if terms.shape[1] is None:  # unknown positions: a plain float32 sum (held all the same)
         per_example = tf.reduce_sum(terms, axis=1)
-    else:
-        per_example = precision.compensated_sum(terms, axis=1)
+    else:  # held: any float32 sum; staged, as accurate as the float32 backward pass
+        per_example = precision.staged_sum(terms, axis=1)
     squares = held_squares(per_example)
     return squares, _summer(per_example, squares,
                             lambda summed: tf.reshape(summed, parameter_shape))

@@ -67,6 +67,7 @@ UNIT_ROUNDOFF = 2.0**-24  # float32's u: |fl(x) - x| <= u |x| (round to nearest)
 STAGE = 32  # at most this many terms per op of a staged sum (XLA's CPU tree reduction: 32 too)
 CHUNK = 32  # chunk length of an exact contraction (its error bound vs GEMM efficiency)
 SPLIT_CHUNK = 16  # the same for a split (six-pass) contraction: see `contraction_error`
+ROW_CHUNK = 128  # rows of one example per contraction of a Gram-form weighted sum
 _SPLIT_ERROR = 4.01 * UNIT_ROUNDOFF  # dropped piece products and remainders, per |a| |b|
 _SPLIT_MASS = 1.02  # sum over the six passes of |a_i| |b_j| <= 1.02 |a| |b|
 
@@ -252,6 +253,17 @@ def einsum(equation: str, a: tf.Tensor, b: tf.Tensor, *, exact: bool) -> tf.Tens
     return tf.reduce_sum(parts, axis=axis)
 
 
+def matmul(a: tf.Tensor, b: tf.Tensor, *, transpose_a: bool = False) -> tf.Tensor:
+    """`tf.matmul(a, b, transpose_a=...)` at the device's precision (one pass).
+
+    For products that are HELD, whose result's own norm is taken (the ghost
+    rules' direct form), so that their rounding does not matter: `einsum(...,
+    exact=False)` without an einsum's transposes. Same batch shape on both
+    sides (see `einsum`).
+    """
+    return tf.matmul(_device_rounded(a), _device_rounded(b), transpose_a=transpose_a)
+
+
 def contraction_error(length: int, *, exact: bool = True) -> float:
     """e with `|computed - exact| <= e * sum_k |a_k| |b_k|` for one output of `einsum`.
 
@@ -329,22 +341,28 @@ def sum_error(n: int) -> float:
     return gamma(sum_chain(n))
 
 
-def staged_sum(t: tf.Tensor) -> tf.Tensor:
-    """`sum(t, axis=-1)` in stages of at most `STAGE` terms (static last axis).
+def staged_sum(t: tf.Tensor, axis: int = -1) -> tf.Tensor:
+    """`sum(t, axis)` in stages of at most `STAGE` terms (static size along `axis`).
 
-    Error `sum_error(n)`. The last axis is reshaped (zero-padded where no
-    divisor between STAGE/4 and STAGE exists) to `[..., n / w, w]` and
-    summed, until at most STAGE terms are left.
+    Error `sum_error(n)`. The axis is reshaped (zero-padded where no divisor
+    between STAGE/2 and STAGE exists) to `[n / w, w]` and summed over w,
+    until at most STAGE terms are left: no transpose, whatever the axis.
     """
-    n = t.shape[-1]
+    t = tf.convert_to_tensor(t)
+    axis = axis % t.shape.rank
+    n = t.shape[axis]
     if n is None:
-        raise ValueError("staged_sum needs a static last axis.")
+        raise ValueError("staged_sum needs a static size along its axis.")
     for width, padded in _stage_widths(n)[:-1]:
         if padded:
-            t = tf.pad(t, [[0, 0]] * (t.shape.rank - 1) + [[0, -n % width]])
+            pad = [[0, 0]] * t.shape.rank
+            pad[axis] = [0, -n % width]
+            t = tf.pad(t, pad)
         n = -(-n // width)
-        t = tf.reduce_sum(tf.reshape(t, tf.concat([tf.shape(t)[:-1], [n, width]], 0)), -1)
-    return tf.reduce_sum(t, axis=-1)
+        shape = tf.shape(t)
+        t = tf.reshape(t, tf.concat([shape[:axis], [n, width], shape[axis + 1:]], 0))
+        t = tf.reduce_sum(t, axis=axis + 1)
+    return tf.reduce_sum(t, axis=axis)
 
 
 def flat_examples(t: tf.Tensor) -> tf.Tensor:
