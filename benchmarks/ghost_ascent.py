@@ -181,7 +181,8 @@ def main():
     print(host_line(), flush=True)
     if args.emulate != "none":
         device = {"bf16": precision.BF16, "tf32": precision.TF32}[args.emulate]
-        precision.emulate(device, handled=not args.unhandled).__enter__()
+        emulation = precision.emulate(device, handled=not args.unhandled)
+        emulation.__enter__()  # kept in `emulation`: a dropped context manager exits
         print(f"emulated matmul inputs: {device.name}, rules "
               f"{'NOT told (float32 plan)' if args.unhandled else 'told (split products)'}",
               flush=True)

@@ -115,7 +115,8 @@ def main():
     print(host.describe_host())
     if args.emulate != "none":
         device = {"bf16": precision.BF16, "tf32": precision.TF32}[args.emulate]
-        precision.emulate(device).__enter__()
+        emulation = precision.emulate(device)  # kept: a dropped context manager exits
+        emulation.__enter__()
     print(f"rules' matmul inputs: {precision.device_inputs().name} "
           f"(products split: {precision.splits()}); {args.examples} examples per model")
     print("| model | quantity | median | 90th pct | 99th pct | min | max |")
