@@ -642,3 +642,28 @@ def test_without_the_precision_handling_the_emulated_device_breaks_the_bound(dev
                 assert _worst_excess(list(_rule_results(a, g, 1, form, seed)), 2) <= 1.0
     print(f"{device.name}: worst |added| / norm without the handling: {found}")
     assert found > 1 + 2.0**-(device.bits + 2), found
+
+
+@pytest.mark.parametrize("form", [ghost_norms.DIRECT, ghost_norms.GRAM])
+def test_rules_trace_with_a_dynamic_batch(form):
+    # The trainer's Poisson batches have no static size: the rows of each example must
+    # keep theirs (the Gram form, the staged sums and WS need it). A README run failed
+    # here before `example_rows` kept them.
+    x = _normal(3, 4, 5)
+    g = _normal(3, 4, 6)
+    kernel = tf.Variable(_normal(5, 6))
+
+    @tf.function(input_signature=[tf.TensorSpec([None, 4, 5]), tf.TensorSpec([None, 4, 6])])
+    def rules(x, g):
+        with mock.patch.object(ghost_norms, "choose_form", lambda *_: form):
+            plain = ghost_norms.kernel_sq_norms(ghost_norms.Rows.of(x), g)
+            ws = ghost_norms.ws_kernel_sq_norms(ghost_norms.Rows.of(x), g, kernel, epsilon=1e-4)
+        bias = ghost_norms.broadcast_sq_norms(g, (6,))
+        factors = tf.ones([tf.shape(x)[0]])
+        return [r[0] for r in (plain, ws, bias)], [r[1](factors) for r in (plain, ws, bias)]
+
+    squares, sums = rules(x, g)
+    eager = [ghost_norms.kernel_sq_norms(ghost_norms.Rows.of(x), g)[0]]
+    assert all(s.shape == (3,) for s in squares)
+    assert ghost_norms.example_rows(g).shape[1] == 4
+    np.testing.assert_allclose(squares[0].numpy(), eager[0].numpy(), rtol=2e-4)

@@ -111,7 +111,12 @@ def example_rows(tensor: tf.Tensor, num_views: int = 1) -> tf.Tensor:
     if d is None:
         d = tf.shape(tensor)[-1]
     batch = tf.shape(tensor)[0] // num_views
-    return tf.reshape(tensor, [batch, -1, d])
+    rows = _static_rows(tensor, num_views)
+    result = tf.reshape(tensor, [batch, -1 if rows is None else rows, d])
+    # The static rows survive a dynamic batch (the trainer's Poisson batches): the Gram
+    # form and the staged sums need them.
+    result.set_shape([None, rows, tensor.shape[-1]])
+    return result
 
 
 def _static_size(tensor: tf.Tensor) -> Optional[int]:
