@@ -263,3 +263,18 @@ def test_a_rounded_weighted_sum_would_add_more_than_the_norm():
         summed = precision.weighted_sum(factors, held).numpy()
     exact = float(np.float32(0.3)) * np.asarray(held.numpy()[1], np.float64)
     assert np.max(np.abs(summed - exact) / np.abs(exact)) > 1e-3
+
+
+def test_a_staged_sum_over_a_size_known_at_run_time_holds_its_bound():
+    # A held vector of a sequence of unknown length (an Embedding's rows): the stages
+    # are padded at run time; the chain is that of DYNAMIC_LEVELS stages.
+    summed = tf.function(lambda t: precision.sum_of_squares_bound(t),
+                         input_signature=[tf.TensorSpec([None, None, 3])])
+    for length in (1, 7, 33, 2000):
+        x = RNG.normal(size=(2, length, 3)) * 10.0**RNG.uniform(-3, 3, (2, length, 3))
+        x = np.float32(x)
+        bound = summed(tf.constant(x)).numpy()
+        exact = _exact_sum(np.asarray(x, np.longdouble).reshape(2, -1) ** 2)
+        assert np.all(bound >= exact)
+        assert np.all(bound <= exact * (1 + 2e-5))
+    assert precision.sum_chain(None) == precision.DYNAMIC_LEVELS * (precision.STAGE - 1)

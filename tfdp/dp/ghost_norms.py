@@ -283,8 +283,8 @@ def held_squares(blocks) -> tf.Tensor:
     """
     blocks = blocks if isinstance(blocks, list) else [blocks]
     sums = [precision.sum_of_squares(b) for b in blocks]
-    size = max(math.prod(b.shape[1:].as_list()) for b in blocks)
-    error = precision.gamma(precision.sum_chain(size) + 1 + len(blocks) - 1)
+    chain = max(precision.sum_chain(precision.example_size(b)) for b in blocks)
+    error = precision.gamma(chain + 1 + len(blocks) - 1)
     relative = error / (1.0 - error) + 3 * _U  # (1 + u)^2 <= 1 + 3u: the factor's product
     return precision.upper(tf.add_n(sums), relative)
 

@@ -331,8 +331,16 @@ def _stage_widths(n: int):
     return stages
 
 
-def sum_chain(n: int) -> int:
-    """How many additions one result of `staged_sum` over `n` terms can chain (at most)."""
+DYNAMIC_LEVELS = 6  # stages of a staged sum over a size known only at run time (<= 32^6 terms)
+
+
+def sum_chain(n: Optional[int]) -> int:
+    """How many additions one result of `staged_sum` over `n` terms can chain (at most).
+
+    `n` None: a size known only at run time, at most STAGE^DYNAMIC_LEVELS (about 1e9).
+    """
+    if n is None:
+        return DYNAMIC_LEVELS * (STAGE - 1)
     return sum(width - 1 for width, _ in _stage_widths(n)) if n > 1 else 0
 
 
@@ -351,8 +359,16 @@ def staged_sum(t: tf.Tensor, axis: int = -1) -> tf.Tensor:
     t = tf.convert_to_tensor(t)
     axis = axis % t.shape.rank
     n = t.shape[axis]
-    if n is None:
-        raise ValueError("staged_sum needs a static size along its axis.")
+    if n is None:  # DYNAMIC_LEVELS stages of STAGE, zero-padded at run time
+        for _ in range(DYNAMIC_LEVELS):
+            pad = [[0, 0]] * t.shape.rank
+            pad[axis] = [0, tf.math.floormod(-tf.shape(t)[axis], STAGE)]
+            t = tf.pad(t, pad)
+            shape = tf.shape(t)
+            t = tf.reshape(t, tf.concat([shape[:axis], [shape[axis] // STAGE, STAGE],
+                                         shape[axis + 1:]], 0))
+            t = tf.reduce_sum(t, axis=axis + 1)
+        return tf.reduce_sum(t, axis=axis)
     for width, padded in _stage_widths(n)[:-1]:
         if padded:
             pad = [[0, 0]] * t.shape.rank
@@ -365,10 +381,16 @@ def staged_sum(t: tf.Tensor, axis: int = -1) -> tf.Tensor:
     return tf.reduce_sum(t, axis=axis)
 
 
+def example_size(t: tf.Tensor) -> Optional[int]:
+    """Entries per example of `t` [batch, ...], or None if not static."""
+    inner = t.shape[1:]
+    return math.prod(inner.as_list()) if inner.is_fully_defined() else None
+
+
 def flat_examples(t: tf.Tensor) -> tf.Tensor:
-    """`t` [batch, ...] -> [batch, n] with a static n."""
-    size = math.prod(t.shape[1:].as_list())
-    return tf.reshape(t, [-1, size])
+    """`t` [batch, ...] -> [batch, n] (n static where `example_size` is)."""
+    size = example_size(t)
+    return tf.reshape(t, [tf.shape(t)[0], -1 if size is None else size])
 
 
 def sum_of_squares(t: tf.Tensor) -> tf.Tensor:
@@ -376,12 +398,12 @@ def sum_of_squares(t: tf.Tensor) -> tf.Tensor:
     return staged_sum(tf.square(flat_examples(t)))
 
 
-def square_sum_error(n: int) -> float:
+def square_sum_error(n: Optional[int]) -> float:
     """Relative error of `sum_of_squares` over `n` entries (squares and sums both rounded)."""
     return gamma(sum_chain(n) + 1)
 
 
-def square_sum_excess(n: int) -> float:
+def square_sum_excess(n: Optional[int]) -> float:
     """r with `exact <= computed (1 + r)` for `sum_of_squares` over `n` entries (all >= 0).
 
     A sum of non-negative terms computed with relative error at most
@@ -401,8 +423,7 @@ def upper(value: tf.Tensor, relative: float) -> tf.Tensor:
 
 def sum_of_squares_bound(t: tf.Tensor) -> tf.Tensor:
     """An upper bound, float32 `[batch]`, on the exact `sum(t[i]**2)` of each example's entries."""
-    n = math.prod(t.shape[1:].as_list())
-    return upper(sum_of_squares(t), square_sum_excess(n))
+    return upper(sum_of_squares(t), square_sum_excess(example_size(t)))
 
 
 def two_sum(a: tf.Tensor, b: tf.Tensor):
