@@ -34,7 +34,10 @@ op-name prefix (`--scope_depth` components), in the summed op time (all threads)
 Every mode prints the host line first (`tfdp.host.describe_host()`: CPU flags,
 oneDNN on or off and why).
 
-`--jit_compile` compiles every step with XLA. `--ablate_kernel_norms` (speed
+`--jit_compile` compiles every step with XLA; a variant named with `+xla`
+(`--variants=plain,ghost,plain+xla,ghost+xla`) compiles only that one, so that
+XLA on and off are timed interleaved in one process (its ratio is to
+`plain+xla` when that variant runs, else to `plain`). `--ablate_kernel_norms` (speed
 only, a diagnosis, never a DP step) replaces every dense, conv and WS-conv
 kernel's per-example squared norm with zero, so that the ghost step's time
 without the kernel norms can be compared with plain:
@@ -75,10 +78,13 @@ MODELS = {
     "wrn16_4": (lambda: models.build_wide_resnet(16, 4, 10), (32, 32, 3)),
 }
 VARIANTS = ("plain", "ghost", "vectorized")
+XLA = "+xla"  # variant suffix: that variant's step compiled with XLA
 
 
 def build_step(variant, model_name, batch_size, jit_compile):
     """A `step()` that trains one step of `variant` on a fixed random batch."""
+    if variant.endswith(XLA):
+        variant, jit_compile = variant[:-len(XLA)], True
     keras.utils.set_random_seed(0)
     builder, shape = MODELS[model_name]
     model = builder()
@@ -142,8 +148,9 @@ def speed(args):
     print("|---|---|---|---|---|")
     for variant in args.variants:
         rates = sorted(args.batch_size / s for s in seconds[variant])
-        ratio = statistics.median(
-            s / p for s, p in zip(seconds[variant], seconds.get("plain", seconds[variant])))
+        plain = seconds.get("plain" + XLA) if variant.endswith(XLA) else None
+        plain = plain or seconds.get("plain", seconds[variant])
+        ratio = statistics.median(s / p for s, p in zip(seconds[variant], plain))
         print(f"| {variant} | {rates[0]:,.1f} | {statistics.median(rates):,.1f} | "
               f"{rates[-1]:,.1f} | {ratio:.2f}x |")
 
@@ -256,7 +263,8 @@ def main():
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--variants", default=",".join(VARIANTS),
                         help="comma-separated subset of " + ",".join(VARIANTS))
-    parser.add_argument("--variant", choices=VARIANTS, help="profile and peak_rss only")
+    parser.add_argument("--variant", choices=VARIANTS + tuple(v + XLA for v in VARIANTS),
+                        help="profile and peak_rss only")
     parser.add_argument("--top", type=int, default=15, help="profile only: rows per table")
     parser.add_argument("--scope_depth", type=int, default=2,
                         help="profile only: op-name components that make a prefix")

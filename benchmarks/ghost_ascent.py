@@ -22,6 +22,12 @@ the search finds the float32 cancellation where it exists (1.5-2.3 C before
 the fix).
 
     PYTHONPATH=$PWD python benchmarks/ghost_ascent.py [--seconds_per_model=20] [--seed=0]
+        [--emulate=bf16|tf32 [--unhandled]]
+
+`--emulate` rounds the inputs of every matmul of the ghost-norm rules as a TPU
+(one bf16 pass) or an Ampere GPU (TF32) would (`tfdp.dp.precision.emulate`);
+`--unhandled` keeps the rules planning for float32 products there, the
+float32 rules without their precision handling (issue 27).
 
 Prints one line per model (its maximum, the number of evaluations and the
 start it came from), the host's CPU flags, the TensorFlow version and the date.
@@ -38,6 +44,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfdp import models
+from tfdp.dp import precision
 from tfdp.training import ghost_clipping
 
 sys.path.insert(0, ".")
@@ -166,8 +173,19 @@ def main():
     parser.add_argument("--seconds_per_model", type=float, default=20.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--only", default=None, help="comma-separated model names")
+    parser.add_argument("--emulate", choices=("none", "bf16", "tf32"), default="none",
+                        help="round the rules' matmul inputs as this device does")
+    parser.add_argument("--unhandled", action="store_true",
+                        help="with --emulate: the rules plan for float32 products")
     args = parser.parse_args()
     print(host_line(), flush=True)
+    if args.emulate != "none":
+        device = {"bf16": precision.BF16, "tf32": precision.TF32}[args.emulate]
+        emulation = precision.emulate(device, handled=not args.unhandled)
+        emulation.__enter__()  # kept in `emulation`: a dropped context manager exits
+        print(f"emulated matmul inputs: {device.name}, rules "
+              f"{'NOT told (float32 plan)' if args.unhandled else 'told (split products)'}",
+              flush=True)
     worst = 0.0
     for name, (builder, shape, scale, num_classes) in targets().items():
         if args.only and name not in args.only.split(","):

@@ -5,6 +5,7 @@ import pytest
 import tensorflow as tf
 
 from tfdp.dp import ghost_norms
+from tfdp.dp import precision
 
 RNG = np.random.default_rng(0)
 
@@ -30,15 +31,23 @@ def _per_example(loss_of_example, variable, batch):
     return np.stack(grads)
 
 
+# Issue 27's contract (it replaces issue 18's "equal to the exact norm at 1e-5"): a
+# squared norm never below the exact one, and above it by at most 2e-4 (1e-4 on the
+# norm) on ordinary inputs such as these normal draws. The bound each rule adds to
+# its float32 result (tfdp.dp.ghost_norms, "Rounding") is that excess.
+OVERCOUNT_RTOL = 2e-4
+
+
 def _check(result, per_example, factors):
     """`(squares, weighted_sum)` against the explicit per-example gradients."""
     squares, weighted_sum = result
     expected = np.sum(per_example.reshape(len(per_example), -1) ** 2, axis=1)
-    # The rule adds its rounding bound, n u S^2: visible only where the gradient cancels
-    # to nearly 0, so absolutely tiny next to the batch's largest square.
-    np.testing.assert_allclose(squares.numpy(), expected, rtol=1e-5,
-                               atol=1e-9 * max(1.0, float(np.max(expected))))
-    assert np.all(squares.numpy() >= expected * (1 - 1e-6))
+    # The rule adds its rounding bound: where the gradient cancels to nearly 0 that
+    # is absolutely tiny next to the batch's largest square.
+    atol = 1e-9 * max(1.0, float(np.max(expected)))
+    assert squares.dtype == tf.float32
+    assert np.all(squares.numpy() >= expected * (1 - 1e-6) - atol), (squares, expected)
+    assert np.all(squares.numpy() <= expected * (1 + OVERCOUNT_RTOL) + atol), (squares, expected)
     summed = weighted_sum(tf.constant(factors, tf.float32))
     # A float32 sum over examples: an entry that cancels is off by about 2^-24 of the
     # terms summed, not of the result.
@@ -328,7 +337,8 @@ def test_embedding_negative_ids_are_the_rows_keras_takes():
 
     result = ghost_norms.embedding_sq_norms(ids, g, vocabulary)
     _check(result, _per_example(loss, table, 2), factors=[1.0, 0.5])
-    assert result[0].numpy()[0] == pytest.approx(20.0)  # |(2, 4, 0)|^2, not 5 + 5
+    assert result[0].numpy()[0] == pytest.approx(20.0, rel=1e-5)  # |(2, 4, 0)|^2, not 5 + 5
+    assert result[0].numpy()[0] >= 20.0
 
 
 # -- Broadcast parameters ------------------------------------------------------
@@ -434,20 +444,23 @@ def _cancelling_rows(draw):
 
 
 def _assert_never_too_small(squares, exact, terms, weighted_sum, batch, *, held=False,
-                            rows=None):
+                            rows=None, projection=0):
     """Gram form: never below the exact squared norm of the gradient (a, g) define, and
-    above it by at most 1e-6 relative, or 1e-6 of the cancelling terms' size S where the
-    gradient is (nearly) zero. Direct form (`held`): the float32 per-example gradient is
-    what the sum adds, so the bound is on it (below); it is within float32 rounding of
-    the exact one (2^-24 R S). Both: the vector each example adds has at most the norm
-    computed."""
+    above it by at most 1e-2 relative, or 1e-4 of the cancelling terms' size S where the
+    gradient is (nearly) zero (issue 27's contract: these inputs are adversarial, where
+    the float32 bound may over-count; issue 18's float64 rules kept 1e-6). Direct form
+    (`held`): the float32 per-example gradient is what the sum adds, so the bound is on
+    it (below); it is within float32 rounding of the exact one (2^-24 (R + projection)
+    S, `projection` the float32 WS projection's rounding). Both: the vector each example
+    adds has at most the norm computed."""
     squares = squares.numpy().astype(np.longdouble)
     excess = np.sqrt(squares) - np.sqrt(exact)
     if held:
-        assert np.all(np.abs(excess) <= 1e-6 * np.sqrt(exact) + 2.0**-24 * rows * terms)
+        assert np.all(np.abs(excess) <= 1e-6 * np.sqrt(exact)
+                      + 2.0**-24 * (rows + projection) * terms)
     else:
         assert np.all(squares >= exact), (squares, exact)
-        assert np.all(excess <= 1e-6 * np.sqrt(exact) + 1e-6 * terms), (excess, exact, terms)
+        assert np.all(excess <= 1e-2 * np.sqrt(exact) + 1e-4 * terms), (excess, exact, terms)
     for i in range(batch):
         factors = np.zeros(batch, np.float32)
         factors[i] = 1.0
@@ -481,8 +494,10 @@ def test_ws_kernel_norms_never_come_out_too_small(case):
     centered = w - w.mean(axis=0)
     norms = np.sqrt(np.sum(centered ** 2, axis=0))
     exact, terms = _exact_sq_norms(a, g, views, unit=centered / norms, scale=1 / norms)
+    # The held gradients are projected in float32: two staged sums over the fan-in.
     _assert_never_too_small(squares, exact, terms, weighted_sum, a.shape[0] // views,
-                            held=form == ghost_norms.DIRECT, rows=views * a.shape[1])
+                            held=form == ghost_norms.DIRECT, rows=views * a.shape[1],
+                            projection=2 * precision.sum_chain(fan_in) + 16)
 
 
 @settings(max_examples=40, deadline=None, derandomize=True)
@@ -547,3 +562,108 @@ def test_embedding_norms_never_come_out_too_small(case, vocabulary):
                           for v in range(vocabulary)) for i in range(len(ids))])
     terms = np.sum(np.sqrt(np.sum(g64 ** 2, axis=-1)), axis=1)
     _assert_never_too_small(squares, exact, terms, weighted_sum, len(ids), held=True, rows=rows)
+
+
+# -- Issue 27: at the precision a GPU or TPU really uses ------------------------------------
+#
+# `precision.emulate(device)` rounds the inputs of every matmul of the rules as a TPU
+# (one bf16 pass) or an Ampere GPU (TF32) does. With the rules told (`handled`, as
+# `precision.device_inputs()` tells them on such a device), what each example adds is
+# never more than its computed norm; without (the rules planning for float32 products),
+# it is, on the cancelling rows of issue 18.
+
+EMULATED = [precision.BF16, precision.TF32]
+
+
+def _rule_results(a, g, views, form, seed):
+    """`(name, squares, weighted_sum)` of every rule on the rows `a` and gradients `g`."""
+    fan_in, fan_out = a.shape[-1], g.shape[-1]
+    kernel = tf.Variable(np.random.default_rng(seed).normal(size=(fan_in, fan_out)),
+                         dtype=tf.float32)
+    ids = tf.constant(np.random.default_rng(seed).integers(0, 3, a.shape[:2]))
+    per_channel = g[..., :1] * tf.ones_like(a)
+    with mock.patch.object(ghost_norms, "choose_form", lambda *_: form):
+        yield "kernel", ghost_norms.kernel_sq_norms(ghost_norms.Rows.of(a), g, num_views=views)
+        yield "ws", ghost_norms.ws_kernel_sq_norms(ghost_norms.Rows.of(a), g, kernel,
+                                                   epsilon=1e-4, num_views=views)
+    yield "scale", ghost_norms.broadcast_sq_norms(per_channel, (fan_in,), inputs=a,
+                                                  num_views=views)
+    yield "depthwise", ghost_norms.depthwise_kernel_sq_norms(
+        a[:, :, None, :], per_channel[:, :, None, :], kernel_size=(1, 1), strides=(1, 1),
+        dilation_rate=(1, 1), padding="valid", depth_multiplier=1, num_views=views)
+    yield "embedding", ghost_norms.embedding_sq_norms(ids, g, 3, num_views=views)
+
+
+def _worst_excess(results, batch):
+    """max over rules and examples of |what example i adds| / (f sqrt(squares_i)), f = 0.7."""
+    worst = 0.0
+    for _, (squares, weighted_sum) in results:
+        squares = squares.numpy().astype(np.longdouble)
+        for i in range(batch):
+            factors = np.zeros(batch, np.float32)
+            factors[i] = 0.7
+            added = tf.nest.flatten(weighted_sum(tf.constant(factors)))[0].numpy()
+            size = np.sqrt(np.sum(added.astype(np.longdouble) ** 2))
+            bound = np.longdouble(np.float32(0.7)) * np.sqrt(squares[i])
+            if size > 0:
+                worst = max(worst, float(size / bound) if bound > 0 else np.inf)
+    return worst
+
+
+@pytest.mark.parametrize("device", EMULATED, ids=lambda d: d.name)
+@settings(max_examples=30, deadline=None, derandomize=True)
+@given(case=_cancelling_rows())
+def test_no_rule_adds_more_than_its_norm_at_emulated_device_precision(device, case):
+    a, g, views, form, seed = case
+    with precision.emulate(device):
+        assert precision.splits()
+        worst = _worst_excess(list(_rule_results(a, g, views, form, seed)),
+                              a.shape[0] // views)
+    assert worst <= 1.0, worst
+
+
+@pytest.mark.parametrize("device", EMULATED, ids=lambda d: d.name)
+def test_without_the_precision_handling_the_emulated_device_breaks_the_bound(device):
+    # The same rules planning for float32 products on a device that rounds their inputs:
+    # the vectors added exceed their norms (by ~2^-bits). 12 draws of the cancelling rows.
+    found = 0.0
+    for seed in range(12):
+        rng = np.random.default_rng(seed)
+        a = np.full((2, 6, 9), 255.0)
+        a[np.arange(2), rng.integers(0, 6, 2), rng.integers(0, 9, 2)] -= 1.0
+        g = np.where(np.arange(6) % 2 == 0, 1.0, -1.0)[None, :, None] * rng.normal(size=(2, 1, 5))
+        g = g + 1e-3 * rng.normal(size=(2, 6, 5))
+        a, g = tf.constant(a, tf.float32), tf.constant(g, tf.float32)
+        for form in (ghost_norms.DIRECT, ghost_norms.GRAM):
+            with precision.emulate(device, handled=False):
+                assert not precision.splits()
+                found = max(found, _worst_excess(list(_rule_results(a, g, 1, form, seed)), 2))
+            with precision.emulate(device):
+                assert _worst_excess(list(_rule_results(a, g, 1, form, seed)), 2) <= 1.0
+    print(f"{device.name}: worst |added| / norm without the handling: {found}")
+    assert found > 1 + 2.0**-(device.bits + 2), found
+
+
+@pytest.mark.parametrize("form", [ghost_norms.DIRECT, ghost_norms.GRAM])
+def test_rules_trace_with_a_dynamic_batch(form):
+    # The trainer's Poisson batches have no static size: the rows of each example must
+    # keep theirs (the Gram form, the staged sums and WS need it). A README run failed
+    # here before `example_rows` kept them.
+    x = _normal(3, 4, 5)
+    g = _normal(3, 4, 6)
+    kernel = tf.Variable(_normal(5, 6))
+
+    @tf.function(input_signature=[tf.TensorSpec([None, 4, 5]), tf.TensorSpec([None, 4, 6])])
+    def rules(x, g):
+        with mock.patch.object(ghost_norms, "choose_form", lambda *_: form):
+            plain = ghost_norms.kernel_sq_norms(ghost_norms.Rows.of(x), g)
+            ws = ghost_norms.ws_kernel_sq_norms(ghost_norms.Rows.of(x), g, kernel, epsilon=1e-4)
+        bias = ghost_norms.broadcast_sq_norms(g, (6,))
+        factors = tf.ones([tf.shape(x)[0]])
+        return [r[0] for r in (plain, ws, bias)], [r[1](factors) for r in (plain, ws, bias)]
+
+    squares, sums = rules(x, g)
+    eager = [ghost_norms.kernel_sq_norms(ghost_norms.Rows.of(x), g)[0]]
+    assert all(s.shape == (3,) for s in squares)
+    assert ghost_norms.example_rows(g).shape[1] == 4
+    np.testing.assert_allclose(squares[0].numpy(), eager[0].numpy(), rtol=2e-4)

@@ -16,6 +16,10 @@ from tfdp.training.dp_model import DPModel
 from tests.training import ghost_testing
 
 RTOL = 1e-5
+# Issue 27's contract (it replaces "equal to the other path at 1e-5" for the norms): the
+# ghost norm never comes out below the float32 reference (by more than the two paths'
+# own float32 rounding, RTOL) and above it by at most OVERCOUNT on ordinary inputs.
+OVERCOUNT = 1e-4
 LOSS = ghost_testing.LOSS
 FAMILIES = ghost_testing.FAMILIES
 LOOP_FAMILIES = ghost_testing.LOOP_FAMILIES
@@ -38,8 +42,23 @@ def _ghost_and_vectorized(model, images, labels, mask, l2_clip_norm=0.5):
                              loss_fn=LOSS, example_loss_fn=example_loss)
     grads, (losses, logits) = clipping.per_example_gradients(
         example_loss, model.trainable_variables, (images, labels))
-    summed, norms, clipped = clipping.clipped_sum(grads, l2_clip_norm, mask=mask)
+    _, norms, clipped = clipping.clipped_sum(grads, l2_clip_norm, mask=mask)
+    summed = _sum_with_factors(fast[1], grads, l2_clip_norm, mask)
     return ghost, fast, (summed, norms, clipped, losses, logits)
+
+
+def _assert_norms_bound(fast, slow):
+    """The ghost norms: never below `slow` (to RTOL), above it by at most OVERCOUNT."""
+    fast, slow = np.asarray(fast, np.float64), np.asarray(slow, np.float64)
+    assert np.all(fast >= slow * (1 - RTOL)), (fast, slow)
+    assert np.all(fast <= slow * (1 + OVERCOUNT)), (fast, slow)
+
+
+def _sum_with_factors(norms, grads, l2_clip_norm, mask):
+    """The clipped sum of per-example `grads` with the clip factors of `norms` (the ghost
+    path's): equal to the ghost sum whatever the norms over-count."""
+    factors = clipping.clip_factors(tf.convert_to_tensor(norms), l2_clip_norm) * mask
+    return [clipping.weighted_sum(factors, g) for g in grads]
 
 
 def _assert_same_sum(fast, slow):
@@ -61,7 +80,7 @@ def test_norms_and_clipped_sum_equal_the_vectorized_path(family, num_views):
     ghost, fast, slow = _ghost_and_vectorized(model, images, labels, mask)
     assert not ghost.fallback_variables  # every layer has a rule
     summed, norms, clipped, losses, logits = fast
-    np.testing.assert_allclose(norms.numpy(), slow[1].numpy(), rtol=RTOL)
+    _assert_norms_bound(norms.numpy(), slow[1].numpy())
     np.testing.assert_allclose(losses.numpy(), slow[3].numpy(), rtol=RTOL, atol=1e-6)
     np.testing.assert_allclose(logits.numpy(), slow[4].numpy(), rtol=RTOL, atol=1e-5)
     np.testing.assert_array_equal(clipped.numpy(), slow[2].numpy())
@@ -97,8 +116,9 @@ def test_attention_and_embeddings_equal_the_per_example_loop(family, num_views):
         images, labels, mask, l2_clip_norm=0.5, normalize=False, loss_fn=LOSS,
         example_loss_fn=None)
     grads, slow_losses, slow_logits = _per_example_loop(model, images, labels)
-    slow_summed, slow_norms, slow_clipped = clipping.clipped_sum(grads, 0.5, mask=mask)
-    np.testing.assert_allclose(norms.numpy(), slow_norms.numpy(), rtol=RTOL)
+    _, slow_norms, slow_clipped = clipping.clipped_sum(grads, 0.5, mask=mask)
+    slow_summed = _sum_with_factors(norms, grads, 0.5, mask)
+    _assert_norms_bound(norms.numpy(), slow_norms.numpy())
     np.testing.assert_allclose(losses.numpy(), slow_losses.numpy(), rtol=RTOL, atol=1e-6)
     np.testing.assert_allclose(logits.numpy(), slow_logits.numpy(), rtol=RTOL, atol=1e-5)
     np.testing.assert_array_equal(clipped.numpy(), slow_clipped.numpy())
@@ -293,7 +313,7 @@ def test_layers_without_a_usable_rule_keep_the_vectorized_path(builder, shape, f
     images, labels = _inputs(shape, 1.0)
     ghost, fast, slow = _ghost_and_vectorized(model, images, labels, tf.ones([4]))
     assert [v.path for v in ghost.fallback_variables] == fallback
-    np.testing.assert_allclose(fast[1].numpy(), slow[1].numpy(), rtol=RTOL)
+    _assert_norms_bound(fast[1].numpy(), slow[1].numpy())
     _assert_same_sum(fast[0], slow[0])
 
 
@@ -334,7 +354,7 @@ def test_rule_covered_variants_equal_the_vectorized_path(builder, shape):
     images, labels = _inputs(shape, 1.0)
     ghost, fast, slow = _ghost_and_vectorized(model, images, labels, tf.constant([1., 0, 1, 1]))
     assert not ghost.fallback_variables
-    np.testing.assert_allclose(fast[1].numpy(), slow[1].numpy(), rtol=RTOL)
+    _assert_norms_bound(fast[1].numpy(), slow[1].numpy())
     np.testing.assert_allclose(fast[4].numpy(), slow[4].numpy(), rtol=RTOL, atol=1e-5)
     _assert_same_sum(fast[0], slow[0])
 
@@ -351,7 +371,7 @@ def test_ghost_on_a_model_without_any_rule_equals_the_vectorized_path():
     ghost, fast, slow = _ghost_and_vectorized(_model_without_a_rule(), images, labels,
                                               tf.ones([4]))
     assert not ghost.sites
-    np.testing.assert_allclose(fast[1].numpy(), slow[1].numpy(), rtol=RTOL)
+    _assert_norms_bound(fast[1].numpy(), slow[1].numpy())
     np.testing.assert_allclose(fast[3].numpy(), slow[3].numpy(), rtol=RTOL)
     np.testing.assert_allclose(fast[4].numpy(), slow[4].numpy(), rtol=RTOL)
     _assert_same_sum(fast[0], slow[0])
@@ -550,7 +570,7 @@ def test_frozen_batch_norm_is_a_layer_without_trainable_variables_on_the_ghost_p
     ghost, fast, slow = _ghost_and_vectorized(model, images, labels, tf.ones([4]))
     assert not ghost.fallback_variables
     expected = _brute_force_norms(model, images, labels)
-    np.testing.assert_allclose(fast[1].numpy(), expected, rtol=RTOL)
+    _assert_norms_bound(fast[1].numpy(), expected)
     np.testing.assert_allclose(slow[1].numpy(), expected, rtol=RTOL)
     _assert_same_sum(fast[0], slow[0])
 

@@ -34,15 +34,18 @@ the static shapes: the DIRECT form builds the per-example gradient
 GRAM form never does, summing `(A A^T) * (G G^T)` over the R x R row pairs
 (cost R^2 * (fan_in + fan_out); Li et al. 2022, eq. (4)).
 
-Every rule returns `(squares, weighted_sum)`: the squared norms, float64
-`[batch]`, never below the exact ones (see "Rounding" below), and a function
-`weighted_sum(factors)` that returns `sum_i factors[i] * gradient_i` for
-each parameter, float32, from the same per-example gradients: those the
-rule held (direct-form kernels, biases, scales), or, for Gram-form kernels,
-in float64 from the same rows and output gradients (the
-"book-keeping" of Bu et al. 2022, Sec. 3.2, without a second backward
-pass). A zero factor drops its example even where its gradient is inf or
-nan (as `tfdp.dp.clipping.weighted_sum`).
+Every rule returns `(squares, weighted_sum)`: float32 `[batch]`, per
+example an upper bound on the squared norm of what `weighted_sum` adds for
+it (per unit factor), at the matmul precision the device really uses (see
+"Rounding" below), and a function `weighted_sum(factors)` that returns
+`sum_i factors[i] * gradient_i` for each parameter, float32, from the same
+per-example gradients: those the rule held (direct-form kernels, biases,
+scales), or, for Gram-form kernels, from the same centred rows and output
+gradients as the norm (the "book-keeping" of Bu et al. 2022, Sec. 3.2,
+without a second backward pass). No float64 anywhere: every product and sum
+whose rounding the bound covers goes through `tfdp.dp.precision`. A zero
+factor drops its example even where its gradient is inf or nan (as
+`tfdp.dp.clipping.weighted_sum`).
 
 Pure TensorFlow on tensors: nothing here knows about Keras models. Which
 layer has which rule is kept in a registry (`register_layer_rule`,
@@ -57,6 +60,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfdp.dp import clipping
+from tfdp.dp import precision
 
 DIRECT = "direct"
 GRAM = "gram"
@@ -107,7 +111,12 @@ def example_rows(tensor: tf.Tensor, num_views: int = 1) -> tf.Tensor:
     if d is None:
         d = tf.shape(tensor)[-1]
     batch = tf.shape(tensor)[0] // num_views
-    return tf.reshape(tensor, [batch, -1, d])
+    rows = _static_rows(tensor, num_views)
+    result = tf.reshape(tensor, [batch, -1 if rows is None else rows, d])
+    # The static rows survive a dynamic batch (the trainer's Poisson batches): the Gram
+    # form and the staged sums need them.
+    result.set_shape([None, rows, tensor.shape[-1]])
+    return result
 
 
 def _static_size(tensor: tf.Tensor) -> Optional[int]:
@@ -129,11 +138,12 @@ def choose_form(rows: Optional[int], fan_in: int, fan_out: int) -> str:
     The direct form builds every example's gradient (R fan_in fan_out per
     example, in float32) and holds it until the clip factors are known: the
     clipped sum then adds exactly the vectors whose norms were clipped. The
-    Gram form costs R^2 (fan_in + fan_out) per example for the norms, in
-    float64 (its terms cancel, see "Rounding"), and R fan_in fan_out float64
-    for the clipped sum; it is used where it is more than twice cheaper and
-    the per-example gradients would take the most memory: large kernels over
-    few positions (WRN-16-4's last stage: 590k vs 164k per example). An
+    Gram form costs R^2 (fan_in + fan_out) per example for the norms (exact
+    float32 products: six bf16 passes on a GPU or TPU, `tfdp.dp.precision`),
+    and an R fan_in fan_out contraction for the clipped sum (as a plain
+    step's filter gradient); it is used where it is more than twice cheaper
+    and the per-example gradients would take the most memory: large kernels
+    over few positions (WRN-16-4's last stage: 590k vs 164k per example). An
     unknown R (dynamic positions) takes the direct form.
     """
     if rows is not None and fan_in * fan_out > 2 * rows * (fan_in + fan_out):
@@ -161,16 +171,30 @@ class Rows:
       fan_in: F, W's first dimension.
       order: None, or an int array `[F]`: column f of `a` multiplies row
         `order[f]` of W (see `conv2d_patches`).
+      row_sums: None, or a callable returning float32 `[batch * K, ...]`, each
+        row's sum over its F columns (any float32 rounding of it), cheaper
+        than building the blocks (weight standardization centres the rows
+        with it).
     """
 
     blocks: Tuple[Callable[[], tf.Tensor], ...]
     fan_in: int
     order: Optional[np.ndarray] = None
+    row_sums: Optional[Callable[[], tf.Tensor]] = None
 
     @classmethod
     def of(cls, inputs: tf.Tensor) -> "Rows":
         """The rows of a dense layer's input `[batch * K, ..., fan_in]`, one block."""
-        return cls((lambda: inputs,), inputs.shape[-1], None)
+        return cls((lambda: inputs,), inputs.shape[-1], None,
+                   lambda: tf.reduce_sum(inputs, axis=-1))
+
+    def row_means(self, num_views: int) -> tf.Tensor:
+        """Each row's mean over its columns, float32 `[batch, R]` (a rounding of it)."""
+        if self.row_sums is not None:
+            sums = self.row_sums()
+        else:  # one pass over the blocks
+            sums = tf.add_n([tf.reduce_sum(block(), axis=-1) for block in self.blocks])
+        return example_rows(sums[..., None], num_views)[..., 0] / self.fan_in
 
     def to_kernel_rows(self, tensor: tf.Tensor) -> tf.Tensor:
         """`tensor` [F, ...] indexed like `a`'s columns -> indexed like W's rows."""
@@ -193,139 +217,98 @@ def _one_block_at_a_time(rows: Rows, num_views: int, fn) -> list:
 # -- Rounding: norms that never come out too small -----------------------------
 #
 # A per-example norm that comes out too small lets its example contribute more
-# than C. The rules below can cancel: the Gram form sums (a_r . a_r')(g_r . g_r')
-# over row pairs, and on a nearly constant image at 255 these terms are 1e6 times
-# the result; weight standardization subtracts two large projections from |h|^2.
-# In float32 that cancellation gave one example 1.52 C (issue 18). So every rule
-# computes in float64 from the float32 activations `a` and output gradients `g`
-# (products of two float32 numbers are exact in float64), and returns its computed
-# square PLUS a bound on all float64 rounding in it: `n * u * S^2`, where
-# u = 2^-53, n counts the terms of the longest chain of sums (Higham 2002,
-# Accuracy and Stability of Numerical Algorithms, Sec. 3.1, gamma_n), and
-# S = sum_r |a_r| |g_r| bounds every partial result (|sum_r a_r g_r^T| <= S, and
-# each dot product of a row pair is at most |a_r||a_r'| by Cauchy-Schwarz). The
-# returned square is therefore never below the exact squared norm of the gradient
-# that (a, g) define; the excess is n u rho^2 of it (rho = S / |gradient|, about
-# sqrt(R) for typical inputs: below 1e-10 relative).
+# than C. The rules can cancel: the Gram form sums (a_r . a_r')(g_r . g_r') over
+# row pairs, and on a nearly constant image at 255 these terms are 1e6 times the
+# result; weight standardization subtracts two large projections from |h|^2.
+# Computed naively in float32 that cancellation gave one example 1.52 C (issue
+# 18). On a TPU (bf16 matmul passes) it is worse. The contract (issue 27): the
+# vector each example adds to the clipped sum, AS THE DEVICE COMPUTES IT, has norm
+# at most the norm returned for it, in float32, at the device's matmul precision
+# (`tfdp.dp.precision`). So every rule returns, per example, `squares`: an upper
+# bound on |v_i / f_i|^2, where v_i is what `weighted_sum(factors)` adds for
+# example i with factor f_i (one-hot factors; the float32 sum over a batch, which
+# every DP-SGD library shares, is not counted), rounding of the product f_i * v_i
+# included. Two kinds of rule:
 #
-# The clipped sum adds exactly the vectors whose norms were clipped. Direct-form
-# kernels build each example's gradient in float32 and hold it: its squared norm
-# is summed in float64 (no cancellation), and the sum adds these float32 vectors
-# (WS: projected in float64, then rounded to float32, |round(v)| <= |v|(1 + 2^-24)).
-# Gram-form kernels never build it: their weighted sum is computed in float64 from
-# the same rows (`_weighted_rows_sum`), never by a separate float32 backward pass,
-# whose rounding (up to R u32 S per example, 1e-4 relative on ordinary images) the
-# norm would not bound. Cost: `BUILD.md`, "Ghost norms in float64".
+# - HELD: the rule builds each example's vector (direct-form kernels, grouped and
+#   depthwise kernels, embedding rows, biases and scales) and keeps it; the weighted
+#   sum adds exactly these vectors times the factors (`precision.weighted_sum`:
+#   one rounding per product, on every device). The norm is that of the held
+#   float32 vector: a staged sum of squares, which cannot cancel, with its
+#   rounding bound (`held_squares`). How the held vector was computed (a bf16
+#   pass, a float32 backward pass) does not matter for the bound: it is the
+#   vector added.
+# - GRAM (large kernels over few positions; `choose_form`): the per-example
+#   gradient h = sum_r a_r g_r^T is never built. Its rows are first CENTRED per
+#   example over the positions: d_r = a_r - m with m the rows' mean, and
+#   h = sum_r d_r g_r^T + m s^T with s = sum_r g_r (an error-free sum): R + 1
+#   rows x_r (d_1 .. d_R and m) with output gradients y_r (g_1 .. g_R and s).
+#   On a nearly constant image the d_r are small and s cancels, so the terms of
+#   |h|^2 = sum (x_r . x_r')(y_r . y_r') are no longer 1e6 times the result. The
+#   Grams are products good to float32 on every device (`precision.einsum(...,
+#   exact=True)`, chunked and staged), and the computed |h|^2 gets an
+#   a-posteriori bound of its rounding (Higham 2002, Sec. 3.1):
+#       e_F sum xi_r xi_r' |N_rr'| + e_O sum |M_rr'| eta_r eta_r'
+#           + e_q sum |M_rr' N_rr'| + e_F e_O S^2,
+#   M, N the computed Grams of x and y, xi, eta the rows' norms, S = sum_r xi_r
+#   eta_r, e_F, e_O, e_q the stated errors of the contractions and of the sum.
+#   The weighted sum is computed from the SAME x_r, y_r (the means m kept from
+#   the norms' pass), as one exact contraction over the rows: it adds, for
+#   example i, a vector within e_w f_i S of f_i h, which the norm covers by
+#   adding e_w S to it (`_Gram`). Weight standardization's projection adds its
+#   own terms (`ws_kernel_sq_norms`).
 #
-# TPUs have no float64: there, use clipping="vectorized".
+# What the bound costs: on ordinary images the returned norm exceeds the norm of
+# the vector added by about 1e-5 relative (BUILD.md, "Float32 ghost norms", has
+# the distribution); on adversarial ones (a constant image with one pixel off) it
+# may exceed it more, which only clips that example harder.
 
-NORM_DTYPE = tf.float64
-_UNIT_ROUNDOFF = 2.0**-53
-
-
-def _wide(t: tf.Tensor) -> tf.Tensor:
-    return tf.cast(t, NORM_DTYPE)
-
-
-def _with_rounding_bound(squares: tf.Tensor, bound_sum: tf.Tensor, terms: int) -> tf.Tensor:
-    """`max(squares, 0) + terms * u * bound_sum^2`: never below the exact square (see above)."""
-    return tf.maximum(squares, 0.0) + (terms * _UNIT_ROUNDOFF) * tf.square(bound_sum)
+NORM_DTYPE = tf.float32  # the dtype of every rule's squares (no float64 anywhere)
+_U = precision.UNIT_ROUNDOFF
 
 
-def _sum_of_squares(t: tf.Tensor) -> tf.Tensor:
-    """`sum(t[b]**2)` per example, float64 `[batch]`."""
-    return tf.reduce_sum(tf.square(tf.reshape(t, [tf.shape(t)[0], -1])), axis=1)
+def held_squares(blocks) -> tf.Tensor:
+    """`squares` of held vectors: a bound on |fl(f * v)|^2 / f^2 per example, float32 `[batch]`.
 
+    For per-example vectors v that a weighted sum adds as `fl(f * v)` (one
+    rounding per product: `precision.weighted_sum`, `clipping.weighted_sum`):
+    a staged sum of squares, rounded up by its error bound and the product's.
 
-@dataclasses.dataclass
-class _KernelTerms:
-    """What one pass over a kernel's rows gives (see `_kernel_terms`)."""
+    Args:
+      blocks: a float32 tensor `[batch, ...]` or a list of them (the held
+        vector's pieces).
 
-    squares: tf.Tensor  # float64 [batch], |h|^2 as computed (no bound added)
-    bound_sum: tf.Tensor  # float64 [batch], bounds every partial result (see "Rounding")
-    g_rows: tf.Tensor  # float64 [batch, R, fan_out], the (scaled) output gradients
-    per_example: Optional[tf.Tensor]  # direct form: h^T [batch, fan_out, F], held
-    along_ones: Optional[tf.Tensor]  # Gram form with `unit`: float64 [batch, fan_out], 1 . h_o
-    along_unit: Optional[tf.Tensor]  # Gram form with `unit`: float64 [batch, fan_out], u_o . h_o
-
-
-def _kernel_terms(rows: Rows, output_grads: tf.Tensor, num_views: int, *,
-                  scale: Optional[tf.Tensor] = None,
-                  unit: Optional[tf.Tensor] = None) -> _KernelTerms:
-    """`|h|^2` of `h = sum_r a_r g_r^T` per example, and what WS needs.
-
-    `g_r` is the float32 output gradient, times `scale` (float64 `[fan_out]`,
-    WS) if given. `choose_form` picks one of two ways from the static shapes:
-    - direct: h is built in float32, one `[batch, fan_out, F_k]` block of
-      `rows` at a time, TRANSPOSED (`g^T a` is 20-40% faster than `a^T g` on
-      CPU), and HELD: the clipped sum adds exactly these h, so the norm is
-      theirs, with the squares summed in float64 (a sum of squares cannot
-      cancel; `bound_sum` = |h|). With `scale`, h is scaled (and later
-      projected) in float64.
-    - Gram: h is never built: `|h|^2 = sum (A A^T) * (G G^T)` in float64 (Li
-      et al. 2022, eq. (4)); `bound_sum` = S = sum_r |a_r| |g_r|. With `unit`
-      (float64 `[F, fan_out]` in a's column order) also `1 . h_o = sum_r
-      (sum_k a_rk) g_ro` and `u_o . h_o = sum_r (a_r . u_o) g_ro`.
+    Returns:
+      float32 `[batch]`, never below the exact `sum |fl(f v_i)|^2 / f^2`.
     """
-    fan_out = output_grads.shape[-1]
-    form = choose_form(_static_rows(output_grads, num_views), rows.fan_in, fan_out)
-    g32 = example_rows(output_grads, num_views)
-    g_rows = _wide(g32) if scale is None else _wide(g32) * scale
-    first_column = [0]  # the blocks come in order: where the next one starts in a
-
-    def direct(a32):
-        h = tf.matmul(g32, a32, transpose_a=True)
-        if scale is not None:
-            h = _wide(h) * scale[:, None]
-        return {"h": h, "sq": _sum_of_squares(_wide(h))}
-
-    def gram(a32):
-        first, first_column[0] = first_column[0], first_column[0] + a32.shape[-1]
-        a = _wide(a32)
-        parts = {"row_sq": tf.reduce_sum(tf.square(a), axis=-1),
-                 "gram": tf.matmul(a, a, transpose_b=True)}
-        if unit is not None:
-            parts["ones"] = tf.einsum("br,bro->bo", tf.reduce_sum(a, axis=-1), g_rows)
-            parts["unit"] = tf.reduce_sum(
-                tf.einsum("brf,fo->bro", a, unit[first:first + a32.shape[-1]]) * g_rows, axis=1)
-        return parts
-
-    parts = _one_block_at_a_time(rows, num_views, direct if form == DIRECT else gram)
-    add = lambda key: tf.add_n([p[key] for p in parts])  # noqa: E731
-    if form == DIRECT:
-        squares = add("sq")
-        return _KernelTerms(squares, tf.sqrt(squares), g_rows,
-                            tf.concat([p["h"] for p in parts], axis=-1), None, None)
-    g_gram = tf.matmul(g_rows, g_rows, transpose_b=True)
-    squares = tf.reduce_sum(add("gram") * g_gram, axis=[1, 2])
-    g_sq = tf.reduce_sum(tf.square(g_rows), axis=-1)  # [batch, R]
-    bound_sum = tf.reduce_sum(tf.sqrt(add("row_sq") * g_sq), axis=1)
-    return _KernelTerms(squares, bound_sum, g_rows, None,
-                        add("ones") if unit is not None else None,
-                        add("unit") if unit is not None else None)
+    blocks = blocks if isinstance(blocks, list) else [blocks]
+    sums = [precision.sum_of_squares(b) for b in blocks]
+    chain = max(precision.sum_chain(precision.example_size(b)) for b in blocks)
+    error = precision.gamma(chain + 1 + len(blocks) - 1)
+    relative = error / (1.0 - error) + 3 * _U  # (1 + u)^2 <= 1 + 3u: the factor's product
+    return precision.upper(tf.add_n(sums), relative)
 
 
-def _kernel_rounding_terms(fan_in: int, fan_out: int, rows: Optional[int]) -> int:
-    """n of `_with_rounding_bound` for a kernel rule (both forms, with WS's projections)."""
-    r = rows if rows is not None else 2**20  # unknown positions: a generous count
-    return fan_in * fan_out + 9 * fan_in + fan_out + r * r + 3 * r + 16
+def _root(value: tf.Tensor) -> tf.Tensor:
+    """An upper bound on `sqrt(value)` (value >= 0; a sqrt may be a few ulp off on TPUs)."""
+    return precision.upper(tf.sqrt(tf.maximum(value, 0.0)), 8 * _U)
 
 
 def _summer(blocks, squares, finish=None):
     """`weighted_sum(factors)`: `sum_i factors[i] * blocks[i]`, then `finish`.
 
-    `blocks`: held per-example gradients (float32), a tensor `[batch, ...]` or
-    a list of them concatenated (after summing) along their last axis. A
-    contraction, which needs no temporary of their size, when every example's
-    `squares` is finite; otherwise `clipping.weighted_sum`, where a zero factor
-    drops even an inf or nan gradient.
+    `blocks`: held per-example vectors (float32), a tensor `[batch, ...]` or a
+    list of them concatenated (after summing) along their last axis. One
+    rounding per product (`precision.weighted_sum`) when every example's
+    `squares` is finite; otherwise `clipping.weighted_sum`, where a zero
+    factor drops even an inf or nan gradient (also one rounding per product).
     """
     blocks = blocks if isinstance(blocks, list) else [blocks]
 
     def weighted_sum(factors):
         factors = tf.cast(factors, blocks[0].dtype)
         finite = tf.reduce_all(tf.math.is_finite(squares))
-        summed = [tf.cond(finite, lambda b=b: tf.tensordot(factors, b, 1),
+        summed = [tf.cond(finite, lambda b=b: precision.weighted_sum(factors, b),
                           lambda b=b: clipping.weighted_sum(factors, b)) for b in blocks]
         summed = summed[0] if len(summed) == 1 else tf.concat(summed, axis=-1)
         return summed if finish is None else finish(summed)
@@ -333,31 +316,233 @@ def _summer(blocks, squares, finish=None):
     return weighted_sum
 
 
-def _weighted_rows_sum(rows: Rows, g_rows: tf.Tensor, num_views: int, finish):
-    """`weighted_sum(factors)` of a Gram-form kernel (per-example gradients not built).
+def _centred_columns(a: tf.Tensor, row_means: Optional[tf.Tensor]) -> tf.Tensor:
+    """`a_r - mu_r 1` per row (`row_means` mu `[batch, R]`), or `a` if None."""
+    return a if row_means is None else a - row_means[:, :, None]
 
-    `sum_i factors[i] h_i = sum_{i, r} factors[i] a_ir g_ir^T`, in float64,
-    from the same rows and output gradients (`g_rows`, float64 `[batch, R,
-    fan_out]`) as the norms, built again one block at a time: never a
-    separate float32 backward pass, whose rounding (up to R u32 S per
-    example) the float64 norm would not bound. Rows of a zero factor are
-    zeroed first, so that an inf or nan there cannot reach the sum. `finish`
-    gets float64 `[F, fan_out]` (a's column order).
+
+def _direct_products(rows: Rows, output_grads: tf.Tensor, num_views: int,
+                     row_means: Optional[tf.Tensor] = None) -> list:
+    """Each example's `h^T = sum_r g_r a_r^T`, `[batch, fan_out, F_k]` per block of `rows`.
+
+    TRANSPOSED (`g^T a` is 20-40% faster than `a^T g` on CPU), one pass at
+    the device's precision: these are held, and the norm is theirs. With
+    `row_means`, of the rows centred over their columns (`_centred_columns`).
+    """
+    g = example_rows(output_grads, num_views)
+    return _one_block_at_a_time(
+        rows, num_views, lambda a: precision.matmul(g, _centred_columns(a, row_means),
+                                                    transpose_a=True))
+
+
+def _rows_with_mean(a: tf.Tensor, mean: Optional[tf.Tensor]) -> tf.Tensor:
+    """`[a_1 - m, ..., a_R - m, m]` per example, `[batch, R + 1, F_k]` (`a` if `mean` is None)."""
+    if mean is None:
+        return a
+    return tf.concat([a - mean[:, None, :], mean[:, None, :]], axis=1)
+
+
+def _gram(x: tf.Tensor) -> tf.Tensor:
+    """`x x^T` per example, `[batch, R, R]`, exact products, chunked (`precision`)."""
+    batch, rows = tf.shape(x)[0], x.shape[1]
+    chunks = precision.chunk_last_axis(x)  # [batch, R, C, c]
+    count, width = chunks.shape[2], chunks.shape[3]
+    flat = tf.reshape(tf.transpose(chunks, [0, 2, 1, 3]), [-1, rows, width])  # [batch C, R, c]
+    grams = precision.einsum("nrf,nsf->nrs", flat, flat, exact=True)
+    return tf.reshape(grams, [batch, count, rows, rows]), width
+
+
+def _rows_times(x: tf.Tensor, matrix: tf.Tensor):
+    """`x @ matrix` for x `[batch, R, F_k]`, matrix `[F_k, O]`: exact products, chunked over F_k.
+
+    Returns `([batch, R, O], (chunk length, chunks))`: the chunks' products
+    summed with `staged_sum` (error `precision.chunked_contraction_error`).
+    """
+    batch, rows, fan_out = tf.shape(x)[0], x.shape[1], matrix.shape[-1]
+    chunks = precision.chunk_last_axis(tf.reshape(x, [-1, x.shape[-1]]))  # [batch R, C, c]
+    count, width = chunks.shape[1], chunks.shape[2]
+    pad = count * width - matrix.shape[0]
+    columns = tf.reshape(tf.pad(matrix, [[0, pad], [0, 0]]), [count, width, fan_out])
+    products = precision.einsum("cnf,cfo->cno", tf.transpose(chunks, [1, 0, 2]), columns,
+                                exact=True)  # [C, batch R, O]
+    summed = precision.staged_sum(products, axis=0)
+    return tf.reshape(summed, [batch, rows, fan_out]), (width, count)
+
+
+def _contract_rows(x: tf.Tensor, y: tf.Tensor) -> tf.Tensor:
+    """`sum_{i, r} x_ir y_ir^T`, `[F_k, O]`: exact products, staged over chunks of rows.
+
+    For one example (the others' rows zero) the result is within
+    `rows_contraction_error(R) * sum_r |x_r| |y_r|` of the exact one.
+    """
+    rows = x.shape[1]
+    chunk = _row_chunk()
+    if rows <= chunk:
+        return precision.einsum("brf,bro->fo", x, y, exact=True)
+    count = -(-rows // chunk)
+    pad = [[0, 0], [0, count * chunk - rows], [0, 0]]
+    x = tf.reshape(tf.pad(x, pad), [-1, count, chunk, x.shape[-1]])
+    y = tf.reshape(tf.pad(y, pad), [-1, count, chunk, y.shape[-1]])
+    partial = precision.einsum("cbrf,cbro->cfo", tf.transpose(x, [1, 0, 2, 3]),
+                               tf.transpose(y, [1, 0, 2, 3]), exact=True)  # [C, F_k, O]
+    return precision.staged_sum(partial, axis=0)
+
+
+def _row_chunk() -> int:
+    """Rows of one example per contraction of `_contract_rows` (one GEMM up to 128 rows)."""
+    return min(precision.ROW_CHUNK, precision.contraction_chunk() * 4)
+
+
+def _rows_contraction_error(rows: int) -> float:
+    chunk = min(rows, _row_chunk())
+    return precision.chunked_contraction_error(chunk, -(-rows // chunk))
+
+
+def _staged_over(t: tf.Tensor, axis: int) -> tf.Tensor:
+    return precision.staged_sum(t, axis=axis)
+
+
+@dataclasses.dataclass
+class _Gram:
+    """The Gram form of one kernel's per-example gradients, and their weighted sum.
+
+    Built by `_gram_form`. Every tensor is float32 and per example.
+
+    Attributes:
+      squares: `[batch]`, |h|^2 as computed.
+      error: `[batch]`, a bound on |squares - |h|^2| (see "Rounding").
+      support: `[batch]`, an upper bound on S = sum_r |x_r| |y_r|.
+      row_norms: `[batch, R + 1]`, upper bounds on |x_r|.
+      y: `[batch, R + 1, fan_out]`, the (scaled) output gradients and s.
+      means: per block of rows, `[batch, F_k]` (None without centring).
+      row_means: None, or `[batch, R]`: each row's mean over its columns,
+        subtracted first (`_centred_columns`; weight standardization).
+      weighted_error: e_w: the weighted sum adds, for one example, a vector
+        within `e_w f S` of `f h`.
+      sums: with `unit`, `[batch, R + 1]`, sum_k x_rk as computed (WS).
+      along: with `unit`, `[batch, R + 1, fan_out]`, u_o . x_r as computed (WS).
+      sums_error, along_error: their errors, per |x_r| (see `ws_kernel_sq_norms`).
     """
 
-    def weighted_sum(factors):
-        factors = _wide(factors)
-        keep = factors > 0
-        weights = tf.where(keep, factors, tf.zeros_like(factors))[:, None, None]
-        g = tf.where(keep[:, None, None], g_rows, tf.zeros_like(g_rows)) * weights
+    squares: tf.Tensor
+    error: tf.Tensor
+    support: tf.Tensor
+    row_norms: tf.Tensor
+    y: tf.Tensor
+    means: list
+    weighted_error: float
+    row_means: Optional[tf.Tensor] = None
+    sums: Optional[tf.Tensor] = None
+    along: Optional[tf.Tensor] = None
+    sums_error: float = 0.0
+    along_error: float = 0.0
 
-        def block_sum(a):
-            a = tf.where(keep[:, None, None], _wide(a), tf.zeros([], NORM_DTYPE))
-            return tf.einsum("brf,bro->fo", a, g)
+    def bound(self) -> tf.Tensor:
+        """An upper bound on |h|^2, float32 `[batch]`."""
+        return precision.upper(tf.maximum(self.squares, 0.0) + self.error, 4 * _U)
 
-        return finish(tf.concat(_one_block_at_a_time(rows, num_views, block_sum), axis=0))
+    def weighted_sum(self, rows: Rows, num_views: int, finish):
+        """`weighted_sum(factors)` from the same rows x_r and gradients y_r as the norms.
 
-    return weighted_sum
+        `finish` gets float32 `[F, fan_out]` (a's column order). Rows of a
+        zero factor are zeroed first, so that an inf or nan there cannot
+        reach the sum.
+        """
+
+        def weighted_sum(factors):
+            keep = tf.cast(factors, tf.float32) > 0
+            weights = tf.where(keep, tf.cast(factors, tf.float32), 0.0)
+            keep3 = keep[:, None, None]
+            y = tf.where(keep3, self.y, 0.0) * weights[:, None, None]
+            means = iter(self.means)
+
+            row_means = self.row_means
+            if row_means is not None:
+                row_means = tf.where(keep[:, None], row_means, 0.0)
+
+            def block_sum(a):
+                mean = next(means)
+                a = _centred_columns(tf.where(keep3, a, 0.0), row_means)
+                if mean is not None:
+                    mean = tf.where(keep[:, None], mean, 0.0)
+                return _contract_rows(_rows_with_mean(a, mean), y)
+
+            return finish(tf.concat(_one_block_at_a_time(rows, num_views, block_sum), axis=0))
+
+        return weighted_sum
+
+
+def _gram_form(rows: Rows, output_grads: tf.Tensor, num_views: int, *,
+               scale: Optional[tf.Tensor] = None, unit: Optional[tf.Tensor] = None,
+               row_means: Optional[tf.Tensor] = None) -> _Gram:
+    """The centred Gram form of `h = sum_r a_r g_r^T` per example (see "Rounding").
+
+    `g_r` is the float32 output gradient, times `scale` (float32 `[fan_out]`,
+    WS) if given. With `unit` (float32 `[F, fan_out]` in a's column order,
+    WS) also each row's sum and its products with the unit vectors. With
+    `row_means` (`[batch, R]`), the rows are first centred over their
+    columns (`_centred_columns`).
+    """
+    g = example_rows(output_grads, num_views)  # [batch, R, fan_out]
+    if scale is not None:
+        g = g * scale
+    centred = g.shape[1] > 1
+    y = tf.concat([g, precision.compensated_sum(g, axis=1)[:, None, :]], 1) if centred else g
+    num_rows = y.shape[1]
+    first_column = [0]  # the blocks come in order: where the next one starts in a
+    chunk_counts, along_widths, block_widths = [], [], []
+
+    def block_terms(a):
+        block_widths.append(a.shape[-1])
+        a = _centred_columns(a, row_means)
+        mean = tf.reduce_mean(a, axis=1) if centred else None  # any m: the x_r define h
+        x = _rows_with_mean(a, mean)
+        grams, width = _gram(x)
+        chunk_counts.append((grams.shape[1], width))  # Python ints: not in `parts`
+        parts = {"grams": grams, "norms": precision.staged_sum(tf.square(x)),
+                 "mean": tf.zeros([0]) if mean is None else mean}
+        if unit is not None:
+            first, first_column[0] = first_column[0], first_column[0] + a.shape[-1]
+            parts["sums"] = precision.staged_sum(x)
+            parts["along"], width = _rows_times(x, unit[first:first + a.shape[-1]])
+            along_widths.append(width)
+        return parts
+
+    parts = _one_block_at_a_time(rows, num_views, block_terms)
+    blocks = len(parts)
+    # M = sum over every chunk of every block; e_F for that staging.
+    chunks = sum(count for count, _ in chunk_counts)
+    e_f = precision.chunked_contraction_error(max(w for _, w in chunk_counts), chunks)
+    m = _staged_over(tf.concat([p["grams"] for p in parts], axis=1), 1)  # [batch, R1, R1]
+    chain_f = max(precision.sum_chain(width) for width in block_widths)
+    norm_error = 2.0 * (precision.gamma(chain_f + 1) + precision.gamma(blocks))
+    xi = _root(precision.upper(tf.add_n([p["norms"] for p in parts]), norm_error))
+    n_grams, width_o = _gram(y)
+    e_o = precision.chunked_contraction_error(width_o, n_grams.shape[1])
+    n = _staged_over(n_grams, 1)
+    eta = _root(precision.upper(precision.staged_sum(tf.square(y)),
+                                2.0 * precision.square_sum_error(y.shape[-1])))
+    flat = lambda t: tf.reshape(t, [-1, num_rows * num_rows])  # noqa: E731
+    squares = precision.staged_sum(flat(m * n))
+    e_q = precision.gamma(precision.sum_chain(num_rows * num_rows) + 1)
+    outer = lambda v: v[:, :, None] * v[:, None, :]  # noqa: E731
+    support = precision.upper(precision.staged_sum(xi * eta), 2 * precision.sum_error(num_rows))
+    error = (e_f * precision.staged_sum(flat(outer(xi) * tf.abs(n)))
+             + e_o * precision.staged_sum(flat(tf.abs(m) * outer(eta)))
+             + e_q * precision.staged_sum(flat(tf.abs(m * n)))
+             + e_f * e_o * tf.square(support))
+    error = precision.upper(error, 0.01)  # the float32 sums of these non-negative terms
+    gram = _Gram(squares, error, support, xi, y,
+                 [None if not centred else p["mean"] for p in parts],
+                 _U + (1 + _U) * _rows_contraction_error(num_rows), row_means)
+    if unit is not None:
+        gram.sums = tf.add_n([p["sums"] for p in parts])
+        gram.sums_error = 1.01 * (precision.gamma(chain_f) + precision.gamma(blocks))
+        gram.along = tf.add_n([p["along"] for p in parts])  # [batch, R1, O]
+        width, count = max(w for w, _ in along_widths), max(c for _, c in along_widths)
+        chunked = precision.chunked_contraction_error(width, count)
+        gram.along_error = chunked + (1 + chunked) * precision.gamma(blocks)
+    return gram
 
 
 def kernel_sq_norms(rows: Rows, output_grads: tf.Tensor, *, num_views: int = 1):
@@ -365,8 +550,10 @@ def kernel_sq_norms(rows: Rows, output_grads: tf.Tensor, *, num_views: int = 1):
 
     Every axis of `a` between the first and the last is a position (sequence
     step, conv patch) of the example, and so are its K views: the example's
-    gradient is `sum_r a_r g_r^T` over all of them. Computed in float64 with
-    a bound on its rounding added (never too small: see "Rounding" above).
+    gradient is `sum_r a_r g_r^T` over all of them. `choose_form` picks the
+    direct form (held per-example gradients) or the centred Gram form; either
+    way the squares are an upper bound on the squared norm of what the
+    weighted sum adds for the example (see "Rounding" above), in float32.
 
     Args:
       rows: the input rows `a`, `[batch * K, ..., F]` (`Rows.of(inputs)` for a
@@ -375,17 +562,19 @@ def kernel_sq_norms(rows: Rows, output_grads: tf.Tensor, *, num_views: int = 1):
       num_views: K, the augmult views of each example (consecutive rows).
 
     Returns:
-      `(squares, weighted_sum)`: float64 `[batch]`; `weighted_sum(factors)`
+      `(squares, weighted_sum)`: float32 `[batch]`; `weighted_sum(factors)`
       gives float32 `[F, fan_out]` in W's row order.
     """
-    terms = _kernel_terms(rows, output_grads, num_views)
-    squares = _with_rounding_bound(terms.squares, terms.bound_sum, _kernel_rounding_terms(
-        rows.fan_in, output_grads.shape[-1], _static_rows(output_grads, num_views)))
-    to_kernel = lambda summed: rows.to_kernel_rows(tf.cast(summed, tf.float32))  # noqa: E731
-    if terms.per_example is not None:  # the held float32 gradients
-        return squares, _summer(terms.per_example, squares,
-                                lambda summed: to_kernel(tf.transpose(summed)))
-    return squares, _weighted_rows_sum(rows, terms.g_rows, num_views, to_kernel)
+    fan_out = output_grads.shape[-1]
+    form = choose_form(_static_rows(output_grads, num_views), rows.fan_in, fan_out)
+    if form == DIRECT:
+        held = _direct_products(rows, output_grads, num_views)
+        squares = held_squares(held)
+        return squares, _summer(held, squares, lambda s: rows.to_kernel_rows(tf.transpose(s)))
+    gram = _gram_form(rows, output_grads, num_views)
+    norm = _root(gram.bound()) + gram.weighted_error * gram.support
+    squares = precision.upper(tf.square(norm), 8 * _U)
+    return squares, gram.weighted_sum(rows, num_views, rows.to_kernel_rows)
 
 
 def _same_padding(size, kernel, stride, dilation):
@@ -421,10 +610,21 @@ def conv2d_patches(inputs: tf.Tensor, *, kernel_size, strides, dilation_rate,
     (kh, kw), (sh, sw), (dh, dw) = kernel_size, strides, dilation_rate
     height, width, channels = inputs.shape[1:]
     fan_in = kh * kw * channels
+    original = inputs
+
+    def row_sums():  # the patches of the channels' sum, summed: 1 / channels of the work
+        if channels == 1:
+            summed = original
+        else:
+            summed = tf.reduce_sum(original, axis=-1, keepdims=True)
+        ones = conv2d_patches(summed, kernel_size=kernel_size, strides=strides,
+                              dilation_rate=dilation_rate, padding=padding)
+        return tf.reduce_sum(tf.concat([b() for b in ones.blocks], axis=-1), axis=-1)
+
     if height is None or width is None or not (sh == sw and (sh == 1 or dh == dw == 1)):
         return Rows((lambda: tf.image.extract_patches(
             inputs, sizes=[1, kh, kw, 1], strides=[1, sh, sw, 1], rates=[1, dh, dw, 1],
-            padding=padding.upper()),), fan_in, None)
+            padding=padding.upper()),), fan_in, None, row_sums)
     if padding.lower() == "same":
         pad_h = _same_padding(height, kh, sh, dh)
         pad_w = _same_padding(width, kw, sw, dw)
@@ -454,7 +654,7 @@ def conv2d_patches(inputs: tf.Tensor, *, kernel_size, strides, dilation_rate,
 
     if out_h * out_w * fan_in <= _BLOCK_FLOATS:
         slices = [[piece for row in slices for piece in row]]
-    return Rows(tuple(block(row) for row in slices), fan_in, order)
+    return Rows(tuple(block(row) for row in slices), fan_in, order, row_sums)
 
 
 def conv2d_kernel_sq_norms(
@@ -480,7 +680,7 @@ def conv2d_kernel_sq_norms(
       num_views: K.
 
     Returns:
-      `(squares, weighted_sum)`: float64 `[batch]`; `weighted_sum(factors)`
+      `(squares, weighted_sum)`: float32 `[batch]`; `weighted_sum(factors)`
       gives float32 `[kh, kw, in_channels, filters]`.
     """
     rows = conv2d_patches(inputs, kernel_size=kernel_size, strides=strides,
@@ -512,17 +712,25 @@ def ws_kernel_sq_norms(
     an orthogonal projection P_o (u_o is a unit vector orthogonal to 1) when
     `|c_o|^2 >= epsilon`; below it the scale is the constant epsilon^(-1/2)
     and the u_o term drops out (the `maximum` passes no gradient to |c_o|^2).
+    Everything is float32; `u_o` is computed once per step (float32, so P_o is
+    a projection only up to rounding, which the bound covers).
 
     The projection removes most of h on a nearly constant input (h is then
-    nearly parallel to 1), so its norm must not be taken as a difference of
-    float32 terms (issue 18). Everything here is float64, with the rounding
-    bound of the module's "Rounding" section added. Held per-example
-    gradients (small kernels, direct form) are projected one by one, and the
-    squared norm is that of the projection itself, which cannot cancel.
-    Otherwise `|P_o h_o|^2 = |h_o|^2 - (1.h_o)^2 / F - (u_o.h_o)^2`, each term
-    from h (direct form) or from the rows (Gram form: `1.h_o = sum_r
-    (sum_k a_rk) g_ro`, `u_o.h_o = sum_r (a_r . u_o) g_ro`), and the weighted
-    sum is projected once, in float64.
+    nearly parallel to 1), so its norm must not be taken as a naive
+    difference of float32 terms (issue 18). Direct form (small kernels):
+    every example's `s_o P_o h_o` is built, held, and its own norm taken (a
+    sum of squares: no cancellation). Gram form: the weighted sum of the
+    centred rows' products (see "Rounding") is projected once, and
+
+        |P h|^2 = |h|^2 - sum_o (1.h_o)^2 / F - sum_o (u_o.h_o)^2
+                  + sum_o (|u_o|^2 - 1)(u_o.h_o)^2 + 2 sum_o (1.h_o)(1.u_o)(u_o.h_o) / F
+
+    (the last two: P_o is built from the float32 u_o), each term from the
+    rows (`1.h_o = sum_r (sum_k x_rk) y_ro`, `u_o.h_o = sum_r (x_r.u_o) y_ro`),
+    with a bound on the rounding of each; the norm returned also covers the
+    projection's own rounding in the weighted sum. The Gram form first
+    centres every row over its F columns (`Rows.row_means`): the same P_o h_o,
+    with nearly no component along 1 left for the bound to cancel.
 
     Args:
       rows: the rows `a` (`Rows.of(inputs)` or `conv2d_patches`), F columns.
@@ -533,7 +741,7 @@ def ws_kernel_sq_norms(
       num_views: K.
 
     Returns:
-      `(squares, weighted_sum)`: float64 `[batch]`; `weighted_sum(factors)`
+      `(squares, weighted_sum)`: float32 `[batch]`; `weighted_sum(factors)`
       gives the weighted sum of the per-example gradients wrt W, float32
       `kernel.shape`.
 
@@ -545,37 +753,90 @@ def ws_kernel_sq_norms(
         batch = tf.shape(output_grads)[0] // num_views
         return (tf.zeros([batch], NORM_DTYPE),
                 lambda factors: tf.zeros(kernel.shape, tf.float32))
-    w = _wide(tf.reshape(tf.convert_to_tensor(kernel), [fan_in, fan_out]))
+    w = tf.reshape(tf.cast(tf.convert_to_tensor(kernel), tf.float32), [fan_in, fan_out])
     if rows.order is not None:
         w = tf.gather(w, rows.order)  # W's rows in the order of a's columns
-    centered = w - tf.reduce_mean(w, axis=0, keepdims=True)
-    variance = tf.reduce_sum(tf.square(centered), axis=0)  # F var_o, [fan_out]
-    scale = tf.math.rsqrt(tf.maximum(variance, epsilon))
-    on_sphere = tf.cast(variance >= epsilon, NORM_DTYPE)
-    unit = centered * scale * on_sphere  # u_o, or 0 below epsilon; [F, fan_out]
-    terms = _kernel_terms(rows, output_grads, num_views, scale=scale, unit=unit)
-    rounding_terms = _kernel_rounding_terms(fan_in, fan_out, _static_rows(output_grads, num_views))
+    columns = tf.transpose(w)  # [fan_out, F]
+    centred = columns - precision.staged_sum(columns)[:, None] / fan_in
+    variance = precision.staged_sum(tf.square(centred))  # F var_o, [fan_out]
+    scale = 1.0 / tf.sqrt(tf.maximum(variance, epsilon))
+    on_sphere = tf.cast(variance >= epsilon, tf.float32)
+    unit_t = centred * (scale * on_sphere)[:, None]  # u_o, or 0 below epsilon; [fan_out, F]
 
-    def project(h):  # P_o h_o for every o; h float64 [..., fan_out, F]
-        h -= tf.reduce_mean(h, axis=-1, keepdims=True)
-        unit_t = tf.transpose(unit)  # [fan_out, F]
-        return h - unit_t * tf.reduce_sum(unit_t * h, axis=-1, keepdims=True)
+    def project(h):  # P_o h_o for every o; h float32 [..., fan_out, F]
+        mean = precision.staged_sum(h) / fan_in
+        along = precision.staged_sum(h * unit_t)
+        return h - mean[..., None] - unit_t * along[..., None]
 
-    def to_kernel(summed):  # float [fan_out, F], a's column order -> kernel.shape
-        summed = rows.to_kernel_rows(tf.transpose(tf.cast(summed, tf.float32)))
-        return tf.reshape(summed, kernel.shape)
+    def to_kernel(summed):  # [fan_out, F] in a's column order -> kernel.shape
+        return tf.reshape(rows.to_kernel_rows(tf.transpose(summed)), kernel.shape)
 
-    if terms.per_example is not None:
-        projected = project(terms.per_example)  # [batch, fan_out, F]
-        squares = _with_rounding_bound(_sum_of_squares(projected), terms.bound_sum,
-                                       rounding_terms)
-        return squares, _summer(tf.cast(projected, tf.float32), squares, to_kernel)
-    removed = tf.square(terms.along_ones) / fan_in + tf.square(terms.along_unit)
-    squares = _with_rounding_bound(terms.squares - tf.reduce_sum(removed, axis=1),
-                                   terms.bound_sum, rounding_terms)
-    return squares, _weighted_rows_sum(
-        rows, terms.g_rows, num_views,
-        lambda summed: to_kernel(project(_wide(tf.transpose(summed)))))
+    # P_o removes the direction 1 from h_o: centring every row over its columns first
+    # removes it from h exactly, so that a nearly constant input (h nearly parallel to 1)
+    # leaves nothing large for P_o to cancel in float32.
+    form = choose_form(_static_rows(output_grads, num_views), fan_in, fan_out)
+    if form == DIRECT:  # held: its float32 projection's rounding is in the vector added
+        held = project(tf.concat(_direct_products(rows, output_grads, num_views), axis=-1)
+                       * scale[:, None])
+        squares = held_squares(held)
+        return squares, _summer(held, squares, to_kernel)
+
+    gram = _gram_form(rows, output_grads, num_views, scale=scale, unit=tf.transpose(unit_t),
+                      row_means=rows.row_means(num_views))
+    squares = _ws_gram_squares(gram, unit_t, fan_in)
+    return squares, gram.weighted_sum(
+        rows, num_views, lambda summed: to_kernel(project(tf.transpose(summed))))
+
+
+def _ws_gram_squares(gram: _Gram, unit_t: tf.Tensor, fan_in: int) -> tf.Tensor:
+    """A bound on |v|^2 / f^2 for the projected Gram-form weighted sum (`ws_kernel_sq_norms`).
+
+    With A = |h|^2, X = sum_o x_o^2 (x_o = 1.h_o / sqrt(F)), Y = sum_o y_o^2
+    (y_o = u_o.h_o): `|P h|^2 <= A - X - Y + sum_o delta_o y_o^2 + 2 sum_o
+    eps_o |x_o| |y_o|`, delta_o >= ||u_o|^2 - 1|, eps_o >= |1.u_o| / sqrt(F).
+    x_o and y_o are computed within e_x T_o and e_y T_o (T_o = sum_r |x_r| |y_ro|,
+    sum_o T_o^2 <= S^2), so X and Y within `2 e S sqrt(X) + e^2 S^2` plus their
+    own sums' rounding. The weighted sum adds `fl(P W)` with `W` within
+    `e_w f S` of `f h` (`_Gram`); P's rounding adds at most `c_P u |W|`.
+    """
+    root_f = math.sqrt(fan_in)
+    chain_f = precision.sum_chain(fan_in)
+    num_rows = gram.y.shape[1]
+    e_rows = precision.gamma(precision.sum_chain(num_rows) + 1)
+    # The float32 unit vectors: how far P (built from them) is from a projection.
+    unit_sq = precision.staged_sum(tf.square(unit_t))  # [fan_out]
+    delta = (tf.abs(1.0 - unit_sq) + 2.0 * precision.square_sum_error(fan_in) * unit_sq
+             + 2 * _U)
+    unit_norm = _root(precision.upper(unit_sq, 2.0 * precision.square_sum_error(fan_in)))
+    eps = (tf.abs(precision.staged_sum(unit_t))
+           + 1.01 * precision.gamma(chain_f) * root_f * unit_norm) / root_f
+    y, support = gram.y, gram.support
+    ones = precision.staged_sum(gram.sums[:, :, None] * y, axis=1) / root_f  # x_o [batch, O]
+    along = precision.staged_sum(gram.along * y, axis=1)  # y_o, [batch, O]
+    spread = precision.upper(  # T_o
+        precision.staged_sum(gram.row_norms[:, :, None] * tf.abs(y), axis=1),
+        2 * precision.sum_error(num_rows))
+    e_x = gram.sums_error + (1 + gram.sums_error) * e_rows + 2 * _U
+    e_y = (gram.along_error + (1 + gram.along_error) * e_rows) * unit_norm  # [fan_out]
+    e_y_max = tf.reduce_max(e_y)
+    x_sq = precision.staged_sum(tf.square(ones))
+    y_sq = precision.staged_sum(tf.square(along))
+    e_sum = precision.gamma(precision.sum_chain(ones.shape[-1]) + 1)
+    err_x = 2 * e_x * support * tf.sqrt(x_sq) + e_x**2 * tf.square(support) + e_sum * x_sq
+    err_y = (2 * e_y_max * support * tf.sqrt(y_sq) + tf.square(e_y_max * support)
+             + e_sum * y_sq)
+    x_top = tf.abs(ones) + e_x * spread
+    y_top = tf.abs(along) + e_y * spread
+    deviation = precision.staged_sum(delta * tf.square(y_top) + 2 * eps * x_top * y_top)
+    whole = gram.bound()  # |h|^2
+    projected = (whole - x_sq - y_sq + precision.upper(err_x + err_y + deviation, 0.01)
+                 + 4 * _U * (whole + x_sq + y_sq))
+    projected = precision.upper(tf.maximum(projected, 0.0), 4 * _U)
+    stretch = tf.maximum(1.0, tf.reduce_max(delta + eps))  # the norm of P: 1 unless u_o is off
+    slack = gram.weighted_error * support
+    rounding = 1.03 * (2 * (chain_f + 2) + 8) * _U
+    norm = _root(projected) + stretch * slack + rounding * (_root(whole) + slack)
+    return precision.upper(tf.square(precision.upper(norm, 8 * _U)), 4 * _U)
 
 
 # -- Broadcast parameters: biases, offsets and scales -------------------------
@@ -604,20 +865,21 @@ def broadcast_sq_norms(
       num_views: K.
 
     Returns:
-      `(squares, weighted_sum)`: float64 `[batch]` (the sums over positions
-      cancel too: float64, with the rounding bound of the module's "Rounding"
-      section); `weighted_sum(factors)` gives float32 `parameter_shape`.
+      `(squares, weighted_sum)`: float32 `[batch]`; `weighted_sum(factors)`
+      gives float32 `parameter_shape`. Each example's gradient is held (a
+      staged float32 sum over its positions), and its norm is that of the
+      held vector (the module's "Rounding").
     """
-    terms = _wide(output_grads) if inputs is None else _wide(inputs) * _wide(output_grads)
+    terms = output_grads if inputs is None else inputs * output_grads
     size = math.prod(parameter_shape)
     batch = tf.shape(terms)[0] // num_views
     terms = tf.reshape(terms, [batch, -1, size])  # [batch, R, size]
-    per_example = tf.reduce_sum(terms, axis=1)
-    bound_sum = tf.reduce_sum(tf.sqrt(tf.reduce_sum(tf.square(terms), axis=2)), axis=1)
-    rows = terms.shape[1]
-    squares = _with_rounding_bound(_sum_of_squares(per_example), bound_sum,
-                                   size + 2 * (rows if rows is not None else 2**20) + 8)
-    return squares, _summer(tf.cast(per_example, tf.float32), squares,
+    if terms.shape[1] is None:  # unknown positions: a plain float32 sum (held all the same)
+        per_example = tf.reduce_sum(terms, axis=1)
+    else:  # held: any float32 sum; staged, as accurate as the float32 backward pass
+        per_example = precision.staged_sum(terms, axis=1)
+    squares = held_squares(per_example)
+    return squares, _summer(per_example, squares,
                             lambda summed: tf.reshape(summed, parameter_shape))
 
 
@@ -675,7 +937,7 @@ def einsum_kernel_sq_norms(inputs: tf.Tensor, output_grads: tf.Tensor, equation:
       num_views: K.
 
     Returns:
-      `(squares, weighted_sum)`: float64 `[batch]`; `weighted_sum(factors)`
+      `(squares, weighted_sum)`: float32 `[batch]`; `weighted_sum(factors)`
       gives float32 `kernel_shape`.
 
     Raises:
@@ -729,7 +991,7 @@ def depthwise_kernel_sq_norms(
       num_views: K.
 
     Returns:
-      `(squares, weighted_sum)`: float64 `[batch]`; `weighted_sum(factors)`
+      `(squares, weighted_sum)`: float32 `[batch]`; `weighted_sum(factors)`
       gives float32 `[kh, kw, channels, M]`.
     """
     channels = inputs.shape[-1]
@@ -762,8 +1024,8 @@ def grouped_conv2d_kernel_sq_norms(
     group's kh kw Cg patch entries). It is built directly (R kh kw Cg filters
     per example, the cost of the convolution itself, and the size of the
     kernel per example), in float32, one block of `conv2d_patches` at a
-    time, and HELD: its squared norm is summed in float64 and the weighted
-    sum adds exactly these gradients (the direct form of the module's
+    time, and HELD: its squared norm is a staged float32 sum of squares and
+    the weighted sum adds exactly these gradients (the direct form of the module's
     "Rounding"). G = 1 is an ordinary convolution, which `conv2d_kernel_sq_norms`
     does with the cheaper of both forms.
 
@@ -776,7 +1038,7 @@ def grouped_conv2d_kernel_sq_norms(
       num_views: K.
 
     Returns:
-      `(squares, weighted_sum)`: float64 `[batch]`; `weighted_sum(factors)`
+      `(squares, weighted_sum)`: float32 `[batch]`; `weighted_sum(factors)`
       gives float32 `[kh, kw, channels / G, filters]`.
 
     Raises:
@@ -794,7 +1056,7 @@ def grouped_conv2d_kernel_sq_norms(
 
     def block(a):  # [batch, R, F_k], F_k = offsets_k * C with the channel innermost
         a = tf.reshape(a, [tf.shape(a)[0], -1, a.shape[-1] // channels, groups, per_group])
-        return tf.einsum("brkgc,brgf->bkgcf", a, g)
+        return precision.einsum("brkgc,brgf->bkgcf", a, g, exact=False)  # held
 
     h = tf.concat(_one_block_at_a_time(rows, num_views, block), axis=1)  # a's offset order
     if rows.order is not None:  # the same offset for all channels: the order of offsets
@@ -802,8 +1064,7 @@ def grouped_conv2d_kernel_sq_norms(
     # [batch, kh kw, G, Cg, Fg] -> the kernel's [kh, kw, Cg, G Fg]
     shape = [*kernel_size, per_group, filters]
     h = tf.reshape(tf.transpose(h, [0, 1, 3, 2, 4]), [-1, *shape])
-    squares = _sum_of_squares(_wide(h))
-    squares = _with_rounding_bound(squares, tf.sqrt(squares), math.prod(shape) + 8)
+    squares = held_squares(h)
     return squares, _summer(h, squares)
 
 
@@ -819,8 +1080,8 @@ def embedding_sq_norms(ids: tf.Tensor, output_grads: tf.Tensor, vocabulary_size:
     `E_rr' = [id_r = id_r']` of the example's positions, `h = (first * E) g`
     holds at the FIRST position of each distinct id the sum of that id's
     output gradients, and 0 at repeats (R^2 dim per example, float32; static
-    shapes, so XLA compiles it). Its squared norm is a float64 sum of squares
-    (no cancellation) and the weighted sum scatters exactly these rows back
+    shapes, so XLA compiles it). Its squared norm is a staged float32 sum of
+    squares (no cancellation) and the weighted sum scatters exactly these rows back
     into the table (the direct form of the module's "Rounding").
 
     Args:
@@ -832,7 +1093,7 @@ def embedding_sq_norms(ids: tf.Tensor, output_grads: tf.Tensor, vocabulary_size:
       num_views: K.
 
     Returns:
-      `(squares, weighted_sum)`: float64 `[batch]`; `weighted_sum(factors)`
+      `(squares, weighted_sum)`: float32 `[batch]`; `weighted_sum(factors)`
       gives float32 `[vocabulary_size, dim]`.
     """
     dim = output_grads.shape[-1]
@@ -845,10 +1106,9 @@ def embedding_sq_norms(ids: tf.Tensor, output_grads: tf.Tensor, vocabulary_size:
     same = tf.cast(tf.equal(ids[:, :, None], ids[:, None, :]), g.dtype)  # [batch, R, R]
     earlier = tf.reduce_sum(tf.linalg.band_part(same, -1, 0), axis=-1) - 1.0  # r' < r, same id
     first = tf.cast(tf.equal(earlier, 0.0), g.dtype)[:, :, None]
-    h = tf.matmul(same * first, g)  # [batch, R, dim], nonzero at first occurrences
-    squares = _sum_of_squares(_wide(h))
-    squares = _with_rounding_bound(squares, tf.sqrt(squares),
-                                   (h.shape[1] or 2**20) * dim + 8)
+    # [batch, R, dim], nonzero at first occurrences; held, so one pass at the device's precision
+    h = precision.einsum("brs,bsd->brd", same * first, g, exact=False)
+    squares = held_squares(h)
 
     def weighted_sum(factors):
         weighted = _held_sum(h, factors)

@@ -8,10 +8,10 @@ one forward and one backward pass of the summed loss give for the whole batch
 With the clip factors known, each layer's share of the clipped sum is
 `sum_i factor_i * gradient_i`, which its rule gives from the same activations
 and output gradients as the norm ("book-keeping", Bu et al. 2022, Sec. 3.2):
-from the per-example gradients it held, or in float64 from its rows. So the
-backward pass through the network runs only once, and the vector added for an
-example is the one whose norm was clipped (`tfdp.dp.ghost_norms`, "Rounding":
-the norms are float64 and never too small).
+from the per-example gradients it held, or from the same rows as its norm. So
+the backward pass through the network runs only once, and every norm bounds
+the vector actually added for its example (`tfdp.dp.ghost_norms`, "Rounding":
+float32 norms that never come out too small at the device's matmul precision).
 
 How the activations and output gradients are captured. The wrapped Keras
 model is re-built with `keras.models.clone_model(..., call_function=...)`
@@ -59,6 +59,7 @@ from keras import ops
 
 from tfdp.dp import clipping
 from tfdp.dp import ghost_norms
+from tfdp.dp import precision
 from tfdp.models.nf_res_block import NFResBlock, scaled_relu
 from tfdp.models.scaled_ws_conv2d import ScaledWSConv2D
 from tfdp.models.ws_conv2d import WSConv2D
@@ -77,7 +78,8 @@ class Site:
       forward: `(*inputs) -> output`, the site's computation.
       norms: `(inputs, output, output_grad, num_views) -> (squares, weighted_sum)`:
         the per-example squared gradient norm of `variables`, float32
-        `[batch]` (float64 for the `tfdp.dp.ghost_norms` rules), and
+        `[batch]`, an upper bound on the squared norm of what `weighted_sum` adds
+        per unit factor (`tfdp.dp.ghost_norms`, "Rounding"), and
         `weighted_sum(factors) -> [sum_i factors[i] * gradient_i]` (float32,
         aligned with `variables`).
       num_inputs: how many input tensors `forward` takes.
@@ -751,17 +753,18 @@ class GhostClipping:
                 _, result = backward.result(index, site, inputs)
                 sites.append((site, inputs, None))
                 computed.append(result)
-        # Float64 from here to the factors: the rules' squares are float64 and never below
-        # the exact ones (tfdp.dp.ghost_norms, "Rounding"); so is their sum, up to the
-        # relative n u of adding n non-negative terms, which the last factor covers.
+        # Every rule's squares bound the squared norm of what its weighted sum adds for the
+        # example, per unit factor, in float32 (tfdp.dp.ghost_norms, "Rounding"). Their sum
+        # and root are rounded up here, so that factor * (vector added) <= C (1 + u) for
+        # factor = fl(C / norm): the contribution is at most C (1 + 1e-6) on every device.
         squares = [tf.maximum(sq, 0.0) for sq, _ in computed]
         fallback = []
         if self.fallback_variables:
             fallback, _ = clipping.per_example_gradients(
                 example_loss_fn, self.fallback_variables, (images, labels))
-            squares.append(tf.cast(tf.square(clipping.global_l2_norms(fallback)),
-                                   ghost_norms.NORM_DTYPE))
-        norms = tf.sqrt(tf.add_n(squares)) * (1.0 + (len(squares) + 2) * 2.0**-53)
+            squares.append(tf.add_n([ghost_norms.held_squares(g) for g in fallback]))
+        total = precision.upper(tf.add_n(squares), precision.gamma(len(squares) + 1))
+        norms = precision.upper(tf.sqrt(total), 8 * precision.UNIT_ROUNDOFF)
         mask = tf.cast(mask, norms.dtype)
         factors = clipping.clip_factors(norms, l2_clip_norm, normalize=normalize) * mask
         clipped = tf.cast(norms > l2_clip_norm, tf.float32) * tf.cast(mask, tf.float32)
@@ -771,7 +774,6 @@ class GhostClipping:
         for (site, _, _), (_, weighted_sum) in zip(sites, computed):
             for v, s in zip(site.variables, weighted_sum(factors)):
                 summed[id(v)] = s
-        norms = tf.cast(norms, tf.float32)
         mean_logits = tf.reduce_mean(tf.reshape(logits, [-1, num_views, logits.shape[-1]]), 1)
         return [summed[id(v)] for v in self.variables], norms, clipped, losses, mean_logits
 

@@ -1,0 +1,489 @@
+"""Where privacy depends on float32 rounding: the one home of the ghost norms' arithmetic.
+
+DP-SGD's guarantee needs every example's clipped contribution to have norm
+<= C *as the device computes it*. The ghost-norm rules (`tfdp.dp.ghost_norms`)
+compute each example's norm from sums and matrix products that can cancel, so
+every sum and product whose rounding the norm must cover goes through this
+module, which states what it computes on each device, and a bound on how far
+that can be from the exact result. A test can then emulate a GPU's or a TPU's
+matmul precision on a CPU (`emulate`), and a reader can see here what each
+device computes.
+
+What a device does to a float32 matmul (and convolution) at TensorFlow's
+default settings, and what this module does about it:
+
+| device               | float32 matmul inputs kept | `einsum(..., exact=True)` here            |
+|----------------------|----------------------------|-------------------------------------------|
+| CPU (Eigen, oneDNN)  | all 24 bits (`FLOAT32`)    | one pass                                  |
+| GPU, Ampere or newer | 11 bits, TF32 (`TF32`)     | six passes of exact bf16 pieces (bf16x6)  |
+| TPU, XLA DEFAULT     | 8 bits, one bf16 pass (`BF16`) | six passes of exact bf16 pieces (bf16x6) |
+
+TensorFlow enables TF32 by default (`tf.config.experimental.
+enable_tensor_float_32_execution`), and under XLA that is DEFAULT precision:
+one bfloat16 pass on a TPU. A float32 operand is then rounded to 8 (TPU) or
+11 (TF32) significant bits before it is multiplied. Where a product's
+precision matters, `einsum(..., exact=True)` splits each operand into three
+bfloat16 pieces `a = a1 + a2 + a3` (each piece exactly representable in
+bfloat16, so the device's rounding leaves it unchanged; Henry et al. 2019,
+"Leveraging the bfloat16 Artificial Intelligence Datatype For Higher-Precision
+Computations", the split that XLA's HIGHEST precision also uses) and sums
+the six products of the pieces whose orders add up to at most 4. Each piece
+product is exact in float32 (8 x 8 bits), the three dropped products and
+the remainders are below 4.01 * 2^-24 of `|a| |b|`, so the result is as good
+as a float32 product. Only the few products that the norms depend on pay the
+six passes; the model's own convolutions keep the device's speed.
+
+Errors are stated, as in Higham 2002 ("Accuracy and Stability of Numerical
+Algorithms", 2nd ed., Sec. 3.1), with `u = 2^-24` and `gamma(n) = n u / (1 - n u)`:
+a sum of n terms computed in ANY order is within `gamma(n - 1) * sum |x_i|` of
+the exact sum, and a contraction (dot product) of n products within
+`gamma(n) * sum |a_i b_i|`. So the bound depends on how many terms one sum
+can chain. Every sum here is STAGED: `staged_sum` sums at most `STAGE` terms
+per op and sums the partial results again, and a contraction longer than
+`STAGE` (`CHUNK` when split) is cut into chunks along its length, whose
+results are staged sums. A sum of n terms then chains at most
+`sum_chain(n) = STAGE * ceil(log_STAGE(n))` additions (384 for n <= 2M)
+instead of n. This assumes that no compiler merges the stages into one
+longer chain: XLA's CPU compiler merges consecutive reductions but then cuts
+every reduction into windows of 32 (its tree reduction rewrite: a shorter
+chain), and keeps a chunked contraction's chunks as a batch axis of its dot;
+`tests/dp/precision_test.py` checks both on the compiled HLO. Unchecked on
+GPUs and TPUs (none here).
+
+Underflow (terms below 1e-38) is not covered: a norm that small is below
+any usable clip norm.
+"""
+
+import contextlib
+import dataclasses
+import math
+import os
+from typing import Iterator, Optional
+
+import numpy as np
+import tensorflow as tf
+
+UNIT_ROUNDOFF = 2.0**-24  # float32's u: |fl(x) - x| <= u |x| (round to nearest)
+STAGE = 32  # at most this many terms per op of a staged sum (XLA's CPU tree reduction: 32 too)
+CHUNK = 32  # chunk length of an exact contraction (its error bound vs GEMM efficiency)
+SPLIT_CHUNK = 16  # the same for a split (six-pass) contraction: see `contraction_error`
+ROW_CHUNK = 128  # rows of one example per contraction of a Gram-form weighted sum
+_SPLIT_ERROR = 4.01 * UNIT_ROUNDOFF  # dropped piece products and remainders, per |a| |b|
+_SPLIT_MASS = 1.02  # sum over the six passes of |a_i| |b_j| <= 1.02 |a| |b|
+
+
+def gamma(n: float) -> float:
+    """Higham's `gamma(n) = n u / (1 - n u)` for float32 (u = 2^-24)."""
+    if n * UNIT_ROUNDOFF >= 0.5:
+        raise ValueError(f"gamma({n}) is not small: a sum of that many terms has no useful "
+                         "float32 bound; stage it.")
+    return n * UNIT_ROUNDOFF / (1.0 - n * UNIT_ROUNDOFF)
+
+
+# -- Devices: what a float32 matmul's inputs keep -------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class MatmulInputs:
+    """How a device rounds the float32 inputs of a matmul at default precision.
+
+    Attributes:
+      name: "float32", "tf32" or "bf16".
+      bits: significant bits kept (24, 11, 8): each input is rounded to
+        nearest, a relative change of at most `2^-bits`.
+    """
+
+    name: str
+    bits: int
+
+
+FLOAT32 = MatmulInputs("float32", 24)
+TF32 = MatmulInputs("tf32", 11)
+BF16 = MatmulInputs("bf16", 8)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Emulation:
+    device: MatmulInputs  # what the emulated device does to matmul inputs
+    handled: bool  # whether the rules are told (False: they plan for float32)
+
+
+_emulation: Optional[_Emulation] = None
+_ONEDNN_FPMATH_VARS = ("ONEDNN_DEFAULT_FPMATH_MODE", "TF_SET_ONEDNN_FPMATH_MODE")
+
+
+@contextlib.contextmanager
+def emulate(device: MatmulInputs, *, handled: bool = True) -> Iterator[None]:
+    """Emulates a device's matmul precision on any device, while the rules are traced.
+
+    Inside, every one-pass `einsum` rounds its inputs to `device.bits`
+    significant bits first, as the device would. With `handled`, the rules
+    know it (`planned_inputs()` is `device`) and split the products that
+    matter; with `handled=False` they plan for full float32 while the
+    emulated device rounds: the norms of the old rules on that device (a
+    test shows that the bound then fails). Read while a rule is traced (or
+    run eagerly): a `tf.function` traced outside keeps its precision.
+
+    Args:
+      device: `FLOAT32`, `TF32` or `BF16`.
+      handled: whether the rules see the emulated device.
+    """
+    global _emulation
+    previous, _emulation = _emulation, _Emulation(device, handled)
+    try:
+        yield
+    finally:
+        _emulation = previous
+
+
+def device_inputs() -> MatmulInputs:
+    """What the device that runs the step does to a float32 matmul's inputs.
+
+    `BF16` when a TPU is visible (or the current strategy is a TPUStrategy);
+    `TF32` when a GPU is visible and TF32 execution is enabled (TensorFlow's
+    default); `BF16` when oneDNN's fpmath mode (`ONEDNN_DEFAULT_FPMATH_MODE`,
+    `TF_SET_ONEDNN_FPMATH_MODE`) allows lower precision; otherwise
+    `FLOAT32`. Errs towards rounding: a CPU step of a process that also sees a
+    GPU is treated as TF32 (splitting costs time, never privacy).
+    """
+    if _emulation is not None:
+        return _emulation.device
+    strategy = tf.distribute.get_strategy()
+    if tf.config.list_logical_devices("TPU") or "TPU" in type(strategy).__name__:
+        return BF16
+    if tf.config.list_logical_devices("GPU") and (
+            tf.config.experimental.tensor_float_32_execution_enabled()):
+        return TF32
+    if any(os.environ.get(var, "").upper() not in ("", "STRICT") for var in _ONEDNN_FPMATH_VARS):
+        return BF16
+    return FLOAT32
+
+
+def planned_inputs() -> MatmulInputs:
+    """The precision the rules plan for: `device_inputs()`, unless `emulate(handled=False)`."""
+    if _emulation is not None and not _emulation.handled:
+        return FLOAT32
+    return device_inputs()
+
+
+def splits() -> bool:
+    """Whether `einsum(..., exact=True)` splits its operands (a device that rounds them)."""
+    return planned_inputs().bits < FLOAT32.bits
+
+
+def _round_mantissa(t: tf.Tensor, bits: int) -> tf.Tensor:
+    """`t` rounded to nearest (ties to even) to `bits` significant bits, as float32."""
+    if bits >= 24:
+        return t
+    if bits == 8:
+        return tf.cast(tf.cast(t, tf.bfloat16), tf.float32)  # TensorFlow rounds to nearest even
+    drop = 24 - bits
+    ints = tf.bitcast(t, tf.int32)
+    odd = tf.bitwise.bitwise_and(tf.bitwise.right_shift(ints, drop), 1)
+    ints = tf.bitwise.bitwise_and(ints + ((1 << (drop - 1)) - 1) + odd, ~((1 << drop) - 1))
+    return tf.bitcast(ints, tf.float32)
+
+
+def _device_rounded(t: tf.Tensor) -> tf.Tensor:
+    """What the (emulated) device multiplies for the float32 input `t`."""
+    if _emulation is None:
+        return t  # the real device rounds by itself
+    return _round_mantissa(t, _emulation.device.bits)
+
+
+def bf16_pieces(t: tf.Tensor):
+    """`(t1, t2, t3)`, float32 tensors exactly representable in bfloat16, `t ~ t1 + t2 + t3`.
+
+    `t1 = bf16(t)`, `t2 = bf16(t - t1)`, `t3 = bf16(t - t1 - t2)`, each
+    rounded to nearest: `|t - t1 - t2 - t3| <= 2^-24 |t|` (each remainder is
+    exact in float32 and at most 2^-8 of the previous one).
+    """
+    t1 = _round_mantissa(t, 8)
+    r1 = t - t1
+    t2 = _round_mantissa(r1, 8)
+    t3 = _round_mantissa(r1 - t2, 8)
+    return t1, t2, t3
+
+
+# -- Products ----------------------------------------------------------------------
+
+
+def einsum(equation: str, a: tf.Tensor, b: tf.Tensor, *, exact: bool) -> tf.Tensor:
+    """`tf.einsum(equation, a, b)` for float32 operands, at a stated precision.
+
+    Args:
+      equation: a two-operand einsum equation without an ellipsis, whose two
+        operands start with the same label. Its batch (shared, kept) labels
+        must have the same size on both sides: TensorFlow 2.21's oneDNN
+        batch matmul computes broadcast batch axes wrongly
+        (`tfdp.dp.graph_checks.BROADCAST_MATMUL_BUG`); keep one batch axis
+        (rank 3) where sizes are not static.
+      a, b: float32 operands.
+      exact: False: one pass at the device's precision (what any float32
+        matmul of the model gets; use it where the result is held and its
+        own norm is taken). True: products good to float32, on every device
+        (`contraction_error` bounds the result): one pass where the device
+        keeps float32 inputs, else the six bf16-piece passes of the module
+        docstring, concatenated along the operands' first axis, in one
+        einsum (so that no compiler rewrite can merge two passes into a
+        product of rounded sums): a batch axis is then summed over the six
+        passes, a contracted one is six times as long.
+
+    Returns:
+      float32, the einsum's shape.
+    """
+    if not (exact and splits()):
+        return tf.einsum(equation, _device_rounded(a), _device_rounded(b))
+    inputs, output = equation.replace(" ", "").split("->")
+    left, right = inputs.split(",")
+    if left[0] != right[0]:
+        raise ValueError(f"precision.einsum: {equation!r}: both operands must start with the "
+                         "same label (the axis the six passes are concatenated along).")
+    a1, a2, a3 = bf16_pieces(a)
+    b1, b2, b3 = bf16_pieces(b)
+    stacked_a = tf.concat([a1, a1, a2, a1, a2, a3], axis=0)
+    stacked_b = tf.concat([b1, b2, b1, b3, b2, b1], axis=0)
+    result = tf.einsum(equation, _device_rounded(stacked_a), _device_rounded(stacked_b))
+    if left[0] not in output:  # contracted: the passes' sum is part of the contraction
+        return result
+    axis = output.index(left[0])
+    shape = tf.shape(result)
+    parts = tf.reshape(result, tf.concat([shape[:axis], [6, shape[axis] // 6], shape[axis + 1:]],
+                                         0))
+    return tf.reduce_sum(parts, axis=axis)
+
+
+def matmul(a: tf.Tensor, b: tf.Tensor, *, transpose_a: bool = False) -> tf.Tensor:
+    """`tf.matmul(a, b, transpose_a=...)` at the device's precision (one pass).
+
+    For products that are HELD, whose result's own norm is taken (the ghost
+    rules' direct form), so that their rounding does not matter: `einsum(...,
+    exact=False)` without an einsum's transposes. Same batch shape on both
+    sides (see `einsum`).
+    """
+    return tf.matmul(_device_rounded(a), _device_rounded(b), transpose_a=transpose_a)
+
+
+def contraction_error(length: int, *, exact: bool = True) -> float:
+    """e with `|computed - exact| <= e * sum_k |a_k| |b_k|` for one output of `einsum`.
+
+    For a contraction of `length` products computed by `einsum(..., exact)`.
+    When split, the six passes may be one contraction of `6 * length`
+    products of exact bf16 pieces (`einsum`), whose dropped terms add
+    4.01 u. With `exact=False` on a device that rounds, the inputs'
+    rounding (about 2 * 2^-bits per product) is included. Keep `length` small
+    by chunking long contractions (`chunked_contraction_error`).
+    """
+    if exact and splits():
+        return _SPLIT_ERROR + _SPLIT_MASS * gamma(6 * length + 6)
+    bits = FLOAT32.bits if exact else planned_inputs().bits
+    product = (1.0 + 2.0**-bits)**2 - 1.0 if bits < FLOAT32.bits else 0.0
+    return product + (1.0 + product) * gamma(length + 1)
+
+
+def contraction_chunk() -> int:
+    """Chunk length of an exact contraction on this device: `CHUNK`, or `SPLIT_CHUNK` when split.
+
+    A split contraction may chain six times its length (`contraction_error`).
+    """
+    return SPLIT_CHUNK if splits() else CHUNK
+
+
+def chunked_contraction_error(chunk: int, chunks: int) -> float:
+    """`contraction_error` of `chunks` exact contractions of `chunk` products, then `staged_sum`.
+
+    e = e_chunk + gamma(sum_chain(chunks)) (1 + e_chunk).
+    """
+    inner = contraction_error(chunk, exact=True)
+    return inner + (1.0 + inner) * gamma(sum_chain(chunks))
+
+
+def staged_contraction_error(length: int) -> float:
+    """`chunked_contraction_error` of a contraction of `length` cut by `chunk_last_axis`."""
+    chunk = min(length, contraction_chunk())
+    return chunked_contraction_error(chunk, -(-length // chunk))
+
+
+def chunk_last_axis(t: tf.Tensor, chunk: Optional[int] = None) -> tf.Tensor:
+    """`t` [..., K] -> [..., C, c], zero-padded to C c >= K, with c = min(K, chunk)."""
+    length = t.shape[-1]
+    chunk = min(length, chunk or contraction_chunk())
+    count = -(-length // chunk)
+    if count * chunk != length:
+        pad = [[0, 0]] * (t.shape.rank - 1) + [[0, count * chunk - length]]
+        t = tf.pad(t, pad)  # zeros: exact
+    return tf.reshape(t, tf.concat([tf.shape(t)[:-1], [count, chunk]], 0))
+
+
+# -- Sums ----------------------------------------------------------------------------
+
+
+def _stage_widths(n: int):
+    """The widths that `staged_sum` sums `n` terms in: `(widths, padded)` per stage."""
+    stages = []
+    while n > STAGE:
+        width = next((w for w in range(STAGE, STAGE // 2 - 1, -1) if n % w == 0), None)
+        padded = width is None
+        width = STAGE if padded else width
+        stages.append((width, padded))
+        n = -(-n // width)
+    stages.append((n, False))
+    return stages
+
+
+DYNAMIC_LEVELS = 6  # stages of a staged sum over a size known only at run time (<= 32^6 terms)
+
+
+def sum_chain(n: Optional[int]) -> int:
+    """How many additions one result of `staged_sum` over `n` terms can chain (at most).
+
+    `n` None: a size known only at run time, at most STAGE^DYNAMIC_LEVELS (about 1e9).
+    """
+    if n is None:
+        return DYNAMIC_LEVELS * (STAGE - 1)
+    return sum(width - 1 for width, _ in _stage_widths(n)) if n > 1 else 0
+
+
+def sum_error(n: int) -> float:
+    """e with `|staged_sum(x) - sum(x)| <= e * sum |x|` over `n` terms."""
+    return gamma(sum_chain(n))
+
+
+def staged_sum(t: tf.Tensor, axis: int = -1) -> tf.Tensor:
+    """`sum(t, axis)` in stages of at most `STAGE` terms (static size along `axis`).
+
+    Error `sum_error(n)`. The axis is reshaped (zero-padded where no divisor
+    between STAGE/2 and STAGE exists) to `[n / w, w]` and summed over w,
+    until at most STAGE terms are left: no transpose, whatever the axis.
+    """
+    t = tf.convert_to_tensor(t)
+    axis = axis % t.shape.rank
+    n = t.shape[axis]
+    if n is None:  # DYNAMIC_LEVELS stages of STAGE, zero-padded at run time
+        for _ in range(DYNAMIC_LEVELS):
+            pad = [[0, 0]] * t.shape.rank
+            pad[axis] = [0, tf.math.floormod(-tf.shape(t)[axis], STAGE)]
+            t = tf.pad(t, pad)
+            shape = tf.shape(t)
+            t = tf.reshape(t, tf.concat([shape[:axis], [shape[axis] // STAGE, STAGE],
+                                         shape[axis + 1:]], 0))
+            t = tf.reduce_sum(t, axis=axis + 1)
+        return tf.reduce_sum(t, axis=axis)
+    for width, padded in _stage_widths(n)[:-1]:
+        if padded:
+            pad = [[0, 0]] * t.shape.rank
+            pad[axis] = [0, -n % width]
+            t = tf.pad(t, pad)
+        n = -(-n // width)
+        shape = tf.shape(t)
+        t = tf.reshape(t, tf.concat([shape[:axis], [n, width], shape[axis + 1:]], 0))
+        t = tf.reduce_sum(t, axis=axis + 1)
+    return tf.reduce_sum(t, axis=axis)
+
+
+def example_size(t: tf.Tensor) -> Optional[int]:
+    """Entries per example of `t` [batch, ...], or None if not static."""
+    inner = t.shape[1:]
+    return math.prod(inner.as_list()) if inner.is_fully_defined() else None
+
+
+def flat_examples(t: tf.Tensor) -> tf.Tensor:
+    """`t` [batch, ...] -> [batch, n] (n static where `example_size` is)."""
+    size = example_size(t)
+    return tf.reshape(t, [tf.shape(t)[0], -1 if size is None else size])
+
+
+def sum_of_squares(t: tf.Tensor) -> tf.Tensor:
+    """`sum(t[i]**2)` per example i, float32 `[batch]`, staged; error `square_sum_error`."""
+    return staged_sum(tf.square(flat_examples(t)))
+
+
+def square_sum_error(n: Optional[int]) -> float:
+    """Relative error of `sum_of_squares` over `n` entries (squares and sums both rounded)."""
+    return gamma(sum_chain(n) + 1)
+
+
+def square_sum_excess(n: Optional[int]) -> float:
+    """r with `exact <= computed (1 + r)` for `sum_of_squares` over `n` entries (all >= 0).
+
+    A sum of non-negative terms computed with relative error at most
+    e = `square_sum_error(n)` is at least `exact (1 - e)`: r = e / (1 - e).
+    """
+    error = square_sum_error(n)
+    return error / (1.0 - error)
+
+
+def upper(value: tf.Tensor, relative: float) -> tf.Tensor:
+    """A float32 value `>= value * (1 + relative)` (for `value >= 0`), whatever the rounding.
+
+    `fl(v (1 + r + 3u)) >= v (1 + r + 3u)(1 - u) >= v (1 + r)` for r < 1.
+    """
+    return value * np.float32(1.0 + relative + 3.0 * UNIT_ROUNDOFF)
+
+
+def sum_of_squares_bound(t: tf.Tensor) -> tf.Tensor:
+    """An upper bound, float32 `[batch]`, on the exact `sum(t[i]**2)` of each example's entries."""
+    return upper(sum_of_squares(t), square_sum_excess(example_size(t)))
+
+
+def two_sum(a: tf.Tensor, b: tf.Tensor):
+    """`(s, e)` with `s = fl(a + b)` and `a + b = s + e` exactly (Knuth's TwoSum).
+
+    Needs round-to-nearest float arithmetic that the compiler does not
+    reassociate (TensorFlow and XLA without fast-math; tested under both).
+    """
+    s = a + b
+    b_virtual = s - a
+    a_virtual = s - b_virtual
+    return s, (a - a_virtual) + (b - b_virtual)
+
+
+def compensated_sum(t: tf.Tensor, axis: int = 1) -> tf.Tensor:
+    """`sum(t, axis)` in float32 with error-free pairwise steps (TwoSum), static `axis` size.
+
+    A pairwise tree of `two_sum`s whose exact errors are summed beside it:
+    the result is within `u |sum| + gamma(L)^2 sum |t|` of the exact sum, L
+    the tree's depth (Ogita, Rump & Oishi 2005, "Accurate sum and dot
+    product", Sec. 4; here pairwise). A sum that cancels (sum_r g_r of a
+    group-normalized layer) comes out as accurate as float64 would give it.
+    """
+    t = tf.convert_to_tensor(t)
+    axis = axis % t.shape.rank
+    perm = [axis] + [a for a in range(t.shape.rank) if a != axis]
+    t = tf.transpose(t, perm)
+    n = t.shape[0]
+    if n is None:
+        raise ValueError("compensated_sum needs a static size along its axis.")
+    errors = tf.zeros_like(t)
+    while n > 1:
+        half = n // 2
+        s, e = two_sum(t[:half], t[half:2 * half])
+        e = errors[:half] + errors[half:2 * half] + e
+        if n % 2:
+            s = tf.concat([s, t[2 * half:]], 0)
+            e = tf.concat([e, errors[2 * half:]], 0)
+        t, errors, n = s, e, s.shape[0]
+    return t[0] + errors[0]
+
+
+# -- The clipped sum's contractions ----------------------------------------------------
+
+
+def weighted_sum(factors: tf.Tensor, held: tf.Tensor) -> tf.Tensor:
+    """`sum_i factors[i] * held[i]`, float32 `held.shape[1:]`, each product rounded once.
+
+    The vector example i adds is then `fl(factors[i] * held[i])`, of norm at
+    most `factors[i] |held[i]| (1 + u)`, on every device: a `tensordot`
+    (one GEMV) where the device keeps float32 matmul inputs, elementwise
+    products and a sum where it would round them (a TPU's bf16 pass would
+    add up to 2^-8 to the norm). The sum over the batch is the float32 sum
+    that every DP-SGD implementation shares.
+
+    Args:
+      factors: float32 `[batch]`, finite, >= 0.
+      held: float32 `[batch, ...]`, finite.
+    """
+    factors = tf.cast(factors, held.dtype)
+    if planned_inputs().bits >= FLOAT32.bits:
+        return tf.tensordot(_device_rounded(factors), _device_rounded(held), 1)
+    return tf.reduce_sum(held * tf.reshape(factors, [-1] + [1] * (held.shape.rank - 1)), 0)
