@@ -40,6 +40,13 @@ def test_batch_matmuls_that_may_broadcast_at_rank_4_are_found(lhs, rhs, risky):
     ("...ij,...jk->...ik", [8, 5, 4], [4, 6], False),       # one ellipsis axis
     ("abij,abjk->abik", [8, 1, 5, 4], [8, 1, 4, 6], False),  # named labels never broadcast
     ("abc,cde->abde", [8, 5, 4], [4, 2, 3], False),
+    # Named labels shared by both inputs and the output are batch axes too (the review of
+    # issue 26: a segfault at batch 8, garbage at 4 and 5, not flagged before).
+    ("...hid,hde->...hie", [8, 1, 5, 4], [1, 4, 6], True),
+    ("a...ij,ajk->a...ik", [1, 8, 5, 4], [1, 4, 6], True),
+    ("...hid,hde->...hie", [8, 5, 2, 4], [5, 4, 6], True),  # [8, 5] x [5]: rank 2, broadcast
+    ("bhid,bhde->bhie", [8, 2, 5, 4], [8, 2, 4, 6], False),  # named batch axes, equal
+    ("bhid,hde->bhie", [8, 2, 5, 4], [2, 4, 6], False),  # b only on the left: not batch
 ])
 def test_einsums_whose_ellipsis_may_broadcast_are_found(equation, lhs, rhs, risky):
     found = _risky(lambda a, b: tf.einsum(equation, a, b), tf.TensorSpec(lhs),

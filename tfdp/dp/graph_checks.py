@@ -220,27 +220,33 @@ def _matmul_at_risk(batch_a: Shape, batch_b: Shape) -> bool:
 
 
 def _einsum_batch_shapes(equation: str, shapes) -> Optional[Tuple[Shape, Shape]]:
-    """The shapes of the dimensions an Einsum may broadcast: those under its ellipses.
+    """The batch axes of the batch matmul that TensorFlow runs an Einsum as, per operand.
 
-    TensorFlow's Einsum matches named labels exactly (it broadcasts none);
-    only the dimensions covered by "..." broadcast, and they become the
-    batch axes of its batch matmul. Returns None when the equation has no
-    ellipsis in two inputs' worth of operands (nothing to broadcast).
+    TensorFlow's Einsum (`EinsumOp`) runs a two-operand equation as one batch
+    matmul whose batch axes are, for each operand, the axes under its "..."
+    (which broadcast against the other operand's) followed by the named labels
+    that both inputs and the output have (which must match exactly):
+    `"...hid,hde->...hie"` on `[8, 1, 5, 4]` and `[1, 4, 6]` is a batch matmul
+    with batch axes `[8, 1]` and `[1]`, the oneDNN bug's shape (measured: a
+    segfault). Returns None for other equations (one operand, or a result
+    without "->").
     """
-    inputs = equation.split("->")[0].split(",")
-    if len(inputs) != 2 or len(shapes) != 2 or "..." not in equation.split("->")[0]:
+    if "->" not in equation:
         return None
+    inputs, output = equation.split("->")
+    specs = [spec.strip() for spec in inputs.split(",")]
+    if len(specs) != 2 or len(shapes) != 2:
+        return None
+    named = [re.sub(r"\.\.\.|\s", "", spec) for spec in specs]
+    batch_labels = [c for c in named[0] if c in named[1] and c in output]
     result = []
-    for spec, shape in zip(inputs, shapes):
-        spec = spec.strip()
-        if "..." not in spec:
-            result.append(())
-            continue
-        if shape is None:
+    for spec, labels, shape in zip(specs, named, shapes):
+        if shape is None or len(shape) < len(labels):
             result.append(None)
             continue
-        named = len(re.sub(r"\.\.\.|\s", "", spec))
-        result.append(tuple(shape[:len(shape) - named]) if len(shape) >= named else None)
+        ellipsis = tuple(shape[:len(shape) - len(labels)]) if "..." in spec else ()
+        sizes = dict(zip(labels, shape[len(shape) - len(labels):]))
+        result.append(ellipsis + tuple(sizes[c] for c in batch_labels))
     return result[0], result[1]
 
 
@@ -249,9 +255,10 @@ def broadcast_batch_matmuls(nodes: Iterable[Node]) -> List[Node]:
 
     `BatchMatMul`, `BatchMatMulV2` and `BatchMatMulV3` whose operands have
     two or more batch axes (rank >= 4) and may broadcast one over the other
-    (`_matmul_at_risk`), and `Einsum`s whose ellipsis dimensions may do the
-    same (TensorFlow's Einsum runs them as such a batch matmul: measured,
-    `einsum("...ij,jk->...ik", [8, 1, 5, 4], [4, 6])` corrupts the heap).
+    (`_matmul_at_risk`), and `Einsum`s whose batch matmul (`_einsum_batch_shapes`:
+    the "..." axes and the named labels both inputs and the output share)
+    may do the same (measured: `einsum("...ij,jk->...ik", [8, 1, 5, 4], [4, 6])`
+    and `einsum("...hid,hde->...hie", [8, 1, 5, 4], [1, 4, 6])` corrupt the heap).
     See `BROADCAST_MATMUL_BUG`. Unknown shapes count as at risk.
 
     Args:
