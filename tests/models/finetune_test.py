@@ -425,3 +425,27 @@ def test_splits_overlap(a, b, overlap):
     with data.mock_data(num_examples=60000):
         assert data.splits_overlap("fashion_mnist", a, b) is overlap
         assert data.splits_overlap("fashion_mnist", b, a) is overlap
+
+
+@keras.saving.register_keras_serializable("finetune_test")
+class _BatchCenter(keras.layers.Layer):
+    """Subtracts the batch mean, in any mode."""
+
+    def call(self, x):
+        return x - keras.ops.mean(x, axis=0, keepdims=True)
+
+
+def test_a_cached_trunk_that_mixes_examples_is_refused(tmp_path):
+    # The review of issue 26: head-only fine-tuning caches the trunk's features, and only
+    # the head is wrapped in the DPModel, so a trunk layer that centres by the batch mean
+    # made every cached feature depend on the other images of its batch, unchecked.
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((16, 16, 3))
+    x = keras.layers.Conv2D(8, 3, activation="relu")(keras.layers.Rescaling(1 / 255)(inputs))
+    x = keras.layers.GlobalAveragePooling2D()(_BatchCenter(name="batch_center")(x))
+    path = str(tmp_path / "mixing_backbone.keras")
+    keras.Model(inputs, keras.layers.Dense(5, name="classifier")(x)).save(path)
+    model = models.build_finetune_model(10, (16, 16, 3), backbone=path, trainable="head")
+    with pytest.raises(models.ExampleMixingError,
+                       match=r"In inference mode.*batch_center mixes examples"):
+        models.frozen_feature_extractor(model)

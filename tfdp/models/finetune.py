@@ -33,6 +33,7 @@ import numpy as np
 import tensorflow as tf
 from absl import logging
 
+from tfdp.models import validation
 from tfdp.models.feature_extractor import FrozenFeatureExtractor, compute_model_features
 
 APPLICATIONS_PREFIX = "keras.applications."
@@ -282,12 +283,22 @@ def frozen_feature_extractor(model, *, batch_size=256):
         any other model gives None.
       batch_size: images per forward pass when computing the features.
 
+    The trunk computes each example's features from a batch of images, so it
+    is probed like the model DPModel trains, in inference mode: one image
+    must not move another's features (`tfdp.models.refuse_example_mixing`);
+    only the head is wrapped in the DPModel, whose own probe would not see a
+    trunk layer that centres by the batch mean.
+
     Returns:
       None unless `model` has a "trunk" without trainable variables and a
       "head"; else a `FrozenFeatureExtractor` whose `compute_features` runs
       the trunk in inference mode, whose `head` is the model's head (features
       `[batch, *trunk.output_shape[1:]]` -> logits) and whose `compose`
       returns `model` itself (it shares the head's variables).
+
+    Raises:
+      tfdp.models.ExampleMixingError: a trunk whose features of one image
+        depend on the other images of its batch.
     """
     try:
         trunk, head = model.get_layer(TRUNK), model.get_layer(HEAD)
@@ -295,6 +306,7 @@ def frozen_feature_extractor(model, *, batch_size=256):
         return None
     if trunk.trainable_variables or not head.trainable_variables:
         return None
+    validation.refuse_example_mixing(trunk, training=False)
 
     def compose(trained_head):
         if trained_head is not head:

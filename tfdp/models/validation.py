@@ -1,5 +1,7 @@
 """Checks that a Keras model is compatible with per-example DP-SGD."""
 
+import re
+
 import keras
 import numpy as np
 
@@ -219,7 +221,7 @@ def validate_dp_model(model, *, check_inputs=None, atol=1e-5):
 
 # -- The behavioural check: does one example move another's output? ----------
 
-_PROBE_SIZE = 4  # examples in the probe batch
+_PROBE_SIZE = 6  # examples in the probe batch (more than 4: a layer may mix only beyond)
 _UNKNOWN_DIM = 32  # probe size of an input dimension the model leaves open
 # Probe pixel ranges, tried in order: tfdp's image range, then small values for a model
 # whose inputs are ids (an Embedding rejects ids >= its vocabulary).
@@ -264,8 +266,45 @@ def _probe_shape(model, example_shape):
             *(_UNKNOWN_DIM if d is None else int(d) for d in example_shape)), fixed
 
 
-def _call(model, inputs):
-    """`model(inputs, training=True)`, flattened to numpy, changing no variable.
+def _seed_states(model):
+    """ids of the state variables of every `keras.random.SeedGenerator` in `model`."""
+    states = set()
+    for _, layer in iter_layers(model):
+        for value in vars(layer).values():
+            if isinstance(value, keras.random.SeedGenerator):
+                states.add(id(value.state))
+    return states
+
+
+def _numpy(tensors):
+    return [np.asarray(keras.ops.convert_to_numpy(t)) for t in keras.tree.flatten(tensors)]
+
+
+def _perturbed_weights(model, rng):
+    """A `StatelessScope` state mapping: every trainable variable plus random noise.
+
+    Probing at perturbed weights keeps a layer that starts at zero (a
+    fine-tuning head initialized to zeros) from hiding a mixing layer below
+    it: at the initial weights such a model's outputs are constant, while the
+    head's gradient, made of the mixed features, is not. The noise is normal,
+    of standard deviation half the variable's root mean square (0.05 for a
+    variable of zeros).
+    """
+    mapping = []
+    for v in model.trainable_variables:
+        value = np.asarray(keras.ops.convert_to_numpy(v.value))
+        rms = float(np.sqrt(np.mean(np.square(value)))) if value.size else 0.0
+        noise = rng.normal(size=value.shape) * (0.5 * rms if rms > 0 else 0.05)
+        mapping.append((v, keras.ops.convert_to_tensor((value + noise).astype(value.dtype))))
+    return mapping
+
+
+def _call(model, inputs, weights=(), training=True):
+    """`(outputs, assigned)` of `model(inputs, training=...)`, changing no variable.
+
+    `outputs`: the model's outputs, flattened to numpy; `weights`: a state
+    mapping of the trainable variables (`_perturbed_weights`), or () for
+    their values; `assigned`: the non-trainable variables the call assigned.
 
     Each call runs in a fresh `keras.StatelessScope`: updates of variables
     (a BatchNormalization's moving statistics, a `keras.random.SeedGenerator`'s
@@ -273,9 +312,11 @@ def _call(model, inputs):
     state and a layer that draws random numbers with Keras' seed generators
     (Dropout, GaussianNoise) draws the same ones each time.
     """
-    with keras.StatelessScope():
-        outputs = model(inputs, training=True)
-    return [np.asarray(keras.ops.convert_to_numpy(o)) for o in keras.tree.flatten(outputs)]
+    with keras.StatelessScope(state_mapping=list(weights)) as scope:
+        outputs = model(inputs, training=training)
+    assigned = [v for v in model.non_trainable_variables
+                if scope.get_current_value(v) is not None]
+    return _numpy(outputs), assigned
 
 
 def _others_moved(before, after, changed, rows):
@@ -289,20 +330,8 @@ def _others_moved(before, after, changed, rows):
     return False
 
 
-def _probe_pairs(shape, scale, seed=0):
-    """A probe batch and, for the first and the last example, the batch with it replaced."""
-    rng = np.random.default_rng(seed)
-    base = (rng.random(shape) * scale).astype(np.float32)
-    pairs = []
-    for j in sorted({0, shape[0] - 1}):
-        other = base.copy()
-        other[j] = (rng.random(shape[1:]) * scale).astype(np.float32)
-        pairs.append((j, other))
-    return base, pairs
-
-
 def _recorded_calls(model, inputs):
-    """`[(path, layer, args, output)]` of every layer call of a functional or Sequential model.
+    """`(input, [(layer, args, output)])` of every layer call of a functional or Sequential model.
 
     Built with `keras.models.clone_model(..., call_function=...)`, the public
     hook into each layer call of a functional model (the same one
@@ -330,7 +359,7 @@ def _recorded_calls(model, inputs):
     return tensor, calls
 
 
-def _first_mixing_layer(model, inputs, changed_inputs, changed, path):
+def _first_mixing_layer(model, inputs, changed_inputs, changed, path, training, weights):
     """The path of the first layer call whose output rows move with another example's input.
 
     Looks inside a nested functional or Sequential model whose inputs do not
@@ -347,7 +376,8 @@ def _first_mixing_layer(model, inputs, changed_inputs, changed, path):
         if isinstance(layer, keras.Model) and len(args) == 1:
             wanted.append(args[0])
     probe = keras.Model(tensor, wanted)
-    outs_a, outs_b = _call(probe, inputs), _call(probe, changed_inputs)
+    outs_a = _call(probe, inputs, weights, training)[0]
+    outs_b = _call(probe, changed_inputs, weights, training)[0]
     flat = 0
     for layer, args, output in calls:
         count = len(keras.tree.flatten(output))
@@ -362,61 +392,155 @@ def _first_mixing_layer(model, inputs, changed_inputs, changed, path):
         if moved:
             name = f"{path}/{layer.name}"
             if nested and len(in_a) == 1 and not _others_moved(in_a, in_b, changed, rows):
-                return _first_mixing_layer(layer, in_a[0], in_b[0], changed, name)
+                return _first_mixing_layer(layer, in_a[0], in_b[0], changed, name, training,
+                                           weights)
             return name
     return path
 
 
-def refuse_example_mixing(model, example_shape=None):
-    """Raises if, in training mode, one example's input moves another example's output.
+def _custom_gradient_ops(model, shape, training):
+    """Names of the ops of `model`'s traced call whose user-defined gradient is not vouched for.
+
+    `tf.custom_gradient` (and `keras.ops.custom_gradient`) mark their op with
+    a `_gradient_op_type` attribute; such a backward pass need not be the
+    transpose of the forward one, so a forward probe cannot vouch for it.
+    Those made inside a Keras built-in layer (e.g. TensorFlow's silu in an
+    EfficientNet's Activation layers) are Keras' and TensorFlow's own and are
+    trusted; one made by any other layer (a user layer, a Lambda, an op of the
+    functional graph, a layer that cannot be told from the op's name) is
+    returned. The owner is read from the op's name scopes (the layers' names,
+    with Keras' "_<n>" call suffixes).
+    """
+    import tensorflow as tf  # pylint: disable=g-import-not-at-top
+
+    from tfdp.dp import graph_checks  # pylint: disable=g-import-not-at-top
+
+    concrete = tf.function(lambda x: model(x, training=training), autograph=False)
+    with keras.StatelessScope():
+        traced = concrete.get_concrete_function(tf.TensorSpec(shape, tf.float32))
+    layers = {layer.name: layer for _, layer in iter_layers(model)}
+    untrusted = []
+    for node in graph_checks.graph_nodes(traced):
+        if "_gradient_op_type" not in node.attr:
+            continue
+        owner = None
+        for part in node.name.split("/")[:-1]:
+            owner = layers.get(part) or layers.get(re.sub(r"_\d+$", "", part)) or owner
+        trusted = (owner is not None and not isinstance(owner, (keras.Model, keras.layers.Lambda))
+                   and type(owner).__module__.startswith("keras."))
+        if not trusted:
+            untrusted.append(node.name)
+    return untrusted
+
+
+def _gradient_moved(model, base, scale, rng, training, weights):
+    """Whether the gradient of some examples' outputs moves when other examples change.
+
+    For every bit b of the example index, and both of its values v: the
+    gradient (reverse mode, the model's own backward pass, custom gradients
+    included) of `sum_{j: bit b of j = v} <u_j, outputs_j>` with respect to
+    the trainable variables, before and after the examples whose bit b is
+    not v are replaced. Any two examples differ in some bit, so an example
+    whose backward pass reads another is caught. Exact comparison.
+    """
+    import tensorflow as tf  # pylint: disable=g-import-not-at-top
+
+    rows = base.shape[0]
+    reference = _call(model, base, weights, training)[0]
+    projections = [rng.normal(size=r.shape).astype(np.float32) for r in reference]
+    values = [value for _, value in weights]
+
+    def gradient(inputs, keep):
+        with tf.GradientTape() as tape:
+            tape.watch(values)
+            with keras.StatelessScope(state_mapping=list(weights)):
+                outputs = keras.tree.flatten(model(inputs, training=training))
+            total = tf.add_n([tf.reduce_sum(tf.boolean_mask(o * p, keep)) for o, p in zip(
+                outputs, projections) if o.shape.rank and o.shape[0] == rows])
+        return _numpy(tape.gradient(total, values,
+                                    unconnected_gradients=tf.UnconnectedGradients.ZERO))
+
+    for bit in range(max(1, int(np.ceil(np.log2(rows))))):
+        for value in (0, 1):
+            keep = ((np.arange(rows) >> bit) & 1) == value
+            if keep.all() or not keep.any():
+                continue
+            changed = base.copy()
+            changed[~keep] = (rng.random(changed[~keep].shape) * scale).astype(np.float32)
+            if any(not np.array_equal(a, b, equal_nan=True)
+                   for a, b in zip(gradient(base, keep), gradient(changed, keep))):
+                return True
+    return False
+
+
+def refuse_example_mixing(model, example_shape=None, *, training=True):
+    """Raises if one example can move another example's output, gradient or the model's state.
 
     DP-SGD's sensitivity assumes that each example's loss, and so its
     gradient, depends on that example alone: a layer that mixes examples
     (BatchNorm with batch statistics, a `Lambda` that subtracts the batch
     mean, a `LayerNormalization(axis=0)`, a user layer that reduces over the
-    batch axis) lets one example move the others' gradients, and the clip no
-    longer bounds what it changes (How to DP-fy ML, Ponomareva et al. 2023,
-    Sec. 5.5.1). Layer classes and names cannot tell (a Lambda has neither),
-    so this checks the behaviour on a probe batch of random images in
-    [0, 255] (tfdp's input range; [0, 2) where the model rejects those, e.g.
-    an Embedding's ids), in the model's input shape (an open dimension is
-    probed at 32), in training mode:
-    1. the first and then the last example is replaced by another random
-       image: every other example's outputs must stay BITWISE equal. Exact
-       equality is justified: the two calls run the same ops on inputs of the
-       same shapes (the kernels' blocking and reduction orders depend on
-       shapes, not values), so a per-example model gives identical rows;
+    batch axis, a custom gradient that does) lets one example move the
+    others' gradients, and the clip no longer bounds what it changes; a layer
+    that stores a statistic of the batch in a variable (a running mean)
+    releases private data in the model without noise (How to DP-fy ML,
+    Ponomareva et al. 2023, Sec. 5.5.1). Layer classes and names cannot tell
+    (a Lambda has neither), so this checks the behaviour on a probe batch of
+    6 random images in [0, 255] (tfdp's input range; [0, 2) where the model
+    rejects those, e.g. an Embedding's ids), in the model's input shape (an
+    open dimension is probed at 32), in training mode (or inference mode,
+    for a frozen feature extractor):
+    the trainable variables are perturbed at random for the probe
+    (`_perturbed_weights`: a head initialized to zeros cannot hide a mixing
+    layer below it), then
+    1. each example in turn is replaced by another random image: every other
+       example's outputs must stay BITWISE equal. Exact equality is
+       justified: the two calls run the same ops on inputs of the same shapes
+       (the kernels' blocking and reduction orders depend on shapes, not
+       values), so a per-example model gives identical rows;
     2. the last example is removed: the others' outputs must stay within
-       1e-4 of the largest output (a batch-size-dependent op such as a
-       division by the batch size; a different batch size may change the
-       kernels' blocking, hence the tolerance), unless the model fixes its
-       batch size.
+       1e-4 of the largest (a division by the batch size; a different batch
+       size may change the kernels' blocking, hence the tolerance), unless
+       the model fixes its batch size;
+    3. a model whose traced call has ops with a user-defined gradient outside
+       Keras' own layers (`tf.custom_gradient`; `_custom_gradient_ops`) is
+       also probed in reverse mode: for each bit of the example index, the
+       gradient of the outputs of the examples with one value of that bit
+       must not move when the others change;
+    4. no variable but a trainable one or a `keras.random.SeedGenerator`'s
+       state may be assigned by the call (a running statistic of the batch).
     Each call runs in its own `keras.StatelessScope` (nothing of the model
     changes, and Keras' seeded random layers such as Dropout draw the same
-    numbers in both calls). A model whose outputs differ between two calls on
-    the SAME batch (random ops outside Keras' seed generators) cannot be
+    numbers in both calls). A model whose outputs differ between two calls
+    on the SAME batch (random ops outside Keras' seed generators) cannot be
     checked and is refused.
 
     Args:
       model: a built `keras.Model` with one input (the one DPModel wraps).
       example_shape: the shape of one example, without the batch axis (e.g.
         `(28, 28, 1)`); None: the model's input shape (`input_example_shape`).
+      training: the mode to probe (True: how DP-SGD trains the model).
 
     Raises:
       ExampleMixingError (a ValueError): naming the first layer whose output
         mixes examples (its path from the model down; a subclassed model is
-        named whole), or the model whose outputs are not repeatable, with the
-        fix; if the model cannot run on a probe batch at all; or if its input
-        shape is unknown and no `example_shape` is given.
+        named whole), the variables a call assigns, or the model whose
+        outputs are not repeatable, with the fix; if the model cannot run on a
+        probe batch at all; or if its input shape is unknown and no
+        `example_shape` is given.
     """
+    import tensorflow as tf  # pylint: disable=g-import-not-at-top
+
     shape, fixed_batch = _probe_shape(model, example_shape)
     if shape[0] < 2:
         return  # a batch of one example cannot mix examples
+    rng = np.random.default_rng(0)
+    weights = _perturbed_weights(model, rng)
     errors = []
     for scale in _PROBE_SCALES:
-        base, pairs = _probe_pairs(shape, scale)
+        base = (rng.random(shape) * scale).astype(np.float32)
         try:
-            reference = _call(model, base)
+            reference = _call(model, base, weights, training)
         except Exception as error:  # noqa: BLE001 (the model rejects this range; try the next)
             errors.append(f"{type(error).__name__}: {str(error).splitlines()[0][:200]}")
             continue
@@ -426,33 +550,55 @@ def refuse_example_mixing(model, example_shape=None):
             f"Cannot check that {model.name} keeps examples apart: it fails on a probe batch "
             f"of shape {list(shape)} ({'; '.join(errors)}). Build the model with a fixed "
             "input shape (keras.Input(shape=(H, W, C))) that takes float32 images.")
-    for changed, other in pairs:
-        if not _others_moved(reference, _call(model, other), changed, shape[0]):
+    seeds = _seed_states(model)
+    stored = [v.path for v in reference[1] if id(v) not in seeds]
+    if stored:
+        raise ExampleMixingError(
+            f"In training mode, {model.name} assigns the non-trainable variables {stored} from "
+            "its batch (a running statistic, as BatchNormalization's moving mean): a statistic "
+            "of the private data, kept in the model and exported without noise, and shared by "
+            "the examples of later batches. Compute it per example, or from public data, or "
+            "freeze the layer so that it does not update (trainable = False).")
+    outputs = reference[0]
+    for changed in range(shape[0]):
+        other = base.copy()
+        other[changed] = (rng.random(shape[1:]) * scale).astype(np.float32)
+        if not _others_moved(outputs, _call(model, other, weights, training)[0], changed,
+                             shape[0]):
             continue
-        if _others_moved(reference, _call(model, base), -1, shape[0]):
+        if _others_moved(outputs, _call(model, base, weights, training)[0], -1, shape[0]):
             raise ExampleMixingError(
                 f"{model.name} gives different outputs in two training-mode calls on the same "
                 "batch: it draws random numbers that Keras' seed generators do not control "
-                "(e.g. tf.random.* in a custom layer), so tfdp cannot check that it keeps "
-                "examples apart. Draw them with keras.random.* and a "
-                "keras.random.SeedGenerator, as Keras' Dropout does.")
-        layer = _first_mixing_layer(model, base, other, changed, model.name)
+                "(e.g. tf.random.* in a custom layer), or a kernel gives different results on "
+                "the same input, so tfdp cannot check that it keeps examples apart. Draw them "
+                "with keras.random.* and a keras.random.SeedGenerator, as Keras' Dropout does.")
+        layer = _first_mixing_layer(model, base, other, changed, model.name, training,
+                                    weights)
         raise ExampleMixingError(
-            f"In training mode, the output of {model.name} for one example changes when "
-            f"another example of the batch changes: layer {layer} mixes examples across the "
-            "batch (e.g. a batch mean, a normalization over axis 0), so one example could move "
-            "the clipped gradient sum by more than l2_clip_norm and the reported epsilon would "
-            "not hold. " + _FIX_HINT)
+            f"In {'training' if training else 'inference'} mode, the output of {model.name} for one "
+            "example (or its gradient) "
+            f"changes when another example of the batch changes: layer {layer} mixes "
+            "examples across the batch (e.g. a batch mean, a normalization over axis 0), so "
+            "one example could move the clipped gradient sum by more than l2_clip_norm and the "
+            "reported epsilon would not hold. " + _FIX_HINT)
     if not fixed_batch:
-        fewer = _call(model, base[:-1])
-        scale = max(1e-30, max(float(np.max(np.abs(r))) if r.size else 0.0 for r in reference))
-        for full, part in zip(reference, fewer):
+        fewer = _call(model, base[:-1], weights, training)[0]
+        largest = max((float(np.max(np.abs(r))) for r in outputs if r.size), default=0.0)
+        for full, part in zip(outputs, fewer):
             if full.ndim and full.shape[0] == shape[0] and part.shape == (shape[0] - 1,
                                                                          *full.shape[1:]):
-                if not np.allclose(full[:-1], part, rtol=0.0, atol=1e-4 * scale,
+                if not np.allclose(full[:-1], part, rtol=0.0, atol=1e-4 * max(largest, 1e-30),
                                    equal_nan=True):
                     raise ExampleMixingError(
                         f"In training mode, the outputs of {model.name} change when an example "
                         "is removed from the batch: some layer depends on the batch size (e.g. "
                         "divides by it), so adding or removing one example moves the others' "
                         "gradients and the clip no longer bounds its effect. " + _FIX_HINT)
+    custom = _custom_gradient_ops(model, shape, training)
+    if custom and _gradient_moved(model, base, scale, rng, training, weights):
+        raise ExampleMixingError(
+            f"In training mode, the gradient of {model.name} for one example changes when "
+            f"another example of the batch changes: a user-defined gradient ({custom[:3]}) "
+            "mixes examples across the batch in the backward pass, so one example could move "
+            "the clipped gradient sum by more than l2_clip_norm. " + _FIX_HINT)
