@@ -957,16 +957,21 @@ def _check_backbone_data(model, train):
     backbone this is checked: a backbone trained (privately or not) on a
     split of the same dataset (any spelling TFDS accepts: versions and configs
     do not make another dataset, `tfdp.data.dataset_identity`) that shares an
-    example with this run's split is refused. Keras files and
-    keras.applications weights cannot be checked; the report says so.
+    example with this run's split is refused, and so is one trained on
+    another dataset built from the same images (`tfdp.data.image_collection`:
+    ImageNet-32 and ImageNet), whose examples cannot be matched. Where the
+    splits cannot be compared (a JPEG folder, a name that is not a TFDS
+    dataset), the backbone is reported as not checked, with why. Keras files
+    and keras.applications weights cannot be checked; the report says so.
 
     Returns:
       The provenance dict (`tfdp.models.backbone_provenance`), or None for a
       model without a pretrained backbone.
 
     Raises:
-      ValueError: on a backbone trained on overlapping data, or a backbone
-        workdir that does not record its dataset.
+      ValueError: on a backbone trained on overlapping data or on the same
+        collection of images, or a backbone workdir that does not record its
+        dataset.
     """
     backbone = getattr(model, models.finetune.PROVENANCE_ATTRIBUTE, None)
     if backbone is None:
@@ -983,19 +988,54 @@ def _check_backbone_data(model, train):
             "trained on (its operative_config.gin binds no tfdp.train_and_evaluate.dataset), "
             "so tfdp cannot check that it shares no example with this run's private data. "
             "Export it as a .keras file if its training data is public.")
+    why_not = _backbone_not_comparable(backbone, train)
+    if why_not:
+        logging.warning(
+            "The pretrained backbone %s was trained on %s %r, which tfdp cannot compare with "
+            "this run's %s %r (%s): this run's guarantee assumes the two share no example. "
+            "The report says so.", backbone["source"], backbone["dataset"],
+            backbone["train_split"], train.name, train.split, why_not)
+        return dict(backbone, verified=False, not_checked_because=why_not)
+    trained = ("WITHOUT privacy" if backbone["privacy"] == "NOT PRIVATE" else
+               f"at epsilon = {backbone['privacy']['epsilon']:.4g}")
     # Datasets are compared as TFDS identities, not strings: "fashion_mnist:3.0.1" and
     # "Fashion_MNIST" are fashion_mnist (tfdp.data.dataset_identity).
-    if data.same_dataset(backbone["dataset"], train.name) and data.splits_overlap(
-            train.name, backbone["train_split"], train.split, data_dir=train.data_dir):
-        trained = ("WITHOUT privacy" if backbone["privacy"] == "NOT PRIVATE" else
-                   f"at epsilon = {backbone['privacy']['epsilon']:.4g}")
+    if data.same_dataset(backbone["dataset"], train.name):
+        if data.splits_overlap(train.name, backbone["train_split"], train.split,
+                               data_dir=train.data_dir,
+                               image_size=getattr(train, "image_size", None)):
+            raise ValueError(
+                f"The backbone {backbone['source']} was trained {trained} on "
+                f"{backbone['dataset']} {backbone['train_split']!r}, which shares examples with "
+                f"this run's private split {train.split!r} of {train.name}. Its weights would "
+                "release those examples outside this run's guarantee. Pretrain on a disjoint "
+                "public split (e.g. 'train[:2000]' and fine-tune on 'train[2000:]'), or train "
+                "from scratch.")
+    elif data.image_collection(backbone["dataset"]) == data.image_collection(train.name):
         raise ValueError(
             f"The backbone {backbone['source']} was trained {trained} on "
-            f"{backbone['dataset']} {backbone['train_split']!r}, which shares examples with "
-            f"this run's private split {train.split!r} of {train.name}. Its weights would release those examples outside this "
-            "run's guarantee. Pretrain on a disjoint public split (e.g. 'train[:2000]' "
-            "and fine-tune on 'train[2000:]'), or train from scratch.")
+            f"{backbone['dataset']} {backbone['train_split']!r}, a dataset built from the same "
+            f"images as this run's {train.name} ({data.image_collection(train.name)}), whose "
+            "examples tfdp cannot match against this run's split: it may have seen this run's "
+            "private examples. Pretrain on another collection of images.")
     return backbone
+
+
+def _backbone_not_comparable(backbone, train):
+    """Why the backbone's training split cannot be matched with `train`'s, or None.
+
+    Splits are matched as ranges of one TFDS dataset's example order; a JPEG
+    folder's slices follow its own index table instead, and a name that TFDS
+    cannot parse (a JPEG folder's free-text name) names no TFDS dataset.
+    """
+    sources = {backbone.get("input_source", "array_record"),
+               "jpeg_folder" if isinstance(train, data.JPEGFolderSource) else "tfds"}
+    if "jpeg_folder" in sources:
+        return "a JPEG folder's slices follow its own index table, not a TFDS example order"
+    for name in (backbone["dataset"], train.name):
+        if not data.is_tfds_dataset(name):
+            return f"{name!r} is not a TFDS dataset"
+    return None
 
 
 def _features(train, test, extractor, data_normalization, workdir):

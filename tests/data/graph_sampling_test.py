@@ -17,7 +17,7 @@ import tensorflow as tf
 
 from tfdp.data import graph_sampling
 from tfdp.data import sampling
-from tfdp.dp import graph_checks
+from tfdp import graph_checks
 
 
 def _poisson(num_examples, q, num_steps, seed=0, first_step=0):

@@ -4,7 +4,7 @@ A TPU pod runs its other hosts' input pipelines as graphs, without a Python
 interpreter (tensorflow/tensorflow#38762), so the per-host input of the
 pure-TF path must hold no PyFunc, EagerPyFunc or numpy_function op. The
 graph a host's pipeline runs is read from the dataset's serialized GraphDef
-with `tfdp.dp.graph_checks`; the ArrayRecord path is the negative control.
+with `tfdp.graph_checks`; the ArrayRecord path is the negative control.
 """
 
 import numpy as np
@@ -15,7 +15,7 @@ from tfdp import accounting
 from tfdp import augment
 from tfdp import data
 from tfdp import experiment
-from tfdp.dp import graph_checks
+from tfdp import graph_checks
 
 NUM_EXAMPLES = 48
 

@@ -20,7 +20,7 @@ import tensorflow as tf
 from tfdp import data
 from tfdp.data import jpeg_folder
 from tfdp.data import synthetic_imagenet
-from tfdp.dp import graph_checks
+from tfdp import graph_checks
 
 NUM_TRAIN, NUM_VALIDATION, SIZES, SEED = 24, 8, (40, 80), 3
 

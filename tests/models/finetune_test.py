@@ -2,6 +2,7 @@
 
 import os
 import shutil
+import types
 
 import keras
 import numpy as np
@@ -11,6 +12,7 @@ import tensorflow as tf
 from tfdp import accounting
 from tfdp import data
 from tfdp import models
+from tfdp.export import privacy_report
 from tfdp.export import saved_model
 from tfdp.training.dp_model import DPModel
 
@@ -405,7 +407,7 @@ def test_the_report_says_whence_the_backbone_came(run_smoke, tmp_path, pretrain_
         "tfdp.train_and_evaluate.train_split = 'train'"])
     assert checked["backbone"] == {
         "source": os.path.abspath(pretrain_workdir), "kind": "tfdp workdir", "verified": True,
-        "dataset": "fashion_mnist", "train_split": "test",
+        "dataset": "fashion_mnist", "train_split": "test", "input_source": "array_record",
         "privacy": {"epsilon": pytest.approx(3.0, rel=1e-3), "delta": 1e-5}}
     card = (tmp_path / "a" / "privacy_report.md").read_text()
     assert "outside this guarantee" in card and "shares no example" in card
@@ -449,3 +451,44 @@ def test_a_cached_trunk_that_mixes_examples_is_refused(tmp_path):
     with pytest.raises(models.ExampleMixingError,
                        match=r"In inference mode.*batch_center mixes examples"):
         models.frozen_feature_extractor(model)
+
+
+def _with_backbone(dataset, split, input_source="array_record"):
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    setattr(model, models.finetune.PROVENANCE_ATTRIBUTE, {
+        "source": "/pretrain", "kind": "tfdp workdir", "verified": True, "dataset": dataset,
+        "train_split": split, "input_source": input_source, "privacy": "NOT PRIVATE"})
+    return model
+
+
+@pytest.mark.parametrize("dataset, split, input_source, outcome", [
+    # The review of issue 26 (F6): each was accepted as "verified" before, or raised TFDS's
+    # "pass image_size" for ImageNet's varying image sizes.
+    ("imagenet2012", "train[:50%]", "array_record", "checked"),
+    ("imagenet2012", "train[:60%]", "array_record", "shares examples"),
+    ("imagenet_resized/32x32", "train", "array_record", "same images"),
+    ("imagenet2012_subset/10pct", "train", "array_record", "same images"),
+    ("imagenet2012", "train[:50%]", "jpeg_folder", "not checked"),  # its own example order
+    ("ilsvrc2012", "train", "array_record", "not checked"),  # not a TFDS dataset
+    ("imagenet-2012 (jpeg)", "train", "array_record", "not checked"),
+    ("cifar10", "train", "array_record", "checked"),
+])
+def test_backbone_data_that_cannot_be_matched_is_refused_or_reported(dataset, split,
+                                                                     input_source, outcome):
+    from tfdp import experiment  # pylint: disable=g-import-not-at-top
+
+    train = types.SimpleNamespace(name="imagenet2012", split="train[50%:]", data_dir=None,
+                                  image_size=32)
+    with data.mock_data(num_examples=100):
+        if outcome in ("shares examples", "same images"):
+            with pytest.raises(ValueError, match=outcome):
+                experiment._check_backbone_data(_with_backbone(dataset, split, input_source),
+                                                train)
+            return
+        result = experiment._check_backbone_data(
+            _with_backbone(dataset, split, input_source), train)
+    assert result["verified"] is (outcome == "checked")
+    if outcome == "not checked":
+        assert result["not_checked_because"]
+        card = "\n".join(privacy_report._backbone_lines({"backbone": result}))
+        assert "Not checked" in card and result["not_checked_because"] in card

@@ -370,7 +370,8 @@ def test_keras_own_custom_gradients_are_trusted_and_cheap():
     inputs = keras.Input((8, 8, 3))
     x = keras.layers.Conv2D(4, 3, activation="silu", name="conv_silu")(inputs)
     model = keras.Model(inputs, keras.layers.Dense(2)(keras.layers.Flatten()(x)), name="model")
-    assert validation._custom_gradient_ops(model, (6, 8, 8, 3), True) == []
+    nodes = validation._traced_call(model, (6, 8, 8, 3), True)
+    assert validation._custom_gradient_ops(model, nodes) == []
     model = _conv_model(_GradientMix(name="gradient_mix"))
-    assert any("gradient_mix" in name for name in
-               validation._custom_gradient_ops(model, (6, 8, 8, 3), True))
+    nodes = validation._traced_call(model, (6, 8, 8, 3), True)
+    assert any("gradient_mix" in name for name in validation._custom_gradient_ops(model, nodes))

@@ -3,7 +3,7 @@
 Not a test module: `tests/training/dp_model_fuzz_test.py` runs
 `python -m tests.training.dp_model_fuzz EXAMPLES` under
 `TF_ENABLE_ONEDNN_OPTS=1` and `=0`, so that a crash (TensorFlow 2.21's oneDNN
-broadcast batch matmul corrupts the heap: tfdp.dp.graph_checks) fails the
+broadcast batch matmul corrupts the heap: tfdp.graph_checks) fails the
 test instead of killing a pytest worker.
 
 `tests/training/ghost_fuzz_test.py` fuzzes the ghost rules (`GhostClipping`)
@@ -32,7 +32,11 @@ For every real example i, with the mask one-hot(i):
      assertion 3);
 and for the drawn mask: 3. the clipped sum equals the sum of the real rows'
 contributions (1e-4 C per row), whatever the padding rows hold; an
-all-masked batch adds exactly zero.
+all-masked batch adds exactly zero; 4. removing the first real example from
+the batch moves the clipped sum by at most C (1 + 1e-5). The step is traced
+for a batch of unknown size, as Poisson batches are. The mixing layers
+include a custom gradient that mixes, a running mean, and layers that mix
+only from the second or beyond the fourth example (all must be refused).
 
 It prints one line per case (`CASE ...`) and, at the end, `FUZZ OK n` with
 the number of cases; a failing case raises with Hypothesis' falsifying
@@ -63,7 +67,10 @@ PADDING_TOL = ghost_fuzz.PADDING_TOL
 IMAGE_EXTRA = ["conv_rect", "variable_less", "unruled", "mixing"]
 SEQUENCE_EXTRA = ["attention_causal", "attention_masked", "unruled", "user_einsum", "mixing"]
 VARIABLE_LESS = ["max_pool", "average_pool", "zero_padding", "upsampling", "lambda", "relu"]
-MIXING = ["batch_center", "norm_axis0", "add_first"]
+# Layers that mix examples, or keep a statistic of the batch: every one must be refused. The
+# last four passed the first version of the probe (an attacker's review of issue 26).
+MIXING = ["batch_center", "norm_axis0", "add_first", "add_second", "beyond_fourth",
+          "gradient_mix", "running_mean"]
 
 
 class UserEinsum(keras.layers.Layer):
@@ -133,12 +140,44 @@ def dp_cases(draw):
     return spec, images, labels, mask, clip_ratio, clipping, accumulation
 
 
+class GradientMix(keras.layers.Layer):
+    """The identity forward; its gradient adds the batch's mean gradient (a mixing backward)."""
+
+    def call(self, x):
+        @tf.custom_gradient
+        def identity(t):
+            return tf.identity(t), lambda dy: dy + tf.reduce_mean(dy, axis=0, keepdims=True)
+
+        return identity(x)
+
+
+class RunningMean(keras.layers.Layer):
+    """Subtracts a running mean of past batches, updated in training (a user's BatchNorm)."""
+
+    def build(self, shape):
+        self.mean = self.add_weight(shape=shape[1:], initializer="zeros", trainable=False,
+                                    name="running_mean")
+
+    def call(self, x, training=False):
+        if training:
+            self.mean.assign(0.9 * self.mean + 0.1 * keras.ops.mean(x, axis=0))
+        return x - self.mean
+
+
 def _mixing_layer(name):
     ops = keras.ops
     if name == "batch_center":
         return keras.layers.Lambda(lambda t: t - ops.mean(t, axis=0))
     if name == "norm_axis0":
         return keras.layers.LayerNormalization(axis=0, center=False, scale=False)
+    if name == "add_second":
+        return keras.layers.Lambda(lambda t: t + t[1:2])
+    if name == "beyond_fourth":
+        return keras.layers.Lambda(lambda t: t + ops.sum(t[4:], axis=0))
+    if name == "gradient_mix":
+        return GradientMix()
+    if name == "running_mean":
+        return RunningMean()
     return keras.layers.Lambda(lambda t: t + ops.mean(t[:1], axis=0))  # add_first
 
 
@@ -230,7 +269,11 @@ def check_case(case):
             return "refused"
         raise AssertionError("a model with a layer that mixes examples was not refused")
     dp.compile(optimizer=keras.optimizers.SGD(0.0))
-    step = tf.function(lambda x, y, m: dp.clip_and_accumulate(x, y, m))
+    # A batch of unknown size, as Poisson batches are.
+    signature = [tf.TensorSpec([None, *images.shape[1:]], tf.float32),
+                 tf.TensorSpec([None], tf.int32), tf.TensorSpec([None], tf.float32)]
+    step = tf.function(lambda x, y, m: dp.clip_and_accumulate(x, y, m),
+                       input_signature=signature)
     total = None
     for j, i in enumerate(real):
         one_hot = np.zeros_like(mask)
@@ -257,6 +300,15 @@ def check_case(case):
     # 3. The drawn mask: the sum of the real rows; nothing at all if every row is masked.
     summed, _ = step(images, labels, mask)
     summed = [np.asarray(s.numpy(), np.float64) for s in summed]
+    # 4. Poisson adjacency: the first real example removed from the batch (not masked: a
+    # masked row still sits in the forward pass) changes the sum by its contribution alone.
+    if len(real) and len(mask) > 1:
+        keep = np.arange(len(mask)) != real[0]
+        fewer, _ = step(images[keep], labels[keep], mask[keep])
+        removed = [a - np.asarray(b.numpy(), np.float64) for a, b in zip(summed, fewer)]
+        assert ghost_testing.global_norm64(removed) <= c * (1 + 1e-5), (
+            f"removing example {real[0]} moved the sum by "
+            f"{ghost_testing.global_norm64(removed) / c:.9f} C")
     if total is None:
         assert all(np.all(s == 0.0) for s in summed), "an all-masked batch added something"
     else:

@@ -5,7 +5,7 @@ as a TPU needs it (`jit_compile=True`, static shapes). For every shipped model
 family, one DP step runs through `DPModel.train_on_batch` with
 `jit_compile=True` (XLA compiles and runs it on this CPU), and the traced
 step (`DPModel.train_step`'s concrete function, nested functions included,
-read with `tfdp.dp.graph_checks`) and its HLO are inspected: no node computes,
+read with `tfdp.graph_checks`) and its HLO are inspected: no node computes,
 holds or casts to float64, no `PyFunc`/`EagerPyFunc`, and no `f64` in the HLO.
 
 The default suite checks the Tramer & Boneh CNN and a small GN + WS WRN; the
@@ -21,7 +21,7 @@ import tensorflow as tf
 
 from tfdp import accounting
 from tfdp import models
-from tfdp.dp import graph_checks
+from tfdp import graph_checks
 from tfdp.training.dp_model import DPModel
 
 from tests.training import ghost_testing

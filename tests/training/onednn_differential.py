@@ -3,7 +3,7 @@
 Not a test module: `tests/training/onednn_differential_test.py` runs it with
 `python -m tests.training.onednn_differential GROUP` under
 `TF_ENABLE_ONEDNN_OPTS=1` and `=0`, so that a crash (TensorFlow 2.21's oneDNN
-broadcast batch matmul corrupts the heap: tfdp.dp.graph_checks) fails the
+broadcast batch matmul corrupts the heap: tfdp.graph_checks) fails the
 test instead of killing a pytest worker.
 
 For every case of GROUP (a model and a clipping path: "auto", "ghost",
@@ -20,10 +20,13 @@ float64 (microbatches: with the same microbatch ids). It prints one line
     NF-ResNet blocks on every path, oneDNN on or off: the fuzzer's business,
     not this test's. The bug this test is for gives garbage or 0.6 C.)
   - `max_contribution`: the largest leave-one-out change of the fast sum
-    (full batch minus the batch without example i), over C, on a batch
+    (full batch minus the batch with example i masked), over C, on a batch
     whose first two examples are constant at the top and the bottom of the
     range (per-example paths only; None for microbatches, whose unit is the
-    microbatch);
+    microbatch); `max_removed`: the same with example i removed from the
+    batch (Poisson adjacency; a masked example still sits in the forward
+    pass, where a layer that mixes examples would hide);
+  - the step is traced for a batch of unknown size, as Poisson batches are;
   - `path`: the path that ran (`DPModel.clipping_path`);
 or, where TensorFlow raised an error, `error` (its message).
 The test asserts the bounds; this script asserts nothing, so that every
@@ -127,30 +130,42 @@ def run_case(name, builder, shape, scale, clipping, num_microbatches, seed=0):
     dp.compile(optimizer=keras.optimizers.SGD(1.0))
     images, labels = _inputs(shape, scale, seed, adversarial=False)
     ids = tf.constant(np.arange(BATCH) % (num_microbatches or 1), tf.int32)
+    # A batch of unknown size, as Poisson batches are (make_private): the step is traced once.
+    signature = [tf.TensorSpec([None, *shape], tf.float32), tf.TensorSpec([None], tf.int32),
+                 tf.TensorSpec([None], tf.float32)]
     if num_microbatches:
         contribution = tf.function(
-            lambda x, y, m: dp._finish_accumulation(dp._chunk_contribution(x, y, m, ids))[0])
+            lambda x, y, m: dp._finish_accumulation(dp._chunk_contribution(x, y, m, ids))[0],
+            input_signature=signature[:2] + [tf.TensorSpec([BATCH], tf.float32)])
     else:
-        contribution = tf.function(lambda x, y, m: dp._chunk_contribution(x, y, m)[0])
+        contribution = tf.function(lambda x, y, m: dp._chunk_contribution(x, y, m)[0],
+                                   input_signature=signature)
     full = [t.numpy().astype(np.float64) for t in contribution(images, labels, tf.ones([BATCH]))]
     twin = ghost_testing.float64_twin(builder, model)
     reference = _reference(twin, images, labels, ids.numpy(), num_microbatches)
     sum_error = ghost_testing.global_norm64([f - r for f, r in zip(full, reference)]) / C
-    max_contribution = None
+    max_contribution = max_removed = None
     if not num_microbatches:
         images, labels = _inputs(shape, scale, seed + 1, adversarial=True)
         full = [t.numpy().astype(np.float64)
                 for t in contribution(images, labels, tf.ones([BATCH]))]
-        changes = []
+        changes, removed = [], []
         for i in range(BATCH):
             mask = np.ones(BATCH, np.float32)
             mask[i] = 0.0
             without = [t.numpy().astype(np.float64) for t in contribution(images, labels, mask)]
             changes.append(ghost_testing.global_norm64([a - b for a, b in zip(full, without)]))
+            # Adjacent batches as Poisson sampling makes them: the example removed, not masked
+            # (a masked example still sits in the forward pass, where mixing would hide).
+            keep = np.arange(BATCH) != i
+            gone = [t.numpy().astype(np.float64) for t in contribution(
+                images[keep], labels[keep], np.ones(BATCH - 1, np.float32))]
+            removed.append(ghost_testing.global_norm64([a - b for a, b in zip(full, gone)]))
         max_contribution = max(changes) / C
+        max_removed = max(removed) / C
     return {"case": name, "clipping": clipping, "num_microbatches": num_microbatches,
             "path": dp.clipping_path, "sum_error": sum_error,
-            "max_contribution": max_contribution,
+            "max_contribution": max_contribution, "max_removed": max_removed,
             "onednn": host.onednn_enabled()}
 
 

@@ -1,7 +1,7 @@
 """DPModel's clipped sum equals a float64 brute force with oneDNN on and off, crash or not.
 
 TensorFlow 2.21's oneDNN batch matmul computes a rank-4 broadcast wrongly or
-corrupts the heap (`tfdp.dp.graph_checks.BROADCAST_MATMUL_BUG`); before issue
+corrupts the heap (`tfdp.graph_checks.BROADCAST_MATMUL_BUG`); before issue
 26, a MultiHeadAttention(use_causal_mask=True) model let one example move the
 clipped sum by 1.72 C, or crashed. Each group of cases runs in a process of its
 own (`tests/training/onednn_differential.py`), so a crash fails this test
@@ -69,6 +69,9 @@ def _check(results, group, onednn):
         assert r["sum_error"] <= 1e-4, where
         if r["max_contribution"] is not None:
             assert r["max_contribution"] <= 1.0 + 1e-6, where
+            # Removed rather than masked: the other rows' float32 sums are rounded at another
+            # batch size, a few 1e-7 C over 5 rows.
+            assert r["max_removed"] <= 1.0 + 1e-5, where
     return numeric
 
 
@@ -84,6 +87,10 @@ def test_clipped_sum_equals_float64_in_a_process_of_its_own(group, onednn):
         assert paths[("mha_causal", "vectorized", None)] == ("loop" if onednn == "1"
                                                               else "vectorized")
         assert paths[("mha_causal", "auto", None)] == "ghost"  # the rule takes the causal mask
+        # A batch of unknown size keeps attention on the ghost path (the check re-reads the
+        # graph at a known size: two axes that both are the batch are equal).
+        for family in ("mha", "vit_block", "image_vit"):
+            assert paths[(family, "auto", None)] == "ghost", family
         mixing = {r["case"]: r for r in results if "refused" in r}
         assert set(mixing) == {"lambda_batch_mean", "layer_norm_axis0"}
         assert mixing["lambda_batch_mean"]["refused"]

@@ -1,7 +1,7 @@
 """TensorFlow 2.21's oneDNN broadcast-matmul bug never reaches the clipped sum.
 
 With oneDNN on, `tf.matmul([8, 1, T, C], [C, O])` returns garbage for its last
-batch entry or corrupts the heap (`tfdp.dp.graph_checks.BROADCAST_MATMUL_BUG`);
+batch entry or corrupts the heap (`tfdp.graph_checks.BROADCAST_MATMUL_BUG`);
 `tf.vectorized_map` makes that op of an EinsumDense on `[batch, T, C]`. DPModel
 checks the traced ops of each chunk's contribution (not the layer list) and
 computes the per-example gradients one example at a time where the vectorized
@@ -102,10 +102,24 @@ def test_the_buggy_vectorized_ops_run_one_example_at_a_time(monkeypatch, caplog,
 
 
 def test_a_model_that_makes_the_buggy_matmul_itself_is_refused(monkeypatch):
+    # Refused at compile, from the traced forward pass, before the mixing probe would run
+    # the op (in this process, with oneDNN on, running it can corrupt the heap).
     monkeypatch.setattr(host, "onednn_enabled", lambda: True)
-    with pytest.raises(ValueError, match=r"even one example at a time: BatchMatMulV2 .*rank4.*"
-                                         r"TF_ENABLE_ONEDNN_OPTS=0"):
+    with pytest.raises(ValueError, match=r"own forward pass forms batch matmuls .*"
+                                         r"BatchMatMulV2 .*rank4.*TF_ENABLE_ONEDNN_OPTS=0"):
         _contribution(_rank4_model, "vectorized", execute=False)
+
+
+def test_a_model_whose_step_alone_forms_the_buggy_matmul_is_refused(monkeypatch):
+    # The forward pass on a batch is safe, but each example's is not: refused at the trace
+    # of the step (the per-example loop cannot help).
+    monkeypatch.setattr(host, "onednn_enabled", lambda: True)
+    dp = DPModel(_rank4_model(), _mechanism(), clipping="vectorized")
+    dp._mixing_checked = True  # as if compiled: the probe's own refusal is tested above
+    spec = (tf.TensorSpec([4, 4, 4]), tf.TensorSpec([4], tf.int32), tf.TensorSpec([4]))
+    with pytest.raises(ValueError, match=r"even one example at a time: BatchMatMulV2 .*rank4"):
+        tf.function(lambda x, y, m: dp._chunk_contribution(x, y, m)[0]).get_concrete_function(
+            *spec)
 
 
 def test_safe_graphs_keep_their_path_and_onednn_off_checks_nothing(monkeypatch):
@@ -117,3 +131,29 @@ def test_safe_graphs_keep_their_path_and_onednn_off_checks_nothing(monkeypatch):
     monkeypatch.setattr(host, "onednn_enabled", lambda: False)
     dp, _ = _contribution(_attention_model, "vectorized", execute=False)
     assert dp.clipping_path == "vectorized"
+
+
+def test_a_batch_of_unknown_size_keeps_attention_on_the_ghost_path(monkeypatch, caplog):
+    # Poisson batches have an unknown size when the step is traced; two batch axes that
+    # both are the batch cannot be proven equal there, and every attention model ran one
+    # example at a time (review of issue 26). The check re-reads the graph at a known size.
+    monkeypatch.setattr(host, "onednn_enabled", lambda: True)
+    dp = DPModel(_attention_model(), _mechanism(), clipping="ghost")
+    dp.compile(optimizer=keras.optimizers.SGD(1.0))
+    spec = (tf.TensorSpec([None, 5, 4]), tf.TensorSpec([None], tf.int32),
+            tf.TensorSpec([None]))
+    with caplog.at_level(logging.WARNING):
+        tf.function(lambda x, y, m: dp._chunk_contribution(x, y, m)[0]).get_concrete_function(
+            *spec)
+    assert dp.clipping_path == "ghost" and "one example at a time" not in caplog.text
+    # The vectorized path's pfor matmul broadcasts at any batch size: still rerouted.
+    dp = DPModel(_attention_model(), _mechanism(), clipping="vectorized")
+    dp.compile(optimizer=keras.optimizers.SGD(1.0))
+    tf.function(lambda x, y, m: dp._chunk_contribution(x, y, m)[0]).get_concrete_function(*spec)
+    assert dp.clipping_path == "loop"
+
+
+def test_an_unknown_onednn_state_counts_as_on(monkeypatch):
+    monkeypatch.setattr(host, "onednn_enabled", lambda: None)
+    dp, _ = _contribution(_attention_model, "vectorized", execute=False)
+    assert dp.clipping_path == "loop"

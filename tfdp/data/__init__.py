@@ -44,5 +44,7 @@ from tfdp.data.sampling import shuffled_indices
 from tfdp.data.synthetic_imagenet import prepare_synthetic_imagenet
 from tfdp.data.tfds_source import TFDSSource
 from tfdp.data.tfds_source import dataset_identity
+from tfdp.data.tfds_source import image_collection
+from tfdp.data.tfds_source import is_tfds_dataset
 from tfdp.data.tfds_source import same_dataset
 from tfdp.data.tfds_source import splits_overlap

@@ -359,7 +359,39 @@ def same_dataset(name_a, name_b):
     return dataset_identity(name_a) == dataset_identity(name_b)
 
 
-def splits_overlap(name, split_a, split_b, *, data_dir=None):
+# TFDS datasets built from the images of one collection, under other names: a split of one
+# may hold the same images as any split of another, and their example orders differ.
+_IMAGE_COLLECTIONS = {
+    name: "ImageNet (ILSVRC 2012)" for name in (
+        "imagenet2012", "imagenet2012_subset", "imagenet2012_real", "imagenet2012_multilabel",
+        "imagenet2012_corrupted", "imagenet2012_fewshot", "imagenet_resized",
+        "downsampled_imagenet")}
+
+
+def is_tfds_dataset(name):
+    """Whether `name` spells a dataset TFDS knows (a registered builder), any spelling."""
+    try:
+        tfds.builder_cls(dataset_identity(name))
+    except (ValueError, tfds.core.DatasetNotFoundError):
+        return False
+    return True
+
+
+def image_collection(name):
+    """The collection of images a TFDS dataset is built from (its own name if not listed).
+
+    `imagenet_resized/32x32` (ImageNet-32, De et al. 2022's pretraining set)
+    holds `imagenet2012`'s images downsampled, `imagenet2012_subset` a part of
+    them: all three are "ImageNet (ILSVRC 2012)".
+
+    Raises:
+      ValueError: a name TFDS cannot parse.
+    """
+    identity = dataset_identity(name)
+    return _IMAGE_COLLECTIONS.get(identity, identity)
+
+
+def splits_overlap(name, split_a, split_b, *, data_dir=None, image_size=None):
     """Whether two split strings of one TFDS dataset share any example.
 
     Resolves both (e.g. "train[:2000]" and "train[2000:]") to absolute
@@ -371,6 +403,7 @@ def splits_overlap(name, split_a, split_b, *, data_dir=None):
       name: TFDS name, e.g. "fashion_mnist".
       split_a, split_b: TFDS split strings.
       data_dir: TFDS data_dir (None: TFDS's default).
+      image_size: as `TFDSSource` (required for a dataset of varying image sizes).
 
     Returns:
       bool: True if some example is in both.
@@ -383,7 +416,8 @@ def splits_overlap(name, split_a, split_b, *, data_dir=None):
         # come from TFDSSource, which also answers under tfdp.data.mock_data.
         bases = {part.split("[")[0].strip() for part in split.split("+")}
         sizes = {base: types.SimpleNamespace(
-            num_examples=TFDSSource(name, base, data_dir=data_dir).num_examples)
+            num_examples=TFDSSource(name, base, data_dir=data_dir,
+                                    image_size=image_size).num_examples)
                  for base in bases}
         return [(i.splitname, i.from_ or 0,
                  sizes[i.splitname].num_examples if i.to is None else i.to)

@@ -12,6 +12,8 @@ from typing import Callable, Sequence
 
 import tensorflow as tf
 
+from tfdp.dp import precision
+
 
 PER_EXAMPLE_METHODS = ("vectorized", "loop")
 
@@ -31,7 +33,7 @@ def per_example_gradients(
       `[1, ...]` becomes one on `[batch, 1, ...]`, so a matmul of a rank-3
       activation becomes a rank-4 batch matmul that broadcasts the kernel,
       the op that TensorFlow 2.21's oneDNN kernel computes wrongly
-      (`tfdp.dp.graph_checks.BROADCAST_MATMUL_BUG`).
+      (`tfdp.graph_checks.BROADCAST_MATMUL_BUG`).
     - "loop": `tf.map_fn`, one example at a time (up to 10 in parallel): the
       ops keep the shapes of a batch of one, so no batch axis is added and
       nothing is broadcast over one. Slower; DPModel takes it only where
@@ -79,19 +81,24 @@ def per_example_gradients(
 
 
 def global_l2_norms(gradients: Sequence[tf.Tensor]) -> tf.Tensor:
-    """Per-example L2 norm over all variables.
+    """Per-example L2 norm over all variables, never below the exact one.
+
+    A float32 sum of n squares can come out below the exact sum by up to
+    gamma(chain) of it (Higham 2002, Sec. 3.1; the chain of additions an
+    entry goes through). So the squares are summed in stages of at most 32
+    terms (`tfdp.dp.precision.held_squares`), rounded up by that bound and by
+    the rounding of the product `factor * g` that `weighted_sum` adds, and
+    the root is rounded up too: `factor * |fl(factor g)| / factor <= C (1 + u)`
+    for `factor = fl(C / norm)`. The over-count is a few 1e-6 relative.
 
     Args:
       gradients: list of float32 `[batch, ...]` tensors (per-example gradients).
 
     Returns:
-      float32 `[batch]`: `sqrt(sum over variables and entries of g**2)`.
+      float32 `[batch]`: an upper bound on `sqrt(sum over variables and entries of g**2)`.
     """
-    squares = [
-        tf.reduce_sum(tf.reshape(tf.square(g), [tf.shape(g)[0], -1]), axis=1)
-        for g in gradients
-    ]
-    return tf.sqrt(tf.add_n(squares))
+    squares = precision.held_squares(list(gradients))
+    return precision.upper(tf.sqrt(tf.maximum(squares, 0.0)), 8 * precision.UNIT_ROUNDOFF)
 
 
 def clip_factors(

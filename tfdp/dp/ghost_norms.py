@@ -267,26 +267,7 @@ NORM_DTYPE = tf.float32  # the dtype of every rule's squares (no float64 anywher
 _U = precision.UNIT_ROUNDOFF
 
 
-def held_squares(blocks) -> tf.Tensor:
-    """`squares` of held vectors: a bound on |fl(f * v)|^2 / f^2 per example, float32 `[batch]`.
-
-    For per-example vectors v that a weighted sum adds as `fl(f * v)` (one
-    rounding per product: `precision.weighted_sum`, `clipping.weighted_sum`):
-    a staged sum of squares, rounded up by its error bound and the product's.
-
-    Args:
-      blocks: a float32 tensor `[batch, ...]` or a list of them (the held
-        vector's pieces).
-
-    Returns:
-      float32 `[batch]`, never below the exact `sum |fl(f v_i)|^2 / f^2`.
-    """
-    blocks = blocks if isinstance(blocks, list) else [blocks]
-    sums = [precision.sum_of_squares(b) for b in blocks]
-    chain = max(precision.sum_chain(precision.example_size(b)) for b in blocks)
-    error = precision.gamma(chain + 1 + len(blocks) - 1)
-    relative = error / (1.0 - error) + 3 * _U  # (1 + u)^2 <= 1 + 3u: the factor's product
-    return precision.upper(tf.add_n(sums), relative)
+held_squares = precision.held_squares  # the bound every held vector's norm uses
 
 
 def _root(value: tf.Tensor) -> tf.Tensor:
@@ -957,8 +938,9 @@ def einsum_kernel_sq_norms(inputs: tf.Tensor, output_grads: tf.Tensor, equation:
 
 def _held_sum(per_example: tf.Tensor, factors: tf.Tensor) -> tf.Tensor:
     """`factors[i] * per_example[i]`, zero (even for inf or nan) where `factors[i] <= 0`."""
-    keep = tf.reshape(factors > 0, [-1] + [1] * (per_example.shape.rank - 1))
-    weights = tf.reshape(tf.cast(factors, per_example.dtype), keep.shape)
+    shape = [-1] + [1] * (per_example.shape.rank - 1)  # a batch of unknown size too
+    keep = tf.reshape(factors > 0, shape)
+    weights = tf.reshape(tf.cast(factors, per_example.dtype), shape)
     return tf.where(keep, per_example * weights, tf.zeros([], per_example.dtype))
 
 

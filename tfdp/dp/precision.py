@@ -216,7 +216,7 @@ def einsum(equation: str, a: tf.Tensor, b: tf.Tensor, *, exact: bool) -> tf.Tens
         operands start with the same label. Its batch (shared, kept) labels
         must have the same size on both sides: TensorFlow 2.21's oneDNN
         batch matmul computes broadcast batch axes wrongly
-        (`tfdp.dp.graph_checks.BROADCAST_MATMUL_BUG`); keep one batch axis
+        (`tfdp.graph_checks.BROADCAST_MATMUL_BUG`); keep one batch axis
         (rank 3) where sizes are not static.
       a, b: float32 operands.
       exact: False: one pass at the device's precision (what any float32
@@ -424,6 +424,30 @@ def upper(value: tf.Tensor, relative: float) -> tf.Tensor:
 def sum_of_squares_bound(t: tf.Tensor) -> tf.Tensor:
     """An upper bound, float32 `[batch]`, on the exact `sum(t[i]**2)` of each example's entries."""
     return upper(sum_of_squares(t), square_sum_excess(example_size(t)))
+
+
+def held_squares(blocks) -> tf.Tensor:
+    """`squares` of held vectors: a bound on |fl(f * v)|^2 / f^2 per example, float32 `[batch]`.
+
+    For per-example vectors v that a weighted sum adds as `fl(f * v)` (one
+    rounding per product: `weighted_sum`, `tfdp.dp.clipping.weighted_sum`):
+    a staged sum of squares, rounded up by its error bound and the product's.
+    The ghost rules' held vectors and the vectorized path's per-example
+    gradients (`tfdp.dp.clipping.global_l2_norms`) both use it.
+
+    Args:
+      blocks: a float32 tensor `[batch, ...]` or a list of them (the held
+        vector's pieces).
+
+    Returns:
+      float32 `[batch]`, never below the exact `sum |fl(f v_i)|^2 / f^2`.
+    """
+    blocks = blocks if isinstance(blocks, list) else [blocks]
+    sums = [sum_of_squares(b) for b in blocks]
+    chain = max(sum_chain(example_size(b)) for b in blocks)
+    error = gamma(chain + 1 + len(blocks) - 1)
+    relative = error / (1.0 - error) + 3 * UNIT_ROUNDOFF  # (1 + u)^2 <= 1 + 3u: the product
+    return upper(tf.add_n(sums), relative)
 
 
 def two_sum(a: tf.Tensor, b: tf.Tensor):

@@ -311,7 +311,11 @@ def _backbone_lines(report: dict) -> list:
         line += (f"Checked: it was trained {trained} on `{backbone['dataset']}` "
                  f"`{backbone['train_split']}`, which shares no example with this run's split.")
     else:
-        line += "Not checked: tfdp cannot see what it was trained on."
+        line += ("Not checked: tfdp cannot see what it was trained on."
+                 if not backbone.get("not_checked_because") else
+                 f"Not checked: it was trained on `{backbone['dataset']}` "
+                 f"`{backbone['train_split']}`, which tfdp cannot compare with this run's "
+                 f"split ({backbone['not_checked_because']}).")
     return [line]
 
 

@@ -166,7 +166,8 @@ def backbone_provenance(backbone):
     Returns:
       A JSON-serializable dict: `source` (the path or name) and `kind`
       ("tfdp workdir", "keras file", "keras.applications"); for a tfdp workdir
-      also `dataset`, `train_split` (from its operative config) and `privacy`
+      also `dataset`, `train_split`, `input_source` (from its operative
+      config: "array_record", "in_memory" or "jpeg_folder") and `privacy`
       ("NOT PRIVATE", or `{"epsilon", "delta"}` from its privacy report); for
       the others `verified: False` (their training data cannot be checked).
     """
@@ -184,6 +185,7 @@ def backbone_provenance(backbone):
     return {"source": os.path.abspath(backbone), "kind": "tfdp workdir", "verified": True,
             "dataset": bindings.get(("train_and_evaluate", "dataset")),
             "train_split": bindings.get(("train_and_evaluate", "train_split"), "train"),
+            "input_source": bindings.get(("open_split", "source"), "array_record"),
             "privacy": privacy}
 
 

@@ -5,6 +5,9 @@ import re
 import keras
 import numpy as np
 
+from tfdp import graph_checks
+from tfdp import host
+
 _FIX_HINT = (
     "DP-SGD clips each example's gradient, so no layer may mix examples across "
     "the batch. Replace it with keras.layers.GroupNormalization (De et al. 2022, "
@@ -398,7 +401,44 @@ def _first_mixing_layer(model, inputs, changed_inputs, changed, path, training, 
     return path
 
 
-def _custom_gradient_ops(model, shape, training):
+def _traced_call(model, shape, training):
+    """The nodes (`tfdp.graph_checks.graph_nodes`) of `model`'s call on a batch of `shape`."""
+    import tensorflow as tf  # pylint: disable=g-import-not-at-top
+
+    def call(x):
+        # Under a scope of its own: a model named "_..." is no valid root name scope.
+        with tf.name_scope("probe"):
+            return model(x, training=training)
+
+    concrete = tf.function(call, autograph=False)
+    with keras.StatelessScope():
+        traced = concrete.get_concrete_function(tf.TensorSpec(shape, tf.float32))
+    return graph_checks.graph_nodes(traced)
+
+
+def _refuse_buggy_matmuls(model, nodes):
+    """Raises before the probe runs `model` if its own call forms oneDNN's bad matmul.
+
+    With oneDNN on, TensorFlow 2.21 computes a rank-4 batch matmul that
+    broadcasts one operand wrongly or corrupts the heap
+    (`tfdp.graph_checks.BROADCAST_MATMUL_BUG`); a model whose forward pass
+    forms one on a batch would crash the probe, and no path can train it.
+    """
+    import tensorflow as tf  # pylint: disable=g-import-not-at-top
+
+    if host.onednn_enabled() is False or tf.config.list_logical_devices("GPU"):
+        return
+    risky = graph_checks.broadcast_batch_matmuls(nodes)
+    if risky:
+        raise ValueError(
+            f"{model.name}'s own forward pass forms batch matmuls that TensorFlow 2.21 computes "
+            f"wrongly with oneDNN on: {'; '.join(n.describe() for n in risky[:4])}. "
+            f"{graph_checks.BROADCAST_MATMUL_BUG} Make the model's matmuls rank 3 (reshape to "
+            "[batch, T, C] before a Dense or tf.matmul), or set TF_ENABLE_ONEDNN_OPTS=0 before "
+            "TensorFlow is imported (slower: BUILD.md, 'oneDNN on and off').")
+
+
+def _custom_gradient_ops(model, nodes):
     """Names of the ops of `model`'s traced call whose user-defined gradient is not vouched for.
 
     `tf.custom_gradient` (and `keras.ops.custom_gradient`) mark their op with
@@ -411,16 +451,9 @@ def _custom_gradient_ops(model, shape, training):
     returned. The owner is read from the op's name scopes (the layers' names,
     with Keras' "_<n>" call suffixes).
     """
-    import tensorflow as tf  # pylint: disable=g-import-not-at-top
-
-    from tfdp.dp import graph_checks  # pylint: disable=g-import-not-at-top
-
-    concrete = tf.function(lambda x: model(x, training=training), autograph=False)
-    with keras.StatelessScope():
-        traced = concrete.get_concrete_function(tf.TensorSpec(shape, tf.float32))
     layers = {layer.name: layer for _, layer in iter_layers(model)}
     untrusted = []
-    for node in graph_checks.graph_nodes(traced):
+    for node in nodes:
         if "_gradient_op_type" not in node.attr:
             continue
         owner = None
@@ -528,12 +561,17 @@ def refuse_example_mixing(model, example_shape=None, *, training=True):
         outputs are not repeatable, with the fix; if the model cannot run on a
         probe batch at all; or if its input shape is unknown and no
         `example_shape` is given.
+      ValueError: with oneDNN on, a model whose own call forms a batch
+        matmul that TensorFlow 2.21 computes wrongly (checked on the traced
+        call before the probe runs it: it could corrupt the heap).
     """
     import tensorflow as tf  # pylint: disable=g-import-not-at-top
 
     shape, fixed_batch = _probe_shape(model, example_shape)
     if shape[0] < 2:
         return  # a batch of one example cannot mix examples
+    nodes = _traced_call(model, shape, training)
+    _refuse_buggy_matmuls(model, nodes)
     rng = np.random.default_rng(0)
     weights = _perturbed_weights(model, rng)
     errors = []
@@ -595,7 +633,7 @@ def refuse_example_mixing(model, example_shape=None, *, training=True):
                         "is removed from the batch: some layer depends on the batch size (e.g. "
                         "divides by it), so adding or removing one example moves the others' "
                         "gradients and the clip no longer bounds its effect. " + _FIX_HINT)
-    custom = _custom_gradient_ops(model, shape, training)
+    custom = _custom_gradient_ops(model, nodes)
     if custom and _gradient_moved(model, base, scale, rng, training, weights):
         raise ExampleMixingError(
             f"In training mode, the gradient of {model.name} for one example changes when "

@@ -12,7 +12,7 @@ from tfdp import host
 from tfdp import models
 from tfdp.dp import clipping
 from tfdp.dp import coins
-from tfdp.dp import graph_checks
+from tfdp import graph_checks
 from tfdp.dp import noise
 from tfdp.training import chunked
 from tfdp.training import ema
@@ -463,7 +463,7 @@ class DPModel(chunked.ChunkedTraining, ema.EMAParameters, keras.Model):
 
         TensorFlow 2.21's oneDNN batch matmul computes a rank-4 matmul that
         broadcasts one operand wrongly, or corrupts the heap
-        (`tfdp.dp.graph_checks.BROADCAST_MATMUL_BUG`): one example's
+        (`tfdp.graph_checks.BROADCAST_MATMUL_BUG`): one example's
         "gradient" could then be anything, and the clip would bound nothing.
         `tf.vectorized_map` makes that op of any matmul on a rank-3
         activation (a Dense or EinsumDense on `[batch, T, C]`, in layers at
@@ -495,13 +495,15 @@ class DPModel(chunked.ChunkedTraining, ema.EMAParameters, keras.Model):
             with tf.init_scope():  # eagerly, out of the train function's trace
                 models.refuse_example_mixing(self.model, tuple(example))
             self._mixing_checked = True
-        if not host.onednn_enabled():
+        if not self._matmuls_run_on_onednn():
             return contribution_fn(*tensors)
         specs = [tf.TensorSpec.from_tensor(t) for t in tensors]
         while True:
             concrete = tf.function(lambda *args: contribution_fn(*args),
                                    autograph=False).get_concrete_function(*specs)
             risky = graph_checks.broadcast_batch_matmuls(graph_checks.graph_nodes(concrete))
+            if risky and specs[0].shape[0] is None:
+                risky = self._risky_at_a_known_batch_size(contribution_fn, specs)
             if not risky:
                 return concrete(*tensors)
             ops = "; ".join(node.describe() for node in risky[:4]) + (
@@ -520,6 +522,39 @@ class DPModel(chunked.ChunkedTraining, ema.EMAParameters, keras.Model):
                 "gradients one example at a time instead (slower; TF_ENABLE_ONEDNN_OPTS=0 "
                 "avoids the bug).", self.clipping_path, len(risky), ops)
             self._loop = True
+
+    def _matmuls_run_on_onednn(self):
+        """Whether this step's matmuls may run on TensorFlow's oneDNN CPU kernels.
+
+        No if oneDNN is off (`host.onednn_enabled() is False`; None, unknown,
+        counts as on), or if they run on an accelerator: a TPU strategy, or a
+        visible GPU, where TensorFlow places them (cuBLAS), so that attention
+        models keep their fast path there.
+        """
+        if host.onednn_enabled() is False:
+            return False
+        if isinstance(self.distribute_strategy, tf.distribute.TPUStrategy):
+            return False
+        return not tf.config.list_logical_devices("GPU")
+
+    @staticmethod
+    def _risky_at_a_known_batch_size(contribution_fn, specs):
+        """The risky matmuls of `contribution_fn` traced at a batch of 7 (a Poisson batch's
+        size is unknown when the step is traced).
+
+        With an unknown batch size, two batch axes that both are the batch
+        (`[B, heads, T, d] x [B, heads, d, T]` in attention) cannot be proven
+        equal and count as broadcasting (`graph_checks`): every attention model
+        would run one example at a time under `make_private`. Traced at a known
+        size, such axes are equal and are not flagged, while an axis that is 1
+        where the other is the batch still is; so what this trace flags is what
+        may broadcast at any batch size. (7: a size that a constant of the
+        model is unlikely to equal by chance.)
+        """
+        static = [tf.TensorSpec([7, *spec.shape[1:]], spec.dtype) for spec in specs]
+        concrete = tf.function(lambda *args: contribution_fn(*args),
+                               autograph=False).get_concrete_function(*static)
+        return graph_checks.broadcast_batch_matmuls(graph_checks.graph_nodes(concrete))
 
     def _chunk_contribution_on_path(self, images, labels, mask, ids=None):
         """`_chunk_contribution` on the current path, unchecked."""

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfdp.dp import graph_checks
+from tfdp import graph_checks
 
 
 def _trace(fn, *specs):
