@@ -141,3 +141,30 @@ def test_cli_unclosed_bracket_exits_2_without_a_traceback(tmp_path):
     result = _run(tmp_path, "--gin_file=fashion_mnist.gin", "--gin_param=NUM_STEPS = (3")
     assert result.returncode == 2
     assert "--gin_param='NUM_STEPS = (3'" in result.stderr and "Traceback" not in result.stderr
+
+
+# -- Issue 29, Sec. 6: a finished run's process ends right after FINISHED ------------------
+
+
+def test_a_finished_run_exits_at_once_without_the_interpreter_s_teardown(monkeypatch):
+    # Before: the process lived on for 1 to 100 s after "Done:" while Python's finalization
+    # collected TensorFlow's heap (BUILD.md, "Exit").
+    import types  # pylint: disable=g-import-not-at-top
+
+    from tfdp import experiment  # pylint: disable=g-import-not-at-top
+
+    calls, exits = [], []
+    monkeypatch.setattr(main, "FLAGS", types.SimpleNamespace(
+        workdir="wd", gin_file=["fashion_mnist.gin"], gin_param=[]))
+    monkeypatch.setattr(main, "parse_config", lambda files, params: calls.append("parse"))
+    monkeypatch.setattr(experiment, "train_and_evaluate",
+                        lambda workdir: calls.append(("train", workdir)))
+    monkeypatch.setattr(main.os, "_exit", exits.append)
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    main.main(["tfdp.main"])
+    assert calls == ["parse", ("train", "wd")] and exits == [0]
+    # Multi-worker processes leave through the normal exit (the coordination service's
+    # shutdown barrier).
+    monkeypatch.setenv("TF_CONFIG", '{"cluster": {"worker": ["a:1", "b:2"]}}')
+    main.main(["tfdp.main"])
+    assert exits == [0]
