@@ -33,6 +33,7 @@ from tfdp import augment
 from tfdp import data
 from tfdp import host
 from tfdp import models
+from tfdp import resume_rule
 from tfdp import workdir as workdir_lib
 from tfdp.dp import coins
 from tfdp.export import privacy_report
@@ -661,14 +662,20 @@ def _check_workdir(workdir, mechanism, *, audit, sampling_seed, noise_seed):
     full: a corrupt one is named, `tfdp.workdir.resume_checkpoint`) must hold
     this mechanism and no more steps than planned (`check_privacy_ledger`).
     A finished run (all steps and FINISHED, `tfdp.workdir.finished`) is not
-    redone: the same settings return its report untouched. A run with all
-    its steps but no FINISHED (killed, or a full disk, while exporting) goes
-    on to write its export and report. Other settings than the checkpoint's
-    are refused once all steps are trained, so that a report never states
-    settings that did not train the model; resuming an unfinished run with
-    changed settings logs what changed. A private run's checkpoint is never
-    resumed by a non-private run (`mechanism` a `NonPrivatePlan`), nor the
-    other way round (`check_non_private_ledger`, `check_privacy_ledger`).
+    redone: the same settings return its report untouched, once every file
+    FINISHED vouches for is checked against the digests it recorded
+    (`tfdp.workdir.changed_since_finished`); a changed file is named and
+    refused. A run with all its steps but no FINISHED (killed, or a full
+    disk, while exporting) goes on to write its export and report. A resume
+    follows `tfdp.resume_rule`: a setting that changes training (optimizer,
+    learning rate, model, augmentation, ...) and differs from the
+    checkpoint's is refused by name, before anything is built, so that a run
+    never prints a setting that the restored checkpoint overrides; settings
+    that change neither the model nor its metrics (more steps, evaluation
+    interval, devices, ...) may change, and are logged. A private run's
+    checkpoint is never resumed by a non-private run (`mechanism` a
+    `NonPrivatePlan`), nor the other way round (`check_non_private_ledger`,
+    `check_privacy_ledger`).
 
     Returns:
       `(latest, report)`: the checkpoint to resume (or None), and the
@@ -676,9 +683,10 @@ def _check_workdir(workdir, mechanism, *, audit, sampling_seed, noise_seed):
 
     Raises:
       tfdp.workdir.WorkdirError: outputs of an earlier run without a
-        checkpoint, or a corrupt checkpoint.
+        checkpoint, a corrupt checkpoint, or a finished workdir whose files
+        differ from what FINISHED recorded.
       ValueError: from `check_privacy_ledger`, an audit asked to resume, or
-        a fully trained workdir rerun with other settings.
+        settings that a resume cannot change (`tfdp.resume_rule`).
     """
     latest = workdir_lib.resume_checkpoint(os.path.join(workdir, CHECKPOINT_DIR))
     if not latest:
@@ -695,27 +703,54 @@ def _check_workdir(workdir, mechanism, *, audit, sampling_seed, noise_seed):
             latest, mechanism, sampling_seed=sampling_seed, noise_seed=noise_seed)
     else:  # refuses a private run's checkpoint
         steps, saved_config = callbacks_lib.check_non_private_ledger(latest, mechanism.num_steps)
-    changes = callbacks_lib.config_changes(saved_config, gin.config_str())
+    changes = resume_rule.changed_settings(saved_config, gin.config_str())
+    refused = [change for change in changes if not change.resumable]
+    harmless = "\n  ".join(line for change in changes if change.resumable
+                           for line in change.lines())
     finished = workdir_lib.finished(workdir)
     if steps == mechanism.num_steps:
-        if changes:
+        if refused:
             what = ("a finished run" if finished else
                     "a run trained for all its steps (its export is not finished)")
             raise ValueError(
                 f"{workdir} holds {what} of {steps} steps with other settings; "
                 "nothing was changed. What differs (- that run, + this one):\n  "
-                + "\n  ".join(changes) + "\nUse a new workdir for the new settings.")
+                + "\n  ".join(line for change in refused for line in change.lines())
+                + "\nUse a new workdir for the new settings.")
         if finished:
-            logging.info("%s already holds this finished run (%d steps; see %s); its report "
-                         "and export are unchanged.", workdir, steps, workdir_lib.FINISHED_FILE)
-            name = privacy_report.REPORT_JSON if private else privacy_report.NOT_PRIVATE_JSON
-            with open(os.path.join(workdir, name)) as f:
-                return latest, json.load(f)
-        logging.warning("%s holds all %d steps of this run but no finished export and report "
-                        "(no %s): writing them now.", workdir, steps, workdir_lib.FINISHED_FILE)
-    elif changes:
-        logging.warning("Resuming %s at step %d with changed settings (- before, + now):\n  %s",
-                        workdir, steps, "\n  ".join(changes))
+            changed = workdir_lib.changed_since_finished(workdir, finished)
+            if changed:
+                raise workdir_lib.WorkdirError(
+                    f"{workdir} is finished ({workdir_lib.FINISHED_FILE}, {steps} steps), but "
+                    f"files it vouches for changed since it was written:\n  "
+                    + "\n  ".join(changed) + "\nIts report and export may not be this "
+                    "run's, so they are not called unchanged; nothing was changed. Put the "
+                    "original files back; or, to write this run's export and report again "
+                    f"from its checkpoint, remove {workdir_lib.FINISHED_FILE}, {EXPORT_DIR}/ "
+                    "and the report files and run the same command again.")
+            if changed is not None:
+                logging.info("%s already holds this finished run (%d steps; see %s); its "
+                             "report and export are unchanged (checked against the digests "
+                             "in %s).%s", workdir, steps, workdir_lib.FINISHED_FILE,
+                             workdir_lib.FINISHED_FILE,
+                             f" Settings that do not change it differ:\n  {harmless}"
+                             if harmless else "")
+                name = privacy_report.REPORT_JSON if private else privacy_report.NOT_PRIVATE_JSON
+                with open(os.path.join(workdir, name)) as f:
+                    return latest, json.load(f)
+            logging.warning("%s has a %s without file digests (an older tfdp), so its export "
+                            "and report cannot be checked: writing them again from the "
+                            "checkpoint.", workdir, workdir_lib.FINISHED_FILE)
+        else:
+            logging.warning("%s holds all %d steps of this run but no finished export and "
+                            "report (no %s): writing them now.", workdir, steps,
+                            workdir_lib.FINISHED_FILE)
+    elif refused:
+        raise ValueError(resume_rule.refusal(workdir, steps, changes))
+    elif harmless:
+        logging.warning("Resuming %s at step %d with changed settings that change neither the "
+                        "model nor its metrics (- before, + now):\n  %s", workdir, steps,
+                        harmless)
     return latest, None
 
 
@@ -793,6 +828,9 @@ def _restore(dp_model, ledger, out_dir, latest):
     )
     if latest:
         checkpoint.restore(latest).expect_partial()
+        # The settings now in force (the resume rule let only harmless ones change): the
+        # next checkpoints record them, for the next rerun's comparison.
+        ledger.config.assign(gin.config_str())
         logging.info("Resumed from %s.", latest)
     start_step = int(dp_model.optimizer.iterations.numpy())
     if int(ledger.steps.numpy()) != start_step:
@@ -897,7 +935,9 @@ def _finish(report, dp_model, export_model, out_dir, *, image_shape):
         "steps": report["steps"],
         **({"epsilon": report["epsilon"], "delta": report["delta"]} if private
            else {"privacy": NOT_PRIVATE}),
-        "files": [*files, f"{EXPORT_DIR}/saved_model.pb",
+        # The SavedModel's graph, its variables (index and data shards) and the report's
+        # copies; FINISHED records the size and SHA-256 of each file (checked on rerun).
+        "files": [*files, f"{EXPORT_DIR}/saved_model.pb", f"{EXPORT_DIR}/variables",
                   *(f"{EXPORT_DIR}/assets/{name}" for name in files)],
     })
 

@@ -31,6 +31,7 @@ import datetime
 import errno
 import fcntl
 import glob
+import hashlib
 import json
 import os
 import re
@@ -338,6 +339,8 @@ def finished(workdir):
     """The FINISHED record if the workdir holds a finished run, else None.
 
     Finished means: `FINISHED` exists and every file it lists is there.
+    Whether those files are still the ones it vouches for is
+    `changed_since_finished`'s question.
     """
     path = os.path.join(workdir, FINISHED_FILE)
     try:
@@ -354,9 +357,13 @@ def finished(workdir):
 def write_finished(workdir, record):
     """Writes `FINISHED` (a JSON `record` that lists its `files`) atomically, last.
 
+    The record gets `digests`: the size and SHA-256 of every listed file
+    (`vouched_digests`), read after they were written, so a later rerun can
+    tell whether the workdir still holds them (`changed_since_finished`).
     Written to a temporary name, flushed to disk and renamed, so FINISHED is
     either absent or complete.
     """
+    record = {**record, "digests": vouched_digests(workdir, record["files"])}
     path = os.path.join(workdir, FINISHED_FILE)
     tmp = path + f".tmp-{os.getpid()}"
     try:
@@ -368,6 +375,97 @@ def write_finished(workdir, record):
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
+
+
+# -- What FINISHED vouches for: sizes and SHA-256 digests (issue 29) -----------------------
+# Files are read through `_read_chunks` only, so that another file system (tf.io.gfile)
+# needs one change here.
+DIGEST = "sha256"
+_CHUNK_BYTES = 1 << 20
+
+
+def _read_chunks(path):
+    with open(path, "rb") as f:
+        while True:
+            chunk = f.read(_CHUNK_BYTES)
+            if not chunk:
+                return
+            yield chunk
+
+
+def file_digest(path):
+    """`{"bytes": size, "sha256": hex digest}` of the file at `path`."""
+    digest, size = hashlib.sha256(), 0
+    for chunk in _read_chunks(path):
+        digest.update(chunk)
+        size += len(chunk)
+    return {"bytes": size, DIGEST: digest.hexdigest()}
+
+
+def vouched_digests(workdir, names):
+    """`{name: file_digest}` of the files `names` (relative to `workdir`) FINISHED lists.
+
+    A listed folder (e.g. `export/variables`) stands for every file under it,
+    each recorded under its own relative name.
+    """
+    digests = {}
+    for name in names:
+        path = os.path.join(workdir, name)
+        if os.path.isdir(path):
+            for root, _, files in sorted(os.walk(path)):
+                for file in sorted(files):
+                    full = os.path.join(root, file)
+                    digests[os.path.relpath(full, workdir)] = file_digest(full)
+        else:
+            digests[name] = file_digest(path)
+    return digests
+
+
+def changed_since_finished(workdir, record):
+    """The files FINISHED vouches for that are no longer what it recorded, as readable lines.
+
+    Every file in the record's `digests` is read again and compared (size,
+    then SHA-256): a swapped `export/` or `privacy_report.json`, an edited
+    report, a replaced `variables/` shard. A file under a vouched folder that
+    FINISHED did not record (e.g. a second `variables.data-*` shard from
+    another export) is listed too.
+
+    Args:
+      workdir: the workdir.
+      record: the FINISHED record (`finished`).
+
+    Returns:
+      A list of lines, one per changed, missing or added file (empty: all
+      unchanged), or None when the record holds no digests (a FINISHED written
+      by a tfdp before issue 29), which cannot be checked.
+    """
+    recorded = record.get("digests") if isinstance(record, dict) else None
+    if not isinstance(recorded, dict) or not recorded:
+        return None
+    problems = []
+    for name, expected in sorted(recorded.items()):
+        path = os.path.join(workdir, name)
+        try:
+            found = file_digest(path)
+        except OSError as e:
+            problems.append(f"{name}: cannot be read ({e.strerror or e})")
+            continue
+        if found["bytes"] != expected.get("bytes"):
+            problems.append(f"{name}: {found['bytes']} bytes, {expected.get('bytes')} when "
+                            "FINISHED was written")
+        elif found[DIGEST] != expected.get(DIGEST):
+            problems.append(f"{name}: same size, other contents ({DIGEST} {found[DIGEST][:12]}"
+                            f"..., {expected.get(DIGEST, '?')[:12]}... when FINISHED was "
+                            "written)")
+    folders = {name for name in record.get("files", [])
+               if os.path.isdir(os.path.join(workdir, name))}
+    for folder in sorted(folders):
+        for root, _, files in os.walk(os.path.join(workdir, folder)):
+            for file in files:
+                name = os.path.relpath(os.path.join(root, file), workdir)
+                if name not in recorded:
+                    problems.append(f"{name}: not there when FINISHED was written")
+    return problems
 
 
 def remove_stale_temporaries(workdir):
