@@ -381,6 +381,7 @@ def train_and_evaluate(
                              image_size=image_size, num_examples=mechanism.num_examples,
                              prepare_train=audit and audit.prepare_train)
     image_shape = train.image_shape
+    test_examples = _test_examples(eval_examples, test)
 
     # 3. The workdir: locked for the whole run by the chief (which writes it), then
     # checked: a checkpoint of this very mechanism, or no output of an earlier run.
@@ -454,7 +455,8 @@ def train_and_evaluate(
         _fit(dp_model, mechanism, manager, ledger, train_ds, eval_ds, out_dir,
              start_step=start_step, checkpoint_every_steps=checkpoint_every_steps,
              eval_every_steps=eval_every_steps, augtest=augtest_spec, simulation=simulation,
-             progress_bar=sys.stdout.isatty() if progress_bar is None else progress_bar)
+             progress_bar=sys.stdout.isatty() if progress_bar is None else progress_bar,
+             test_examples=test_examples)
 
         # 8. Study ledger, privacy report and SavedModel.
         steps_done = int(dp_model.optimizer.iterations.numpy())
@@ -654,6 +656,26 @@ def _load_data(dataset, train_split, test_split, *, data_dir, image_size, num_ex
     return train, test
 
 
+def _test_examples(eval_examples, test):
+    """How many test examples each evaluation uses; says so when eval_examples asks for more.
+
+    Raises:
+      ValueError: eval_examples that is not None or a positive int.
+    """
+    if eval_examples is None:
+        return test.num_examples
+    if isinstance(eval_examples, bool) or not isinstance(eval_examples, int) or (
+            eval_examples < 1):
+        raise ValueError(f"eval_examples must be None (the whole test split) or a positive "
+                         f"int, got {eval_examples!r}.")
+    if eval_examples > test.num_examples:
+        logging.warning(
+            "eval_examples=%d is more than the %d examples of the test split %r of %s: every "
+            "evaluation uses all %d (metrics.jsonl says test_examples=%d).", eval_examples,
+            test.num_examples, test.split, test.name, test.num_examples, test.num_examples)
+    return min(eval_examples, test.num_examples)
+
+
 def _check_workdir(workdir, mechanism, *, audit, sampling_seed, noise_seed):
     """Stage 3: what the workdir allows this run to do; read only (the chief holds the lock).
 
@@ -847,8 +869,13 @@ def _restore(dp_model, ledger, out_dir, latest):
 
 
 def _fit(dp_model, mechanism, manager, ledger, train_ds, eval_ds, out_dir, *, start_step,
-         checkpoint_every_steps, eval_every_steps, augtest, simulation, progress_bar):
-    """Stage 7: `fit` over checkpoint intervals, evaluating every eval_every_steps."""
+         checkpoint_every_steps, eval_every_steps, augtest, simulation, progress_bar,
+         test_examples):
+    """Stage 7: `fit` over checkpoint intervals, evaluating every eval_every_steps.
+
+    Every metrics.jsonl line states `test_examples`, the test examples each
+    evaluation used.
+    """
     if start_step >= mechanism.num_steps:
         return
     private = isinstance(mechanism, accounting.DPMechanism)
@@ -861,8 +888,9 @@ def _fit(dp_model, mechanism, manager, ledger, train_ds, eval_ds, out_dir, *, st
         callbacks_lib.CheckpointCallback(manager, ledger),
         callbacks_lib.MetricsJsonl(
             os.path.join(out_dir, METRICS_FILE),
-            extra=({"simulation": True} if simulation else None) if private
-            else {"privacy": NOT_PRIVATE},
+            extra={"test_examples": test_examples,
+                   **(({"simulation": True} if simulation else {}) if private
+                      else {"privacy": NOT_PRIVATE})},
         ),
         callbacks_lib.OperativeConfigSaver(os.path.join(out_dir, OPERATIVE_CONFIG)),
         callbacks_lib.TensorBoardScalars(os.path.join(out_dir, "tensorboard")),
