@@ -396,3 +396,77 @@ def test_finished_records_a_digest_of_every_file_it_vouches_for(finished):
     for name, digest in record["digests"].items():
         assert digest == workdir_lib.file_digest(finished[0] / name), name
     assert workdir_lib.changed_since_finished(str(finished[0]), record) == []
+
+
+@pytest.mark.parametrize("garbage", [b"garbage\n", b"\x00\xffnot a checkpoint state{{", b""])
+def test_an_unreadable_checkpoint_state_is_named_with_the_fix(copy, run_smoke, garbage):
+    # Before: "holds outputs of an earlier run ... but no checkpoint that resumes it".
+    (copy / "checkpoints" / "checkpoint").write_bytes(garbage)
+    before = _tree(copy)
+    with pytest.raises(ValueError) as error:
+        run_smoke(copy, ["fashion_mnist.gin"], PARAMS)
+    message = str(error.value)
+    assert re.search(r"The checkpoint state \S*checkpoints/checkpoint cannot be read: it is "
+                     r"not the text TensorFlow writes there", message), message
+    assert "holds the checkpoints ckpt-0, ckpt-2. To resume from the newest" in message
+    assert _tree(copy) == before
+    # Doing as told: the finished run is found again, unchanged.
+    (copy / "checkpoints" / "checkpoint").write_text('model_checkpoint_path: "ckpt-2"\n')
+    assert run_smoke(copy, ["fashion_mnist.gin"], PARAMS)["steps"] == 2
+
+
+def test_a_file_size_limit_at_the_first_checkpoint_is_a_failed_write_like_a_full_disk(
+        tmp_path, run_smoke, monkeypatch):
+    # Before: a raw "OutOfRangeError ... File too large [Op:SaveV2]" traceback, and
+    # checkpoints/ckpt-0_temp/ left behind.
+    import tensorflow as tf  # pylint: disable=g-import-not-at-top
+
+    def save(self, checkpoint_number=None, **kwargs):
+        partial = os.path.join(self.directory, f"ckpt-{checkpoint_number}_temp")
+        os.makedirs(partial)
+        with open(os.path.join(partial, "part-00000-of-00001.data-00000-of-00001"), "w") as f:
+            f.write("partial")
+        raise tf.errors.OutOfRangeError(
+            None, None, f"{partial}/part-00000-of-00001.data-00000-of-00001.tempstate1; File "
+            "too large [Op:SaveV2]")
+
+    monkeypatch.setattr(tf.train.CheckpointManager, "save", save)
+    workdir = tmp_path / "wd"
+    with pytest.raises(ValueError, match=r"failed write or read in .*OutOfRangeError: .*File "
+                                         r"too large \[Op:SaveV2\]\. No checkpoint was kept; "
+                                         r"fix the cause \(.*ulimit -f"):
+        run_smoke(workdir, ["fashion_mnist.gin"], PARAMS)
+    assert not workdir.exists()  # created by the run, and nothing of it stays
+
+
+_LIMITED = r'''
+import resource, signal, sys
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes past the limit fail with EFBIG
+limit = int(sys.argv.pop(1))
+resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+from tfdp import data
+with data.mock_data(num_examples=64):
+    from tfdp import main
+    sys.argv = ["tfdp.main"] + sys.argv[1:]
+    main.run()
+'''
+
+
+@pytest.mark.slow  # a whole CLI start; the monkeypatched test above runs by default
+def test_a_real_file_size_limit_stops_the_cli_cleanly(tmp_path):
+    import subprocess  # pylint: disable=g-import-not-at-top
+    import sys  # pylint: disable=g-import-not-at-top
+
+    wrapper = tmp_path / "limited.py"
+    wrapper.write_text(_LIMITED)
+    workdir = tmp_path / "wd"
+    proc = subprocess.run(
+        [sys.executable, str(wrapper), "50000", f"--workdir={workdir}",
+         "--gin_file=fashion_mnist.gin", "--gin_file=smoke.gin",
+         *[f"--gin_param={p}" for p in (*PARAMS, "NUM_EXAMPLES = 64", "BATCH_SIZE = 16")]],
+        capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert re.search(r"tfdp: error: The run stopped on a failed write or read in .*File too "
+                     r"large", proc.stderr), proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert not workdir.exists() or not list((workdir / "checkpoints").glob("*_temp"))

@@ -18,6 +18,7 @@ import inspect
 import json
 import math
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -788,18 +789,42 @@ def _stops_cleanly(out_dir):
     before = set(os.listdir(checkpoint_dir)) if os.path.isdir(checkpoint_dir) else set()
     try:
         yield
-    except (OSError, tf.errors.ResourceExhaustedError, tf.errors.PermissionDeniedError) as e:
+    except (OSError, tf.errors.OpError) as e:
+        if not _is_failed_write(e):
+            raise
         workdir_lib.remove_partial_checkpoints(checkpoint_dir, before)
         kept = tf.train.latest_checkpoint(checkpoint_dir)
-        progress = (f"The checkpoint {kept} is kept; fix the cause (free disk space, make the "
-                    "workdir writable) and run the same command again to resume from it."
-                    if kept else "No checkpoint was kept; fix the cause (free disk space, "
-                    "make the workdir writable) and run the same command again.")
+        cause = ("fix the cause (free disk space, raise the file size limit `ulimit -f`, make "
+                 "the workdir writable)")
+        progress = (f"The checkpoint {kept} is kept; {cause} and run the same command again "
+                    "to resume from it." if kept else
+                    f"No checkpoint was kept; {cause} and run the same command again.")
         message = " ".join((getattr(e, "message", None) or str(e)).split())[:500]
         raise workdir_lib.WorkdirError(
             f"The run stopped on a failed write or read in {out_dir}: {type(e).__name__}: "
             f"{message}. {progress} The workdir is not finished (no "
             f"{workdir_lib.FINISHED_FILE}).") from e
+
+
+# TensorFlow's ops that write files, and the errno texts of a failed write or read.
+_WRITE_OPS = re.compile(r"\[Op:(SaveV2|MergeV2Checkpoints|WriteFile|Save|SaveSlices)\]")
+_IO_ERRORS = re.compile(r"File too large|No space left|Disk quota exceeded|Read-only file "
+                        r"system|Permission denied|Input/output error|Too many open files")
+
+
+def _is_failed_write(error):
+    """Whether `error` is a failed write or read of the workdir (any errno), not a bug.
+
+    Python's OSError (any errno: ENOSPC, EFBIG, EROFS, EDQUOT, EIO, ...); TensorFlow's
+    ResourceExhaustedError and PermissionDeniedError (a full disk, a read-only folder); and
+    any other TensorFlow error raised by an op that writes files (SaveV2 reports EFBIG,
+    "File too large", as OutOfRangeError) or that quotes an I/O errno.
+    """
+    if isinstance(error, (OSError, tf.errors.ResourceExhaustedError,
+                          tf.errors.PermissionDeniedError)):
+        return True
+    message = getattr(error, "message", None) or str(error)
+    return bool(_WRITE_OPS.search(message) or _IO_ERRORS.search(message))
 
 
 def _check_builder_bindings(model_fn):

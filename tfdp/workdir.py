@@ -241,9 +241,11 @@ def resume_checkpoint(checkpoint_dir):
     try:
         state = tf.train.get_checkpoint_state(checkpoint_dir)
     except Exception as e:  # pylint: disable=broad-except  (text-proto parse errors)
-        raise WorkdirError(
-            f"The checkpoint state {state_file} cannot be read ({e}). Restore it from a "
-            "backup, or use a new workdir.") from None
+        _unreadable_state(state_file, checkpoint_dir, _first_line(e))
+    if state is None or not state.model_checkpoint_path:
+        # TensorFlow logs a parse error and returns None for a file that is not its text
+        # proto (garbage text, an empty file): this run would not know what to resume.
+        _unreadable_state(state_file, checkpoint_dir)
     listed = list(state.all_model_checkpoint_paths) if state else []
     if state and state.model_checkpoint_path and state.model_checkpoint_path not in listed:
         listed.append(state.model_checkpoint_path)
@@ -270,6 +272,26 @@ def resume_checkpoint(checkpoint_dir):
         what = ("No earlier checkpoint is intact: this run cannot be resumed. Use a new "
                 "workdir.")
     raise WorkdirError(f"The checkpoint {newest} is corrupt: {problem}. {what}")
+
+
+def _unreadable_state(state_file, checkpoint_dir, reason=None):
+    """Raises WorkdirError for a checkpoint state file that names no checkpoint."""
+    prefixes = sorted((int(m.group(1)), name[:-len(".index")])
+                      for name in os.listdir(checkpoint_dir)
+                      for m in [re.fullmatch(r"ckpt-(\d+)\.index", name)] if m)
+    if prefixes:
+        newest = prefixes[-1][1]
+        what = (f"The folder holds the checkpoints {', '.join(p for _, p in prefixes)}. To "
+                f"resume from the newest, write its name into the state file, e.g. printf "
+                f"'model_checkpoint_path: \"{newest}\"\\n' > {state_file}, and run the same "
+                "command again (a corrupt checkpoint is then named). Or use a new workdir.")
+    else:
+        what = "The folder holds no checkpoint files either: use a new workdir."
+    raise WorkdirError(
+        f"The checkpoint state {state_file} cannot be read: it is not the text TensorFlow "
+        "writes there (model_checkpoint_path: \"ckpt-N\", ...)"
+        + (f" ({reason})" if reason else "") + ", so this run cannot tell which checkpoint "
+        f"to resume. Nothing was changed. {what}") from None
 
 
 def checkpoint_problem(prefix):
