@@ -453,11 +453,22 @@ def train_and_evaluate(
         ), accumulation_steps=accumulation_steps)
         eval_ds = data.eval_batches(test, batch_size=eval_batch_size, num_examples=eval_examples)
         augtest_spec = (augment_fn, augmult, [seed, 2]) if augtest else None
-        _fit(dp_model, mechanism, manager, ledger, train_ds, eval_ds, out_dir,
-             start_step=start_step, checkpoint_every_steps=checkpoint_every_steps,
-             eval_every_steps=eval_every_steps, augtest=augtest_spec, simulation=simulation,
-             progress_bar=sys.stdout.isatty() if progress_bar is None else progress_bar,
-             test_examples=test_examples)
+        try:
+            _fit(dp_model, mechanism, manager, ledger, train_ds, eval_ds, out_dir,
+                 start_step=start_step, checkpoint_every_steps=checkpoint_every_steps,
+                 eval_every_steps=eval_every_steps, augtest=augtest_spec,
+                 simulation=simulation, test_examples=test_examples,
+                 progress_bar=sys.stdout.isatty() if progress_bar is None else progress_bar)
+        except tf.errors.OpError:
+            # A corrupt shard met by a batch (a split too large to read whole at start):
+            # the source kept the clear error that TensorFlow wrapped.
+            try:
+                data.raise_read_error(train, test)
+            except data.DatasetNotFoundError as e:
+                raise data.DatasetNotFoundError(
+                    f"{e} The checkpoints saved so far are kept: once the data is fixed, the "
+                    "same command resumes.") from None
+            raise
 
         # 8. Study ledger, privacy report and SavedModel.
         steps_done = int(dp_model.optimizer.iterations.numpy())
@@ -820,6 +831,8 @@ def _is_failed_write(error):
     any other TensorFlow error raised by an op that writes files (SaveV2 reports EFBIG,
     "File too large", as OutOfRangeError) or that quotes an I/O errno.
     """
+    if isinstance(error, data.DatasetNotFoundError):  # the data's fault, not the workdir's
+        return False
     if isinstance(error, (OSError, tf.errors.ResourceExhaustedError,
                           tf.errors.PermissionDeniedError)):
         return True

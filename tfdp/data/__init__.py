@@ -33,4 +33,5 @@ from tfdp.data.sampling import poisson_indices
 from tfdp.data.sampling import shuffled_indices
 from tfdp.data.synthetic_imagenet import prepare_synthetic_imagenet
 from tfdp.data.tfds_source import TFDSSource
+from tfdp.data.tfds_source import raise_read_error
 from tfdp.data.tfds_source import splits_overlap
