@@ -134,8 +134,9 @@ def refusal(workdir: str, steps: int, changes: List[Change]) -> str:
     return (
         f"{workdir} holds a run stopped at step {steps}, trained with other values of "
         f"{names} than this command's (- the checkpoint's, + this command's):\n  {lines}\n"
-        "A resume restores the checkpoint's model and optimizer, so these settings would be "
-        "printed but not used from step "
-        f"{steps} on. Nothing was changed. Run the same command as before to resume (its "
-        "values are in operative_config.gin), or use a new workdir for the new settings. A "
-        f"resume may change only: {allowed}.")
+        "A resume restores the checkpoint's model and optimizer and continues that run: "
+        f"from step {steps} on, these settings would be printed but not used (the restored "
+        "optimizer keeps its own learning rate and slots), or would train one model under "
+        "two settings that the report states as one. Nothing was changed. Run the same "
+        "command as before to resume (its values are in operative_config.gin), or use a new "
+        f"workdir for the new settings. A resume may change only: {allowed}.")
