@@ -133,7 +133,7 @@ def macro_uses(value):
 
 
 def setting_name(key) -> str:
-    """`("tfdp.training.build_optimizer", "learning_rate")` -> "tfdp.training.build_optimizer.learning_rate"."""
+    """`(configurable, argument)` -> "configurable.argument", e.g. "...build_optimizer.momentum"."""
     return f"{key[0]}.{key[1]}"
 
 

@@ -126,7 +126,7 @@ def _changed_lines(saved, current):
 
 
 def refusal(workdir: str, steps: int, changes: List[Change]) -> str:
-    """The message that refuses to resume `workdir` at `steps` with `changes` (non-resumable ones)."""
+    """The message that refuses to resume `workdir` at `steps` for the non-resumable `changes`."""
     refused = [c for c in changes if not c.resumable]
     names = ", ".join(c.name.rsplit(".", 1)[-1] for c in refused)
     lines = "\n  ".join(line for c in refused for line in c.lines())
