@@ -80,3 +80,36 @@ def test_a_truncated_shard_is_refused_before_the_workdir_is_touched(
         run_smoke(tmp_path / "wd", ["imagenet.gin"], [
             *SMOKE_PARAMS, f"DATA_DIR = '{copy}'", "NUM_EXAMPLES = 40"], mock=False)
     assert not (tmp_path / "wd").exists()
+
+
+def test_a_corrupt_record_met_in_training_is_named_with_the_command(
+        tmp_path, run_smoke, synthetic_imagenet_dir, monkeypatch):
+    # A split too large to be read whole at start (monkeypatched here): before, a
+    # "Corrupted Riegeli/records file: chunk data hash mismatch" traceback from inside
+    # tf.data; now the shard and the command that prepares it again.
+    import shutil  # pylint: disable=g-import-not-at-top
+
+    from tfdp.data import tfds_source  # pylint: disable=g-import-not-at-top
+
+    monkeypatch.setattr(tfds_source, "FULL_CHECK_MAX_BYTES", 0)
+    copy = tmp_path / "data"
+    shutil.copytree(synthetic_imagenet_dir, copy)
+    shard = next(copy.rglob("*train.array_record*"))
+    size = shard.stat().st_size
+    with open(shard, "r+b") as f:  # bytes flipped all over the records (footer intact)
+        for offset in range(size // 10, size * 8 // 10, 1000):
+            f.seek(offset)
+            chunk = f.read(4)
+            f.seek(offset)
+            f.write(bytes(b ^ 0xFF for b in chunk))
+    assert shard.stat().st_size == size
+    with pytest.raises(data.DatasetNotFoundError) as error:
+        run_smoke(tmp_path / "wd", ["fashion_mnist.gin"], [
+            "tfdp.train_and_evaluate.dataset = 'synthetic_imagenet'",
+            "tfdp.train_and_evaluate.test_split = 'validation'",
+            f"tfdp.train_and_evaluate.data_dir = '{copy}'",
+            "tfdp.train_and_evaluate.image_size = 32", "NUM_EXAMPLES = 40", "BATCH_SIZE = 8",
+            "TARGET_EPSILON = None", "NOISE_MULTIPLIER = 1.0"], mock=False)
+    message = str(error.value)
+    assert f"corrupt shard of split 'train': {shard.name}" in message, message
+    assert "make_synthetic_imagenet.py" in message and "same command resumes" in message

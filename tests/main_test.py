@@ -1,5 +1,6 @@
 """The entry point: gin files resolve by name; bad input gets a clear error, exit 2."""
 
+import logging
 import os
 import re
 import subprocess
@@ -141,3 +142,77 @@ def test_cli_unclosed_bracket_exits_2_without_a_traceback(tmp_path):
     result = _run(tmp_path, "--gin_file=fashion_mnist.gin", "--gin_param=NUM_STEPS = (3")
     assert result.returncode == 2
     assert "--gin_param='NUM_STEPS = (3'" in result.stderr and "Traceback" not in result.stderr
+
+
+# -- Issue 29, Sec. 6: a finished run's process ends right after FINISHED ------------------
+
+
+def test_a_finished_run_exits_at_once_without_the_interpreter_s_teardown(monkeypatch):
+    # Before: the process lived on for 1 to 100 s after "Done:" while Python's finalization
+    # collected TensorFlow's heap (BUILD.md, "Exit").
+    import types  # pylint: disable=g-import-not-at-top
+
+    from tfdp import experiment  # pylint: disable=g-import-not-at-top
+
+    calls, exits = [], []
+    monkeypatch.setattr(main, "FLAGS", types.SimpleNamespace(
+        workdir="wd", gin_file=["fashion_mnist.gin"], gin_param=[]))
+    monkeypatch.setattr(main, "parse_config", lambda files, params: calls.append("parse"))
+    monkeypatch.setattr(experiment, "train_and_evaluate",
+                        lambda workdir: calls.append(("train", workdir)))
+    monkeypatch.setattr(main.os, "_exit", exits.append)
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    main.main(["tfdp.main"])
+    assert calls == ["parse", ("train", "wd")] and exits == [0]
+    # Multi-worker processes leave through the normal exit (the coordination service's
+    # shutdown barrier).
+    monkeypatch.setenv("TF_CONFIG", '{"cluster": {"worker": ["a:1", "b:2"]}}')
+    main.main(["tfdp.main"])
+    assert exits == [0]
+
+
+# -- Issue 29, Sec. 3: no binding is silently ignored --------------------------------------
+
+
+def _parse(files, params):
+    import gin  # pylint: disable=g-import-not-at-top
+
+    gin.clear_config()
+    try:
+        main.parse_config(files, params)
+        value = gin.query_parameter("tfdp.train_and_evaluate.num_steps")
+        if isinstance(value, gin.config.ConfigurableReference):  # %NUM_STEPS
+            value = gin.query_parameter(str(value))
+        return value
+    finally:
+        gin.clear_config()
+
+
+@pytest.mark.parametrize("binding, called", [
+    # Before: trained the Tramer CNN of fashion_mnist.gin and said nothing.
+    ("tfdp.models.build_wide_resnet.depth = 40", "tfdp.models.build_tramer_cnn"),
+    ("tfdp.models.build_scatternet_linear.groups = 27", "tfdp.models.build_tramer_cnn"),
+])
+def test_a_binding_of_a_function_the_run_never_calls_is_refused(binding, called):
+    with pytest.raises(main.ConfigError) as error:
+        _parse(["fashion_mnist.gin"], [binding])
+    message = str(error.value)
+    assert f"Gin binding(s) of a function this run never calls: {binding}." in message
+    assert f"This run calls {called}, tfdp.train_and_evaluate, " in message, message
+    # The functions the run does call may be bound, by their short names too.
+    assert _parse(["fashion_mnist.gin"], ["build_optimizer.momentum = 0.5",
+                                          "tfdp.training.make_strategy.devices = None"]) == 1172
+
+
+def test_a_direct_binding_that_replaces_a_macro_is_accepted_and_said(caplog):
+    # Before: "misspelt macro NUM_STEPS (did you mean NUM_EXAMPLES?)".
+    with caplog.at_level(logging.WARNING):
+        assert _parse(["fashion_mnist.gin"], ["tfdp.train_and_evaluate.num_steps = 3"]) == 3
+    assert re.search(r"--gin_param 'tfdp.train_and_evaluate.num_steps = 3' overrides the "
+                     r"config's macro NUM_STEPS = 1172: the trainer, the sampler and the "
+                     r"accountant all read the binding's value", caplog.text)
+    # Both the macro and the binding that replaced its use: the macro would do nothing.
+    with pytest.raises(main.ConfigError, match=r"NUM_STEPS = 5 is set by --gin_param, but "
+                       r"--gin_param 'tfdp.train_and_evaluate.num_steps = 3' replaced the "
+                       r"binding that used NUM_STEPS"):
+        _parse(["fashion_mnist.gin"], ["tfdp.train_and_evaluate.num_steps = 3", "NUM_STEPS = 5"])

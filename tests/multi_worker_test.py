@@ -10,11 +10,13 @@ that it deletes.
 import collections
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
 
 import numpy as np
+import pytest
 import tensorflow as tf
 
 from tfdp import data
@@ -349,3 +351,30 @@ def test_the_pure_tf_input_reads_each_worker_s_share_and_matches_one_worker(tmp_
     for name in mine:
         np.testing.assert_allclose(mine[name], reference[name], rtol=1e-5, atol=1e-6,
                                    err_msg=name)
+@pytest.mark.slow  # a whole CLI start (about 30 s); the waiting is tested in distribute_test
+def test_a_worker_that_never_starts_stops_the_run_with_its_name(tmp_path):
+    # Before: worker 0 printed nothing, for as long as one waited (and ignored SIGTERM).
+    wrapper = tmp_path / "run_tfdp.py"
+    wrapper.write_text(_WRAPPER)
+    ports = _free_ports(2)
+    cluster = {"worker": [f"127.0.0.1:{port}" for port in ports]}
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "TFDP_TEST_SEED_FILE": str(tmp_path / "s"),
+           "TF_CONFIG": json.dumps({"cluster": cluster,
+                                    "task": {"type": "worker", "index": 0}})}
+    command = [
+        sys.executable, str(wrapper), f"--workdir={tmp_path / 'workdir'}",
+        "--gin_file=fashion_mnist.gin", "--gin_file=smoke.gin",
+        *[f"--gin_param={p}" for p in (
+            "NUM_EXAMPLES = 64", "BATCH_SIZE = 16",
+            "tfdp.train_and_evaluate.strategy = 'multi_worker_mirrored'",
+            "tfdp.training.make_strategy.worker_timeout_s = 4",
+            "tfdp.training.make_strategy.wait_log_every_s = 1")]]
+    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert f"waiting for 1 of the 1 other workers of TF_CONFIG to start: worker 1 " \
+           f"(127.0.0.1:{ports[1]})" in proc.stderr
+    assert re.search(rf"tfdp: error: worker 0 waited \d+ s for worker 1 \(127.0.0.1:"
+                     rf"{ports[1]}\) of TF_CONFIG to start, and it has not\..*worker_timeout_s "
+                     r"\(now 4 s\)", proc.stderr), proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "workdir").exists()

@@ -172,3 +172,74 @@ def test_make_private_refuses_a_pattern_that_matches_no_layer():
     with pytest.raises(ValueError, match="BatchNorm"):
         tfdp.make_private(_pretrained_with_batch_norm(), (IMAGES, LABELS), batch_size=10,
                           num_steps=1, optimizer="sgd", **COMMON)
+
+
+# -- Issue 29: what make_private and PrivateTraining refuse, with a message -------------------
+
+
+def test_evaluate_refuses_images_that_fit_refuses():
+    # Before: evaluate() returned an accuracy for 9x9 images on an 8x8 model.
+    private = _private()
+    with pytest.raises(ValueError, match=r"The images are \[N, 9, 9, 1\] but the model takes "
+                                         r"inputs \(None, 8, 8, 1\)"):
+        private.evaluate((np.zeros((6, 9, 9, 1), np.uint8), np.zeros(6, np.int64)))
+    assert set(private.evaluate((IMAGES, LABELS))) >= {"loss", "accuracy"}
+
+
+def _two_outputs():
+    inputs = keras.Input((8, 8, 1))
+    flat = keras.layers.Flatten()(inputs)
+    return keras.Model(inputs, [keras.layers.Dense(2)(flat), keras.layers.Dense(2)(flat)])
+
+
+def _frozen():
+    model = _model()
+    model.trainable = False
+    return model
+
+
+@pytest.mark.parametrize("model, data, message", [
+    # Before: TypeError in private_training.py.
+    (_two_outputs, (IMAGES, LABELS), r"The model has 2 outputs; make_private trains a "
+                                     r"classifier with one output"),
+    # Before: ValueError from deep inside ghost_clipping.py.
+    (_frozen, (IMAGES, LABELS), r"has no trainable variables \(every layer is frozen"),
+    # Before: numpy's "inhomogeneous shape" (or "all input arrays must have the same shape").
+    (_model, ([np.zeros((8, 8, 1), np.uint8), np.zeros((9, 8, 1), np.uint8)], [0, 1]),
+     r"The images have different shapes \(\(8, 8, 1\), \(9, 8, 1\)\): make_private trains "
+     r"on images of one shape"),
+    (_model, tf.data.Dataset.from_generator(
+        lambda: iter([(np.zeros((8, 8, 1), np.uint8), 0), (np.zeros((9, 8, 1), np.uint8), 1)]),
+        output_signature=(tf.TensorSpec([None, 8, 1], tf.uint8), tf.TensorSpec([], tf.int64))),
+     r"The dataset's images have different shapes \(\(8, 8, 1\), \(9, 8, 1\)\)"),
+    # Before: numpy's "'<' not supported between instances of 'str' and 'int'".
+    (_model, (IMAGES, np.array(["cat", "dog"] * 20)),
+     r"labels must be integers \[N\] = \[40\].*got <U3 \[40\] \(e.g. np.str_\('cat'\)\)|"
+     r"labels must be integers \[N\] = \[40\].*got <U3 \[40\] \(e.g. 'cat'\)"),
+])
+def test_models_and_data_make_private_cannot_train_are_refused_with_a_message(model, data,
+                                                                              message):
+    with pytest.raises(ValueError, match=message):
+        tfdp.make_private(model(), data, batch_size=10, num_steps=1, optimizer="sgd", **COMMON)
+
+
+def test_export_to_an_empty_path_is_refused(trained, tmp_path, monkeypatch):
+    # Before: FileNotFoundError from os.makedirs('').
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=r"export_dir='' names no folder"):
+        trained.export("")
+    assert os.listdir(tmp_path) == []
+
+
+def test_the_delta_warning_is_given_once_per_make_private(recwarn):
+    # Before: 16 copies of "delta >= 1/num_examples" from one call (calibration builds a
+    # DPMechanism per candidate sigma), whenever warnings were shown "always".
+    import warnings  # pylint: disable=g-import-not-at-top
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tfdp.make_private(_model(), (IMAGES, LABELS), target_delta=0.05, l2_clip_norm=1.0,
+                          batch_size=10, num_steps=3, target_epsilon=3.0, optimizer="sgd")
+    deltas = [w for w in caught if "1/num_examples" in str(w.message)]
+    assert len(deltas) == 1, [str(w.message) for w in deltas]
+    assert "delta=0.05 >= 1/num_examples=0.025" in str(deltas[0].message)

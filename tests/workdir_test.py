@@ -1,6 +1,7 @@
 """Reruns of a finished workdir: nothing an earlier run wrote is lost or misreported."""
 
 import json
+import logging
 import os
 import re
 import shutil
@@ -267,3 +268,208 @@ def test_a_url_workdir_is_refused_rather_than_run_without_a_lock(run_smoke):
     with pytest.raises(ValueError, match=r"s3://bucket/wd is a s3:// URL; tfdp locks its "
                                          r"workdir .* lease object on gs://, ram:// only"):
         run_smoke("s3://bucket/wd", ["fashion_mnist.gin"], PARAMS)
+
+
+# -- Issue 29, Sec. 1: a resume never prints a setting that the checkpoint overrides ------
+
+
+@pytest.mark.parametrize("param, named", [
+    # Before: exit 0, "Resuming ... with changed settings: + learning_rate = 0.01", while
+    # the restored optimizer kept training at 4.0 (and the report said 4.0).
+    ("tfdp.training.build_optimizer.learning_rate = 0.01", "learning_rate"),
+    # Before: Keras's raw "incompatible tensor with shape" once the optimizer restored.
+    ("tfdp.training.build_optimizer.name = 'adam'", "name"),
+    ("tfdp.train_and_evaluate.ema_decay = 0.9", "ema_decay"),
+    ("L2_CLIP_NORM = 0.5", None),  # the privacy ledger's own check names it
+])
+def test_a_resume_that_would_change_training_is_refused_by_name(copy, run_smoke, param,
+                                                               named):
+    before = _tree(copy)
+    with pytest.raises(ValueError) as error:
+        run_smoke(copy, ["fashion_mnist.gin"], [*PARAMS, "NUM_STEPS = 4", param])
+    message = str(error.value)
+    if named:
+        assert re.search(rf"stopped at step 2, trained with other values of {named} than "
+                         r"this command's", message), message
+        assert f"+ tfdp.training.build_optimizer.{named} =" in message or (
+            f"+ tfdp.train_and_evaluate.{named} =" in message), message
+        assert "would be printed but not used" in message and "Nothing was changed" in message
+        # num_steps may grow on resume: it is not among the refused settings.
+        assert "num_steps" not in message.split("A resume may change only")[0], message
+    else:
+        assert "l2_clip_norm" in message, message
+    assert _tree(copy) == before
+
+
+def test_a_resume_may_change_what_does_not_change_training_and_the_rerun_is_unchanged(
+        copy, run_smoke, caplog):
+    # Before: the extended run kept the first run's settings in its checkpoint, so the same
+    # command again was refused as a "finished run ... with other settings".
+    params = [*PARAMS, "NUM_STEPS = 4", "tfdp.train_and_evaluate.eval_batch_size = 50"]
+    report = run_smoke(copy, ["fashion_mnist.gin"], params)
+    assert report["steps"] == 4
+    assert re.search(r"Resuming .* at step 2 with changed settings that change neither the "
+                     r"model nor its metrics.*\n.*- \S*eval_batch_size = 100\n.*\+ "
+                     r"\S*eval_batch_size = 50", caplog.text)
+    caplog.clear()
+    before = _tree(copy)
+    with caplog.at_level(logging.INFO, logger="absl"):
+        assert run_smoke(copy, ["fashion_mnist.gin"], params) == report
+    assert "its report and export are unchanged" in caplog.text
+    assert _tree(copy) == before
+
+
+def test_settings_are_compared_as_values_not_as_text():
+    from tfdp import resume_rule  # pylint: disable=g-import-not-at-top
+
+    saved = ("LR = 4.0\nbuild_optimizer.learning_rate = %LR\n"
+             "tfdp.train_and_evaluate.num_steps = 6\n")
+    # The same value through another name and no macro: no change at all.
+    assert resume_rule.changed_settings(
+        saved, "tfdp.training.build_optimizer.learning_rate = 4.0\n"
+               "train_and_evaluate.num_steps = 6\n") == []
+    # A macro's new value is a change of the binding that uses it.
+    changes = resume_rule.changed_settings(saved, saved.replace("LR = 4.0", "LR = 0.5"))
+    assert [(c.name, c.before, c.after, c.resumable) for c in changes] == [
+        ("tfdp.training.build_optimizer.learning_rate", "4.0", "0.5", False)]
+    # Binding an argument to its default is no change; more steps are resumable.
+    changes = resume_rule.changed_settings(
+        saved, saved.replace("= 6", "= 8") + "tfdp.train_and_evaluate.ema_decay = None\n")
+    assert [(c.name, c.resumable) for c in changes] == [
+        ("tfdp.train_and_evaluate.num_steps", True)]
+
+
+# -- Issue 29, Sec. 2: "unchanged" only after checking what FINISHED vouches for ----------
+
+
+@pytest.fixture(scope="module")
+def other_finished(tmp_path_factory, run_smoke_module):
+    """Another finished 2-step run, at another noise multiplier (another epsilon)."""
+    workdir = tmp_path_factory.mktemp("other")
+    report = run_smoke_module(workdir, ["fashion_mnist.gin"],
+                              ["TARGET_EPSILON = None", "NOISE_MULTIPLIER = 2.0"])
+    return workdir, report
+
+
+def _flip_a_byte(path):
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("swap, named", [
+    # Before: "already holds this finished run ... its report and export are unchanged".
+    ("export", "export/"),
+    ("privacy_report.json", "privacy_report.json"),
+    ("flip:export/variables/variables.data-00000-of-00001",
+     "export/variables/variables.data-00000-of-00001: same size, other contents"),
+    ("flip:export/saved_model.pb", "export/saved_model.pb: same size, other contents"),
+])
+def test_a_finished_workdir_with_changed_files_is_named_not_called_unchanged(
+        copy, other_finished, finished, run_smoke, swap, named, caplog):
+    assert other_finished[1]["epsilon"] != finished[1]["epsilon"]
+    if swap.startswith("flip:"):
+        _flip_a_byte(copy / swap[len("flip:"):])
+    elif (copy / swap).is_dir():
+        shutil.rmtree(copy / swap)
+        shutil.copytree(other_finished[0] / swap, copy / swap)
+    else:
+        shutil.copy(other_finished[0] / swap, copy / swap)
+    before = _tree(copy)
+    with pytest.raises(ValueError) as error:
+        run_smoke(copy, ["fashion_mnist.gin"], PARAMS)
+    message = str(error.value)
+    assert re.search(r"is finished \(FINISHED, 2 steps\), but files it vouches for changed "
+                     r"since it was written:\n  ", message), message
+    assert named in message, message
+    assert "not called unchanged; nothing was changed" in message
+    assert "unchanged" not in caplog.text.replace("not called unchanged", "")
+    assert _tree(copy) == before
+
+
+def test_finished_records_a_digest_of_every_file_it_vouches_for(finished):
+    from tfdp import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
+
+    record = json.loads((finished[0] / "FINISHED").read_text())
+    names = set(record["digests"])
+    assert {"privacy_report.json", "privacy_report.md", "export/saved_model.pb",
+            "export/variables/variables.index", "export/assets/privacy_report.json",
+            "export/assets/privacy_report.md"} <= names
+    assert any(name.startswith("export/variables/variables.data-") for name in names)
+    for name, digest in record["digests"].items():
+        assert digest == workdir_lib.file_digest(finished[0] / name), name
+    assert workdir_lib.changed_since_finished(str(finished[0]), record) == []
+
+
+@pytest.mark.parametrize("garbage", [b"garbage\n", b"\x00\xffnot a checkpoint state{{", b""])
+def test_an_unreadable_checkpoint_state_is_named_with_the_fix(copy, run_smoke, garbage):
+    # Before: "holds outputs of an earlier run ... but no checkpoint that resumes it".
+    (copy / "checkpoints" / "checkpoint").write_bytes(garbage)
+    before = _tree(copy)
+    with pytest.raises(ValueError) as error:
+        run_smoke(copy, ["fashion_mnist.gin"], PARAMS)
+    message = str(error.value)
+    assert re.search(r"The checkpoint state \S*checkpoints/checkpoint cannot be read: it is "
+                     r"not the text TensorFlow writes there", message), message
+    assert "holds the checkpoints ckpt-0, ckpt-2. To resume from the newest" in message
+    assert _tree(copy) == before
+    # Doing as told: the finished run is found again, unchanged.
+    (copy / "checkpoints" / "checkpoint").write_text('model_checkpoint_path: "ckpt-2"\n')
+    assert run_smoke(copy, ["fashion_mnist.gin"], PARAMS)["steps"] == 2
+
+
+def test_a_file_size_limit_at_the_first_checkpoint_is_a_failed_write_like_a_full_disk(
+        tmp_path, run_smoke, monkeypatch):
+    # Before: a raw "OutOfRangeError ... File too large [Op:SaveV2]" traceback, and
+    # checkpoints/ckpt-0_temp/ left behind.
+    import tensorflow as tf  # pylint: disable=g-import-not-at-top
+
+    def save(self, checkpoint_number=None, **kwargs):
+        partial = os.path.join(self.directory, f"ckpt-{checkpoint_number}_temp")
+        os.makedirs(partial)
+        with open(os.path.join(partial, "part-00000-of-00001.data-00000-of-00001"), "w") as f:
+            f.write("partial")
+        raise tf.errors.OutOfRangeError(
+            None, None, f"{partial}/part-00000-of-00001.data-00000-of-00001.tempstate1; File "
+            "too large [Op:SaveV2]")
+
+    monkeypatch.setattr(tf.train.CheckpointManager, "save", save)
+    workdir = tmp_path / "wd"
+    with pytest.raises(ValueError, match=r"failed write or read in .*OutOfRangeError: .*File "
+                                         r"too large \[Op:SaveV2\]\. No checkpoint was kept; "
+                                         r"fix the cause \(.*ulimit -f"):
+        run_smoke(workdir, ["fashion_mnist.gin"], PARAMS)
+    assert not workdir.exists()  # created by the run, and nothing of it stays
+
+
+_LIMITED = r'''
+import resource, signal, sys
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes past the limit fail with EFBIG
+limit = int(sys.argv.pop(1))
+resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+from tfdp import data
+with data.mock_data(num_examples=64):
+    from tfdp import main
+    sys.argv = ["tfdp.main"] + sys.argv[1:]
+    main.run()
+'''
+
+
+@pytest.mark.slow  # a whole CLI start; the monkeypatched test above runs by default
+def test_a_real_file_size_limit_stops_the_cli_cleanly(tmp_path):
+    import subprocess  # pylint: disable=g-import-not-at-top
+    import sys  # pylint: disable=g-import-not-at-top
+
+    wrapper = tmp_path / "limited.py"
+    wrapper.write_text(_LIMITED)
+    workdir = tmp_path / "wd"
+    proc = subprocess.run(
+        [sys.executable, str(wrapper), "50000", f"--workdir={workdir}",
+         "--gin_file=fashion_mnist.gin", "--gin_file=smoke.gin",
+         *[f"--gin_param={p}" for p in (*PARAMS, "NUM_EXAMPLES = 64", "BATCH_SIZE = 16")]],
+        capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert re.search(r"tfdp: error: The run stopped on a failed write or read in .*File too "
+                     r"large", proc.stderr), proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert not workdir.exists() or not list((workdir / "checkpoints").glob("*_temp"))

@@ -18,6 +18,7 @@ import inspect
 import json
 import math
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -34,6 +35,7 @@ from tfdp import data
 from tfdp import host
 from tfdp import models
 from tfdp import storage
+from tfdp import resume_rule
 from tfdp import workdir as workdir_lib
 from tfdp.dp import coins
 from tfdp.export import privacy_report
@@ -382,6 +384,7 @@ def train_and_evaluate(
                              image_size=image_size, num_examples=mechanism.num_examples,
                              prepare_train=audit and audit.prepare_train)
     image_shape = train.image_shape
+    test_examples = _test_examples(eval_examples, test)
 
     # 3. The workdir: locked for the whole run by the chief (which writes it), then
     # checked: a checkpoint of this very mechanism, or no output of an earlier run.
@@ -452,10 +455,22 @@ def train_and_evaluate(
         ), accumulation_steps=accumulation_steps)
         eval_ds = data.eval_batches(test, batch_size=eval_batch_size, num_examples=eval_examples)
         augtest_spec = (augment_fn, augmult, [seed, 2]) if augtest else None
-        _fit(dp_model, mechanism, manager, ledger, train_ds, eval_ds, out_dir,
-             start_step=start_step, checkpoint_every_steps=checkpoint_every_steps,
-             eval_every_steps=eval_every_steps, augtest=augtest_spec, simulation=simulation,
-             progress_bar=sys.stdout.isatty() if progress_bar is None else progress_bar)
+        try:
+            _fit(dp_model, mechanism, manager, ledger, train_ds, eval_ds, out_dir,
+                 start_step=start_step, checkpoint_every_steps=checkpoint_every_steps,
+                 eval_every_steps=eval_every_steps, augtest=augtest_spec,
+                 simulation=simulation, test_examples=test_examples,
+                 progress_bar=sys.stdout.isatty() if progress_bar is None else progress_bar)
+        except tf.errors.OpError:
+            # A corrupt shard met by a batch (a split too large to read whole at start):
+            # the source kept the clear error that TensorFlow wrapped.
+            try:
+                data.raise_read_error(train, test)
+            except data.DatasetNotFoundError as e:
+                raise data.DatasetNotFoundError(
+                    f"{e} The checkpoints saved so far are kept: once the data is fixed, the "
+                    "same command resumes.") from None
+            raise
 
         # 8. Study ledger, privacy report and SavedModel.
         steps_done = int(dp_model.optimizer.iterations.numpy())
@@ -656,6 +671,26 @@ def _load_data(dataset, train_split, test_split, *, data_dir, image_size, num_ex
     return train, test
 
 
+def _test_examples(eval_examples, test):
+    """How many test examples each evaluation uses; says so when eval_examples asks for more.
+
+    Raises:
+      ValueError: eval_examples that is not None or a positive int.
+    """
+    if eval_examples is None:
+        return test.num_examples
+    if isinstance(eval_examples, bool) or not isinstance(eval_examples, int) or (
+            eval_examples < 1):
+        raise ValueError(f"eval_examples must be None (the whole test split) or a positive "
+                         f"int, got {eval_examples!r}.")
+    if eval_examples > test.num_examples:
+        logging.warning(
+            "eval_examples=%d is more than the %d examples of the test split %r of %s: every "
+            "evaluation uses all %d (metrics.jsonl says test_examples=%d).", eval_examples,
+            test.num_examples, test.split, test.name, test.num_examples, test.num_examples)
+    return min(eval_examples, test.num_examples)
+
+
 def _check_workdir(workdir, mechanism, *, audit, sampling_seed, noise_seed):
     """Stage 3: what the workdir allows this run to do; read only (the chief holds the lock).
 
@@ -664,14 +699,20 @@ def _check_workdir(workdir, mechanism, *, audit, sampling_seed, noise_seed):
     full: a corrupt one is named, `tfdp.workdir.resume_checkpoint`) must hold
     this mechanism and no more steps than planned (`check_privacy_ledger`).
     A finished run (all steps and FINISHED, `tfdp.workdir.finished`) is not
-    redone: the same settings return its report untouched. A run with all
-    its steps but no FINISHED (killed, or a full disk, while exporting) goes
-    on to write its export and report. Other settings than the checkpoint's
-    are refused once all steps are trained, so that a report never states
-    settings that did not train the model; resuming an unfinished run with
-    changed settings logs what changed. A private run's checkpoint is never
-    resumed by a non-private run (`mechanism` a `NonPrivatePlan`), nor the
-    other way round (`check_non_private_ledger`, `check_privacy_ledger`).
+    redone: the same settings return its report untouched, once every file
+    FINISHED vouches for is checked against the digests it recorded
+    (`tfdp.workdir.changed_since_finished`); a changed file is named and
+    refused. A run with all its steps but no FINISHED (killed, or a full
+    disk, while exporting) goes on to write its export and report. A resume
+    follows `tfdp.resume_rule`: a setting that changes training (optimizer,
+    learning rate, model, augmentation, ...) and differs from the
+    checkpoint's is refused by name, before anything is built, so that a run
+    never prints a setting that the restored checkpoint overrides; settings
+    that change neither the model nor its metrics (more steps, evaluation
+    interval, devices, ...) may change, and are logged. A private run's
+    checkpoint is never resumed by a non-private run (`mechanism` a
+    `NonPrivatePlan`), nor the other way round (`check_non_private_ledger`,
+    `check_privacy_ledger`).
 
     Returns:
       `(latest, report)`: the checkpoint to resume (or None), and the
@@ -679,9 +720,10 @@ def _check_workdir(workdir, mechanism, *, audit, sampling_seed, noise_seed):
 
     Raises:
       tfdp.workdir.WorkdirError: outputs of an earlier run without a
-        checkpoint, or a corrupt checkpoint.
+        checkpoint, a corrupt checkpoint, or a finished workdir whose files
+        differ from what FINISHED recorded.
       ValueError: from `check_privacy_ledger`, an audit asked to resume, or
-        a fully trained workdir rerun with other settings.
+        settings that a resume cannot change (`tfdp.resume_rule`).
     """
     latest = workdir_lib.resume_checkpoint(os.path.join(workdir, CHECKPOINT_DIR))
     if not latest:
@@ -698,26 +740,53 @@ def _check_workdir(workdir, mechanism, *, audit, sampling_seed, noise_seed):
             latest, mechanism, sampling_seed=sampling_seed, noise_seed=noise_seed)
     else:  # refuses a private run's checkpoint
         steps, saved_config = callbacks_lib.check_non_private_ledger(latest, mechanism.num_steps)
-    changes = callbacks_lib.config_changes(saved_config, gin.config_str())
+    changes = resume_rule.changed_settings(saved_config, gin.config_str())
+    refused = [change for change in changes if not change.resumable]
+    harmless = "\n  ".join(line for change in changes if change.resumable
+                           for line in change.lines())
     finished = workdir_lib.finished(workdir)
     if steps == mechanism.num_steps:
-        if changes:
+        if refused:
             what = ("a finished run" if finished else
                     "a run trained for all its steps (its export is not finished)")
             raise ValueError(
                 f"{workdir} holds {what} of {steps} steps with other settings; "
                 "nothing was changed. What differs (- that run, + this one):\n  "
-                + "\n  ".join(changes) + "\nUse a new workdir for the new settings.")
+                + "\n  ".join(line for change in refused for line in change.lines())
+                + "\nUse a new workdir for the new settings.")
         if finished:
-            logging.info("%s already holds this finished run (%d steps; see %s); its report "
-                         "and export are unchanged.", workdir, steps, workdir_lib.FINISHED_FILE)
-            name = privacy_report.REPORT_JSON if private else privacy_report.NOT_PRIVATE_JSON
-            return latest, json.loads(storage.read_text(os.path.join(workdir, name)))
-        logging.warning("%s holds all %d steps of this run but no finished export and report "
-                        "(no %s): writing them now.", workdir, steps, workdir_lib.FINISHED_FILE)
-    elif changes:
-        logging.warning("Resuming %s at step %d with changed settings (- before, + now):\n  %s",
-                        workdir, steps, "\n  ".join(changes))
+            changed = workdir_lib.changed_since_finished(workdir, finished)
+            if changed:
+                raise workdir_lib.WorkdirError(
+                    f"{workdir} is finished ({workdir_lib.FINISHED_FILE}, {steps} steps), but "
+                    f"files it vouches for changed since it was written:\n  "
+                    + "\n  ".join(changed) + "\nIts report and export may not be this "
+                    "run's, so they are not called unchanged; nothing was changed. Put the "
+                    "original files back; or, to write this run's export and report again "
+                    f"from its checkpoint, remove {workdir_lib.FINISHED_FILE}, {EXPORT_DIR}/ "
+                    "and the report files and run the same command again.")
+            if changed is not None:
+                logging.info("%s already holds this finished run (%d steps; see %s); its "
+                             "report and export are unchanged (checked against the digests "
+                             "in %s).%s", workdir, steps, workdir_lib.FINISHED_FILE,
+                             workdir_lib.FINISHED_FILE,
+                             f" Settings that do not change it differ:\n  {harmless}"
+                             if harmless else "")
+                name = privacy_report.REPORT_JSON if private else privacy_report.NOT_PRIVATE_JSON
+                return latest, json.loads(storage.read_text(os.path.join(workdir, name)))
+            logging.warning("%s has a %s without file digests (an older tfdp), so its export "
+                            "and report cannot be checked: writing them again from the "
+                            "checkpoint.", workdir, workdir_lib.FINISHED_FILE)
+        else:
+            logging.warning("%s holds all %d steps of this run but no finished export and "
+                            "report (no %s): writing them now.", workdir, steps,
+                            workdir_lib.FINISHED_FILE)
+    elif refused:
+        raise ValueError(resume_rule.refusal(workdir, steps, changes))
+    elif harmless:
+        logging.warning("Resuming %s at step %d with changed settings that change neither the "
+                        "model nor its metrics (- before, + now):\n  %s", workdir, steps,
+                        harmless)
     return latest, None
 
 
@@ -733,18 +802,44 @@ def _stops_cleanly(out_dir):
     before = set(storage.listdir(checkpoint_dir)) if storage.isdir(checkpoint_dir) else set()
     try:
         yield
-    except (OSError, tf.errors.ResourceExhaustedError, tf.errors.PermissionDeniedError) as e:
+    except (OSError, tf.errors.OpError) as e:
+        if not _is_failed_write(e):
+            raise
         workdir_lib.remove_partial_checkpoints(checkpoint_dir, before)
         kept = tf.train.latest_checkpoint(checkpoint_dir)
-        progress = (f"The checkpoint {kept} is kept; fix the cause (free disk space, make the "
-                    "workdir writable) and run the same command again to resume from it."
-                    if kept else "No checkpoint was kept; fix the cause (free disk space, "
-                    "make the workdir writable) and run the same command again.")
+        cause = ("fix the cause (free disk space, raise the file size limit `ulimit -f`, make "
+                 "the workdir writable)")
+        progress = (f"The checkpoint {kept} is kept; {cause} and run the same command again "
+                    "to resume from it." if kept else
+                    f"No checkpoint was kept; {cause} and run the same command again.")
         message = " ".join((getattr(e, "message", None) or str(e)).split())[:500]
         raise workdir_lib.WorkdirError(
             f"The run stopped on a failed write or read in {out_dir}: {type(e).__name__}: "
             f"{message}. {progress} The workdir is not finished (no "
             f"{workdir_lib.FINISHED_FILE}).") from e
+
+
+# TensorFlow's ops that write files, and the errno texts of a failed write or read.
+_WRITE_OPS = re.compile(r"\[Op:(SaveV2|MergeV2Checkpoints|WriteFile|Save|SaveSlices)\]")
+_IO_ERRORS = re.compile(r"File too large|No space left|Disk quota exceeded|Read-only file "
+                        r"system|Permission denied|Input/output error|Too many open files")
+
+
+def _is_failed_write(error):
+    """Whether `error` is a failed write or read of the workdir (any errno), not a bug.
+
+    Python's OSError (any errno: ENOSPC, EFBIG, EROFS, EDQUOT, EIO, ...); TensorFlow's
+    ResourceExhaustedError and PermissionDeniedError (a full disk, a read-only folder); and
+    any other TensorFlow error raised by an op that writes files (SaveV2 reports EFBIG,
+    "File too large", as OutOfRangeError) or that quotes an I/O errno.
+    """
+    if isinstance(error, data.DatasetNotFoundError):  # the data's fault, not the workdir's
+        return False
+    if isinstance(error, (OSError, tf.errors.ResourceExhaustedError,
+                          tf.errors.PermissionDeniedError)):
+        return True
+    message = getattr(error, "message", None) or str(error)
+    return bool(_WRITE_OPS.search(message) or _IO_ERRORS.search(message))
 
 
 def _check_builder_bindings(model_fn):
@@ -795,6 +890,9 @@ def _restore(dp_model, ledger, out_dir, latest):
     )
     if latest:
         checkpoint.restore(latest).expect_partial()
+        # The settings now in force (the resume rule let only harmless ones change): the
+        # next checkpoints record them, for the next rerun's comparison.
+        ledger.config.assign(gin.config_str())
         logging.info("Resumed from %s.", latest)
     start_step = int(dp_model.optimizer.iterations.numpy())
     if int(ledger.steps.numpy()) != start_step:
@@ -811,8 +909,13 @@ def _restore(dp_model, ledger, out_dir, latest):
 
 
 def _fit(dp_model, mechanism, manager, ledger, train_ds, eval_ds, out_dir, *, start_step,
-         checkpoint_every_steps, eval_every_steps, augtest, simulation, progress_bar):
-    """Stage 7: `fit` over checkpoint intervals, evaluating every eval_every_steps."""
+         checkpoint_every_steps, eval_every_steps, augtest, simulation, progress_bar,
+         test_examples):
+    """Stage 7: `fit` over checkpoint intervals, evaluating every eval_every_steps.
+
+    Every metrics.jsonl line states `test_examples`, the test examples each
+    evaluation used.
+    """
     if start_step >= mechanism.num_steps:
         return
     private = isinstance(mechanism, accounting.DPMechanism)
@@ -825,8 +928,9 @@ def _fit(dp_model, mechanism, manager, ledger, train_ds, eval_ds, out_dir, *, st
         callbacks_lib.CheckpointCallback(manager, ledger),
         callbacks_lib.MetricsJsonl(
             os.path.join(out_dir, METRICS_FILE),
-            extra=({"simulation": True} if simulation else None) if private
-            else {"privacy": NOT_PRIVATE},
+            extra={"test_examples": test_examples,
+                   **(({"simulation": True} if simulation else {}) if private
+                      else {"privacy": NOT_PRIVATE})},
         ),
         callbacks_lib.OperativeConfigSaver(os.path.join(out_dir, OPERATIVE_CONFIG)),
         callbacks_lib.TensorBoardScalars(os.path.join(out_dir, "tensorboard")),
@@ -900,7 +1004,9 @@ def _finish(report, dp_model, export_model, out_dir, *, image_shape):
         "steps": report["steps"],
         **({"epsilon": report["epsilon"], "delta": report["delta"]} if private
            else {"privacy": NOT_PRIVATE}),
-        "files": [*files, f"{EXPORT_DIR}/saved_model.pb",
+        # The SavedModel's graph, its variables (index and data shards) and the report's
+        # copies; FINISHED records the size and SHA-256 of each file (checked on rerun).
+        "files": [*files, f"{EXPORT_DIR}/saved_model.pb", f"{EXPORT_DIR}/variables",
                   *(f"{EXPORT_DIR}/assets/{name}" for name in files)],
     })
 

@@ -93,7 +93,11 @@ def parse_config(gin_files, gin_params):
 
     try:
         with _quiet_include_lookup():
-            gin.parse_config_files_and_bindings(paths, gin_params)
+            # The files first, then the bindings: what the files alone bind tells an
+            # overridden macro from a misspelt one (`_check_macros_are_used`).
+            gin.parse_config_files_and_bindings(paths, [], finalize_config=False)
+            files_config = gin.config_str(max_line_length=100_000)
+            gin.parse_config_files_and_bindings([], gin_params)
     except tokenize.TokenError as e:
         # Gin's tokenizer names neither the file nor the binding.
         raise ConfigError(
@@ -111,7 +115,8 @@ def parse_config(gin_files, gin_params):
                 "double quotes).") from None
         # OSError: an `include` of a file gin cannot find.
         raise ConfigError(f"Could not parse the gin config {paths} {gin_params}: {e}") from e
-    _check_macros_are_used()
+    _check_macros_are_used(files_config, gin_params)
+    _check_bindings_are_called()
     return paths
 
 
@@ -162,12 +167,23 @@ def _quiet_include_lookup():
         root.removeFilter(quiet)
 
 
-def _check_macros_are_used():
+def _check_macros_are_used(files_config="", gin_params=()):
     """Refuses a gin macro that no binding uses, e.g. a misspelt `NOISE_MULTIPLYER = 1.0`.
 
     Gin accepts any `NAME = value` as a macro, so a typo in a macro name would
     otherwise train with the config's own value, silently. Macros and their
     uses are read from the parsed config (`gin.config_str`, `gin.parse_value`).
+
+    A macro of the files that a `--gin_param` binding made unused is not a
+    typo: `--gin_param=tfdp.train_and_evaluate.num_steps=3` replaces the
+    config's `num_steps = %NUM_STEPS`. It is accepted, and a warning says
+    which binding overrides which macro (the value the trainer, the sampler
+    and the accountant all read is the binding's).
+
+    Args:
+      files_config: `gin.config_str()` of the gin files alone, before the
+        --gin_param bindings.
+      gin_params: the --gin_param bindings.
 
     Raises:
       ConfigError: naming each unused macro and the closest used one.
@@ -185,6 +201,23 @@ def _check_macros_are_used():
             if ref.selector == "gin.macro":
                 used.add(ref.scoped_selector.rsplit("/", 1)[0])
     unused = sorted(defined - used)
+    overridden = _overridden_macros(unused, files_config, gin_params)
+    conflicts = []
+    for name, (value, bindings, set_by_param) in overridden.items():
+        overrides = " and ".join(f"'{b}'" for b in bindings)
+        if set_by_param:
+            conflicts.append(
+                f"{name} = {value!r} is set by --gin_param, but --gin_param {overrides} "
+                f"replaced the binding that used {name}, so {name} would not be used")
+            continue
+        logging.warning(
+            "--gin_param %s overrides the config's macro %s = %r: the trainer, the sampler and "
+            "the accountant all read the binding's value, and %s is not used.",
+            overrides, name, value, name)
+    if conflicts:
+        raise ConfigError("; ".join(conflicts) + ". Give only one of the two (the macro sets "
+                          "every binding that uses it).")
+    unused = [name for name in unused if name not in overridden]
     if unused:
         hints = []
         for name in unused:
@@ -194,6 +227,86 @@ def _check_macros_are_used():
             f"Gin macro(s) set but used by no binding: {', '.join(hints)}. A misspelt macro "
             "would leave the config's own value in place. Valid macros here: "
             f"{', '.join(sorted(used))}.")
+
+
+def _overridden_macros(unused, files_config, gin_params):
+    """{macro: (value, [the --gin_param bindings in its place], set by a --gin_param)}.
+
+    Among the `unused` macros, those that the files alone used and whose every
+    use a --gin_param rebound.
+    """
+    from tfdp import gin_bindings  # pylint: disable=g-import-not-at-top
+
+    if not unused or not files_config:
+        return {}
+    try:
+        file_macros, file_bindings = gin_bindings.parse(files_config)
+        param_statements = [gin_bindings.parse(param) for param in gin_params]
+    except (ValueError, SyntaxError):
+        return {}
+    set_by_params = {name: value for macros, _ in param_statements
+                     for name, value in macros.items()}
+    found = {}
+    for name in unused:
+        users = {key for key, value in file_bindings.items()
+                 if name in gin_bindings.macro_uses(value)}
+        rebound = [f"{gin_bindings.setting_name(key)} = {bindings[key]!r}"
+                   for _, bindings in param_statements for key in bindings if key in users]
+        if users and rebound:
+            found[name] = (set_by_params.get(name, file_macros.get(name)), rebound,
+                           name in set_by_params)
+    return found
+
+
+# Configurables that train_and_evaluate calls itself, not through a binding's `@reference`.
+_CALLED_BY = {"tfdp.train_and_evaluate": ("tfdp.training.make_strategy",)}
+_ROOT = "tfdp.train_and_evaluate"
+
+
+def _check_bindings_are_called():
+    """Refuses bindings of configurables that the run never calls, before anything runs.
+
+    Gin accepts a binding of any registered configurable, and one that is
+    never called is silently ignored: `tfdp.models.build_wide_resnet.depth =
+    40` on a config whose model_fn is the Tramer CNN trained the CNN and said
+    nothing. The configurables a run calls are `train_and_evaluate`, what it
+    calls itself (`make_strategy`), and every configurable that a binding of a
+    called one references (`@tfdp.models.build_tramer_cnn`), transitively,
+    macros resolved. These are exactly the configurables that gin's operative
+    config lists after the run (tests/configs_test.py checks this on every
+    shipped config), but they are known before any I/O.
+
+    Raises:
+      ConfigError: naming each binding of a configurable that is not called,
+        and the configurables that are.
+    """
+    import gin  # pylint: disable=g-import-not-at-top
+
+    from tfdp import gin_bindings  # pylint: disable=g-import-not-at-top
+
+    macros, bindings = gin_bindings.parse(gin.config_str(max_line_length=100_000))
+    called, queue = set(), [_ROOT]
+    while queue:
+        selector = queue.pop()
+        if selector in called:
+            continue
+        called.add(selector)
+        queue.extend(_CALLED_BY.get(selector.rpartition("/")[2], ()))
+        unscoped = selector.rpartition("/")[2]
+        for (bound, _), value in bindings.items():
+            if bound in (selector, unscoped):
+                queue.extend(ref.name for ref in gin_bindings.references(
+                    gin_bindings.resolve(value, macros)))
+    called_names = called | {name.rpartition("/")[2] for name in called}
+    uncalled = sorted(f"{gin_bindings.setting_name(key)} = {value!r}"
+                      for key, value in bindings.items() if key[0] not in called_names)
+    if uncalled:
+        raise ConfigError(
+            f"Gin binding(s) of a function this run never calls: {'; '.join(uncalled)}. "
+            "Gin would ignore them and train without them. This run calls "
+            f"{', '.join(sorted(called))}. Remove the binding, or make the run call that "
+            "function (e.g. tfdp.train_and_evaluate.model_fn = @tfdp.models.build_wide_resnet "
+            "to train a WRN).")
 
 
 def _references(value):
@@ -229,6 +342,39 @@ def main(argv):
         # A clear error, printed once, with no traceback from deep inside TF.
         print(f"tfdp: error: {error_message(e)}", file=sys.stderr)
         sys.exit(2)
+    exit_now(0)
+
+
+def exit_now(status):
+    """Ends a run whose work is done and written: flushes the logs, then `os._exit(status)`.
+
+    What otherwise runs after "Done:" is Python's interpreter finalization:
+    its cyclic garbage collector walks and frees the whole TensorFlow heap
+    (the traced tf.function graphs, `TF_DeleteGraph` and their shape
+    refiners; the tf.data iterators, whose destructors wait for their
+    threads). On this project's 2-core machine that took from 1 s to 100 s,
+    at full CPU, depending on the order in which the garbage was found
+    (issue 29, Sec. 6; BUILD.md, "Exit"). Everything the run promises is on
+    disk by then: checkpoints and the export are written synchronously,
+    metrics.jsonl and the reports are closed, FINISHED is fsync'ed, the lock
+    released, TensorBoard's writers closed. So the process ends here, every
+    time within a moment of FINISHED.
+
+    Under `multi_worker_mirrored` (TF_CONFIG set) the process exits normally
+    instead: TensorFlow's coordination service may hold the workers at a
+    shutdown barrier, which an immediate exit would skip.
+    """
+    if os.environ.get("TF_CONFIG"):
+        return
+    logging.flush()
+    loggers = [std_logging.getLogger(), *std_logging.Logger.manager.loggerDict.values()]
+    for handler in {h for logger in loggers for h in getattr(logger, "handlers", ())}:
+        with contextlib.suppress(Exception):
+            handler.flush()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(status)  # pylint: disable=protected-access
 
 
 def run():

@@ -86,8 +86,14 @@ class PrivateTraining:
             callbacks=[callbacks_lib.PrivacyCallback(self.mechanism), *progress])
 
     def evaluate(self, test_data, *, batch_size=1000):
-        """`{"loss": ..., "accuracy": ...}` on data in any form `make_private` takes."""
+        """`{"loss": ..., "accuracy": ...}` on data in any form `make_private` takes.
+
+        Raises:
+          ValueError: data `make_private` would refuse: images of another
+            shape than the model takes, labels outside its logits, ...
+        """
         source = _source(test_data, num_classes=self.source.num_classes)
+        _check_input_shape(self.model.model, source)
         result = self.model.evaluate(data.eval_batches(source, batch_size=batch_size),
                                      verbose=0, return_dict=True)
         return {key: float(value) for key, value in result.items()}
@@ -125,10 +131,14 @@ class PrivateTraining:
           `export_dir`.
 
         Raises:
-          ValueError: before any step without `allow_untrained=True`; an
-            `export_dir` that is a file or a folder with other files, or an
+          ValueError: before any step without `allow_untrained=True`; an empty
+            `export_dir`, one that is a file or a folder with other files, or an
             earlier export without `overwrite=True`. Nothing is written then.
         """
+        if not os.fspath(export_dir).strip():
+            raise ValueError(
+                f"export_dir={os.fspath(export_dir)!r} names no folder: give the folder to "
+                "write the SavedModel to, e.g. private.export('my_model').")
         if self.steps == 0 and not allow_untrained:
             raise ValueError(
                 "No training step was taken yet: this would export the untrained model "
@@ -236,8 +246,14 @@ def make_private(
                          f"(optimizer updates); got epochs={epochs}, num_steps={num_steps}.")
     if trainable is not None:
         models.set_trainable(model, trainable)
-    models.validate_dp_model(model)
     num_classes = _output_width(model)
+    if not model.trainable_variables:
+        raise ValueError(
+            f"The model {getattr(model, 'name', '')!r} has no trainable variables (every layer "
+            "is frozen, trainable=False): DP-SGD would have nothing to train. Unfreeze what "
+            "should train (layer.trainable = True), or pass trainable='head' (the last Dense "
+            "layer) or trainable='all'.")
+    models.validate_dp_model(model)
     source = _source(train_data, num_classes=num_classes, data_dir=data_dir)
     _check_input_shape(model, source)
     if epochs is not None:
@@ -280,6 +296,12 @@ def _check_input_shape(model, source):
 
 
 def _output_width(model):
+    outputs = getattr(model, "outputs", None)
+    if outputs is not None and len(outputs) != 1:
+        raise ValueError(
+            f"The model has {len(outputs)} outputs; make_private trains a classifier with one "
+            "output, logits [batch, num_classes]. Build a model of the output to train, e.g. "
+            "keras.Model(model.inputs, model.outputs[0]).")
     shape = getattr(model, "output_shape", None)
     if not shape or len(shape) != 2 or shape[-1] is None:
         raise ValueError(f"The model must return logits [batch, num_classes]; its output "
@@ -307,18 +329,51 @@ def _source(train_data, *, num_classes, data_dir=None):
         raise ValueError(
             "train_data must be (images, labels) arrays, a tf.data.Dataset of (image, label) "
             f"or a TFDS dataset name; got {type(train_data).__name__}.")
-    images, labels = (np.asarray(a) for a in train_data)
+    images, labels = _as_arrays(*train_data)
     if not images.shape or images.shape[0] == 0:
         raise ValueError("train_data holds no examples; DP-SGD needs a non-empty training set.")
     if images.dtype != np.uint8:
         raise ValueError(
             f"images must be uint8 pixels [N, height, width, channels], got {images.dtype} "
             f"{list(images.shape)}: the model scales pixels itself, so pass them unscaled.")
+    if labels.dtype.kind not in "iu" or labels.shape != images.shape[:1]:
+        example = f" (e.g. {labels.flat[0]!r})" if labels.size else ""
+        raise ValueError(
+            f"labels must be integers [N] = [{images.shape[0]}], one class id in [0, "
+            f"{num_classes}) per image; got {labels.dtype} {list(labels.shape)}{example}. Map "
+            "class names to ids first, e.g. names, labels = np.unique(labels, "
+            "return_inverse=True).")
     if labels.size and (labels.min() < 0 or labels.max() >= num_classes):
         raise ValueError(
             f"labels must be in [0, {num_classes}) (the model's logits), got values from "
             f"{labels.min()} to {labels.max()}.")
     return data.ArraySource(images, labels, num_classes)
+
+
+def _as_arrays(images, labels):
+    """`(images, labels)` as numpy arrays; images of different shapes are refused clearly."""
+    given = images
+    try:
+        images = np.asarray(given)
+    except ValueError:  # numpy: "inhomogeneous shape"
+        images = None
+    if images is None or images.dtype == object:
+        try:
+            shapes = sorted({tuple(np.shape(image)) for image in _first(given, 1000)})
+        except (TypeError, ValueError):
+            shapes = []
+        raise ValueError(
+            "The images have different shapes"
+            + (f" ({', '.join(map(str, shapes[:3]))}{', ...' if len(shapes) > 3 else ''})"
+               if shapes else "")
+            + ": make_private trains on images of one shape [N, height, width, channels]. "
+            "Resize or crop them to one size first (e.g. tf.image.resize_with_crop_or_pad), "
+            "and build the model for it.")
+    return images, np.asarray(labels)
+
+
+def _first(items, count):
+    return [item for _, item in zip(range(count), items)]
 
 
 def _read_dataset(dataset):
@@ -347,4 +402,11 @@ def _read_dataset(dataset):
             "examples (tfdp.private_training.MAX_UNKNOWN_CARDINALITY_EXAMPLES), which are "
             "read into memory. Pass arrays, or a prepared TFDS dataset name (read from disk).")
     images, labels = zip(*pairs)
+    shapes = {image.shape for image in images}
+    if len(shapes) > 1:
+        raise ValueError(
+            f"The dataset's images have different shapes ({', '.join(map(str, sorted(shapes)[:3]))}"
+            f"{', ...' if len(shapes) > 3 else ''}): make_private trains on images of one shape "
+            "[height, width, channels]. Resize them first, e.g. dataset.map(lambda image, "
+            "label: (tf.image.resize_with_crop_or_pad(image, 28, 28), label)).")
     return np.stack(images), np.asarray(labels)

@@ -84,6 +84,32 @@ def read_bytes(path):
         return f.read()
 
 
+def read_chunks(path, chunk_bytes=1 << 20):
+    """The bytes of the file at `path`, in chunks of at most `chunk_bytes` (a generator)."""
+    opener = _gfile().GFile if is_url(path) else open
+    with opener(path, "rb") as f:
+        while True:
+            chunk = f.read(chunk_bytes)
+            if not chunk:
+                return
+            yield chunk
+
+
+def walk_files(path):
+    """Every file under the folder `path`, as `(full path, path relative to it)`, sorted."""
+    if is_url(path):
+        walked = ((root, files) for root, _, files in _gfile().walk(path))
+    else:
+        walked = ((root, files) for root, _, files in os.walk(path))
+    found = []
+    base = os.fspath(path).rstrip("/")
+    for root, files in walked:
+        for name in files:
+            full = join(root, name.rstrip("/"))
+            found.append((full, os.fspath(full)[len(base):].lstrip("/")))
+    return sorted(found)
+
+
 def read_text(path):
     return read_bytes(path).decode("utf-8")
 

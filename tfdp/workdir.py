@@ -37,6 +37,7 @@ import contextlib
 import datetime
 import errno
 import fcntl
+import hashlib
 import json
 import os
 import re
@@ -308,9 +309,11 @@ def resume_checkpoint(checkpoint_dir):
     try:
         state = tf.train.get_checkpoint_state(checkpoint_dir)
     except Exception as e:  # pylint: disable=broad-except  (text-proto parse errors)
-        raise WorkdirError(
-            f"The checkpoint state {state_file} cannot be read ({e}). Restore it from a "
-            "backup, or use a new workdir.") from None
+        _unreadable_state(state_file, checkpoint_dir, _first_line(e))
+    if state is None or not state.model_checkpoint_path:
+        # TensorFlow logs a parse error and returns None for a file that is not its text
+        # proto (garbage text, an empty file): this run would not know what to resume.
+        _unreadable_state(state_file, checkpoint_dir)
     listed = list(state.all_model_checkpoint_paths) if state else []
     if state and state.model_checkpoint_path and state.model_checkpoint_path not in listed:
         listed.append(state.model_checkpoint_path)
@@ -338,6 +341,26 @@ def resume_checkpoint(checkpoint_dir):
         what = ("No earlier checkpoint is intact: this run cannot be resumed. Use a new "
                 "workdir.")
     raise WorkdirError(f"The checkpoint {newest} is corrupt: {problem}. {what}")
+
+
+def _unreadable_state(state_file, checkpoint_dir, reason=None):
+    """Raises WorkdirError for a checkpoint state file that names no checkpoint."""
+    prefixes = sorted((int(m.group(1)), name[:-len(".index")])
+                      for name in os.listdir(checkpoint_dir)
+                      for m in [re.fullmatch(r"ckpt-(\d+)\.index", name)] if m)
+    if prefixes:
+        newest = prefixes[-1][1]
+        what = (f"The folder holds the checkpoints {', '.join(p for _, p in prefixes)}. To "
+                f"resume from the newest, write its name into the state file, e.g. printf "
+                f"'model_checkpoint_path: \"{newest}\"\\n' > {state_file}, and run the same "
+                "command again (a corrupt checkpoint is then named). Or use a new workdir.")
+    else:
+        what = "The folder holds no checkpoint files either: use a new workdir."
+    raise WorkdirError(
+        f"The checkpoint state {state_file} cannot be read: it is not the text TensorFlow "
+        "writes there (model_checkpoint_path: \"ckpt-N\", ...)"
+        + (f" ({reason})" if reason else "") + ", so this run cannot tell which checkpoint "
+        f"to resume. Nothing was changed. {what}") from None
 
 
 def checkpoint_problem(prefix):
@@ -400,6 +423,8 @@ def finished(workdir):
     """The FINISHED record if the workdir holds a finished run, else None.
 
     Finished means: `FINISHED` exists and every file it lists is there.
+    Whether those files are still the ones it vouches for is
+    `changed_since_finished`'s question.
     """
     path = storage.join(workdir, FINISHED_FILE)
     try:
@@ -415,11 +440,99 @@ def finished(workdir):
 def write_finished(workdir, record):
     """Writes `FINISHED` (a JSON `record` that lists its `files`) atomically, last.
 
+    The record gets `digests`: the size and SHA-256 of every listed file
+    (`vouched_digests`), read after they were written, so a later rerun can
+    tell whether the workdir still holds them (`changed_since_finished`).
     Written whole (`tfdp.storage.write_whole`: locally to a temporary name,
     flushed to disk and renamed; on an object store as one object), so
     FINISHED is either absent or complete.
     """
+    record = {**record, "digests": vouched_digests(workdir, record["files"])}
     storage.write_whole(storage.join(workdir, FINISHED_FILE), json.dumps(record, indent=1))
+
+
+# -- What FINISHED vouches for: sizes and SHA-256 digests (issue 29) -----------------------
+# Files are read through `tfdp.storage` (POSIX locally, tf.io.gfile on gs:// workdirs).
+DIGEST = "sha256"
+
+
+def file_digest(path):
+    """`{"bytes": size, "sha256": hex digest}` of the file at `path`."""
+    digest, size = hashlib.sha256(), 0
+    for chunk in storage.read_chunks(path):
+        digest.update(chunk)
+        size += len(chunk)
+    return {"bytes": size, DIGEST: digest.hexdigest()}
+
+
+def vouched_digests(workdir, names):
+    """`{name: file_digest}` of the files `names` (relative to `workdir`) FINISHED lists.
+
+    A listed folder (e.g. `export/variables`) stands for every file under it,
+    each recorded under its own relative name.
+    """
+    digests = {}
+    for name in names:
+        path = storage.join(workdir, name)
+        if storage.isdir(path):
+            for full, relative in storage.walk_files(path):
+                digests[f"{name}/{relative}"] = file_digest(full)
+        else:
+            digests[name] = file_digest(path)
+    return digests
+
+
+def changed_since_finished(workdir, record):
+    """The files FINISHED vouches for that are no longer what it recorded, as readable lines.
+
+    Every file in the record's `digests` is read again and compared (size,
+    then SHA-256): a swapped `export/` or `privacy_report.json`, an edited
+    report, a replaced `variables/` shard. A file under a vouched folder that
+    FINISHED did not record (e.g. a second `variables.data-*` shard from
+    another export) is listed too.
+
+    Args:
+      workdir: the workdir.
+      record: the FINISHED record (`finished`).
+
+    Returns:
+      A list of lines, one per changed, missing or added file (empty: all
+      unchanged), or None when the record holds no digests (a FINISHED written
+      by a tfdp before issue 29), which cannot be checked.
+    """
+    recorded = record.get("digests") if isinstance(record, dict) else None
+    if not isinstance(recorded, dict) or not recorded:
+        return None
+    problems = []
+    for name, expected in sorted(recorded.items()):
+        path = storage.join(workdir, name)
+        try:
+            found = file_digest(path)
+        except (OSError, tf_errors().OpError) as e:
+            problems.append(f"{name}: cannot be read ({getattr(e, 'strerror', None) or e})")
+            continue
+        if found["bytes"] != expected.get("bytes"):
+            problems.append(f"{name}: {found['bytes']} bytes, {expected.get('bytes')} when "
+                            "FINISHED was written")
+        elif found[DIGEST] != expected.get(DIGEST):
+            problems.append(f"{name}: same size, other contents ({DIGEST} {found[DIGEST][:12]}"
+                            f"..., {expected.get(DIGEST, '?')[:12]}... when FINISHED was "
+                            "written)")
+    folders = {name for name in record.get("files", [])
+               if storage.isdir(storage.join(workdir, name))}
+    for folder in sorted(folders):
+        for _, relative in storage.walk_files(storage.join(workdir, folder)):
+            name = f"{folder}/{relative}"
+            if name not in recorded:
+                problems.append(f"{name}: not there when FINISHED was written")
+    return problems
+
+
+def tf_errors():
+    """`tf.errors` (a missing object on gs:// raises NotFoundError, not an OSError)."""
+    import tensorflow as tf  # pylint: disable=g-import-not-at-top
+
+    return tf.errors
 
 
 def remove_stale_temporaries(workdir):

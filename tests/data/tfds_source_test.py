@@ -6,6 +6,7 @@ sizes, 1000 classes), written by the `synthetic_imagenet_dir` fixture.
 
 import json
 import pathlib
+import re
 import shutil
 
 import numpy as np
@@ -190,3 +191,46 @@ def test_a_truncated_shard_is_named_before_anything_is_read(synthetic_imagenet_d
                         image_size=32)
     data.TFDSSource(synthetic_imagenet.DATASET_NAME, "validation", data_dir=str(copy),
                     image_size=32)
+
+
+def _flip_bytes_in_the_middle(path):
+    size = path.stat().st_size
+    with open(path, "r+b") as f:
+        f.seek(size // 2)
+        chunk = f.read(16)
+        f.seek(size // 2)
+        f.write(bytes(b ^ 0xFF for b in chunk))
+    assert path.stat().st_size == size
+
+
+def test_a_shard_with_flipped_bytes_is_named_before_anything_is_read(synthetic_imagenet_dir,
+                                                                    tmp_path):
+    # Before: opened fine (its footer is intact), then "Corrupted Riegeli/records file:
+    # chunk data hash mismatch" from the first batch, after ckpt-0 was written.
+    copy, shard = _copy_and_first_train_shard(synthetic_imagenet_dir, tmp_path)
+    _flip_bytes_in_the_middle(shard)
+    with pytest.raises(data.DatasetNotFoundError,
+                       match=rf"holds a corrupt shard of split 'train': {shard.name} \(.*hash "
+                             r"mismatch.*\)\. .*flipped bytes.*\n.*make_synthetic_imagenet.py"):
+        data.TFDSSource(synthetic_imagenet.DATASET_NAME, "train", data_dir=str(copy),
+                        image_size=32)
+
+
+def test_a_corrupt_record_of_a_large_split_is_named_when_read(synthetic_imagenet_dir, tmp_path,
+                                                             monkeypatch):
+    # Splits above FULL_CHECK_MAX_BYTES (ImageNet) are not read whole when opened.
+    from tfdp.data import tfds_source  # pylint: disable=g-import-not-at-top
+
+    monkeypatch.setattr(tfds_source, "FULL_CHECK_MAX_BYTES", 0)
+    copy, shard = _copy_and_first_train_shard(synthetic_imagenet_dir, tmp_path)
+    _flip_bytes_in_the_middle(shard)
+    source = data.TFDSSource(synthetic_imagenet.DATASET_NAME, "train", data_dir=str(copy),
+                             image_size=32)
+    with pytest.raises(tf.errors.OpError):  # inside tf.data, as in training
+        for _ in data.eval_batches(source, batch_size=8):
+            pass
+    assert isinstance(source.read_error, data.DatasetNotFoundError)
+    assert re.search(rf"corrupt shard of split 'train': {shard.name} \(.*hash mismatch",
+                     str(source.read_error)), str(source.read_error)
+    with pytest.raises(data.DatasetNotFoundError, match=shard.name):
+        data.raise_read_error(source)

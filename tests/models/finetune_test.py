@@ -160,6 +160,38 @@ def test_keras_application_errors(application_weights, keras_backbone, tmp_path)
                              input_shape=(32, 32, 3))
 
 
+@pytest.mark.parametrize("layers", [
+    # Before: AttributeError "The layer sequential has never been called" in _feature_tensor.
+    lambda: [keras.layers.Conv2D(2, 3, name="conv"), keras.layers.GlobalAveragePooling2D(
+        name="pool")],
+    lambda: [keras.layers.Conv2D(2, 3, name="conv")],
+])
+def test_a_keras_backbone_without_a_dense_layer_is_a_backbone_error(layers, tmp_path):
+    path = str(tmp_path / "nodense.keras")
+    keras.Sequential([keras.Input((8, 8, 1)), *layers()]).save(path)
+    with pytest.raises(models.BackboneError, match=r"has no Dense layer whose input would be "
+                                                   r"the features; name the layer .*"
+                                                   r"feature_layer=.*its layers: conv"):
+        models.build_finetune_model(3, (8, 8, 1), backbone=path)
+    # Doing as told works.
+    model = models.build_finetune_model(3, (8, 8, 1), backbone=path, feature_layer="conv")
+    assert model.output_shape == (None, 3)
+
+
+@pytest.mark.parametrize("damage", ["garbage", "truncated"])
+def test_a_corrupt_keras_file_is_called_corrupt_not_missing(keras_backbone, tmp_path, damage):
+    # Before: "File not found: filepath=... Please ensure the file is an accessible `.keras`
+    # zip file", for a file that exists.
+    path = tmp_path / "backbone.keras"
+    original = open(keras_backbone[0], "rb").read()
+    path.write_bytes(b"not a zip" * 20 if damage == "garbage" else original[:len(original) // 2])
+    with pytest.raises(models.BackboneError) as error:
+        models.load_backbone(str(path))
+    message = str(error.value)
+    assert "exists" in message and "not a valid '.keras' file" in message, message
+    assert "not found" not in message.lower()
+
+
 # -- Trainable modes -----------------------------------------------------------------------
 
 

@@ -122,3 +122,18 @@ def test_input_audit_trains_on_the_included_canaries(tmp_path, capsys):
     # N' = 64 - 20 canary originals + the included canaries, and the report says so.
     assert report["num_examples"] == 64 - 20 + payload["num_included"]
     assert "mislabelled" in payload["canaries"]
+
+
+def test_too_many_canaries_are_refused_before_any_allocation(capsys):
+    # Before: numpy's _ArrayMemoryError "Unable to allocate 7.28 TiB", as a traceback.
+    status, _, err = _main(["simulate", "--noise_multiplier", "2", "--sampling_prob", "1",
+                            "--steps", "1", "--num_canaries", "1000000000000", "--delta",
+                            "1e-5"], capsys)
+    assert status == 2, err
+    assert re.search(r"audit.py simulate: error: 1,000,000,000,000 canaries would need about "
+                     r"64\.0 TB of memory \(64 bytes per canary: its coin, score and rank\), "
+                     r"and [\d.]+ [GMT]B is available\. Use at most about [\d,]+ canaries", err)
+    with pytest.raises(ValueError, match=r"1,000,000 canaries would need about 64.0 MB .* and "
+                                         r"1.0 MB is available\. Use at most about 15,625"):
+        audit.check_canary_memory(10**6, available_bytes=10**6)
+    audit.check_canary_memory(10**4, available_bytes=10**6)  # 640 kB fits

@@ -11,9 +11,14 @@ batches (`distribute_logical_batches`) and the path the trainer runs,
 accumulation chunks (`distribute_chunks` -> `ChunkedInput`, a = 2).
 """
 
+import json
+import logging
 import os
+import socket
 import subprocess
 import sys
+import threading
+import time
 
 import keras
 import numpy as np
@@ -398,3 +403,87 @@ def test_replicas_that_do_not_split_evenly_over_hosts_are_refused():
 
     with pytest.raises(ValueError, match="do not split evenly over 3 hosts"):
         distribute.distribute_chunks(ThreeHosts(), lambda replicas: None, accumulation_steps=1)
+
+
+# -- Issue 29: TF_CONFIG checked, and a worker that never starts is named, not waited for --
+
+
+def test_tf_config_addresses_need_a_port(monkeypatch):
+    # Before: InvalidArgumentError "Could not parse port" from deep inside TensorFlow.
+    monkeypatch.setenv("TF_CONFIG", json.dumps({
+        "cluster": {"worker": ["127.0.0.1:2222", "10.0.0.2"]},
+        "task": {"type": "worker", "index": 0}}))
+    with pytest.raises(ValueError, match=r"TF_CONFIG's worker 1 has the address '10.0.0.2', "
+                                         r"which is not host:port"):
+        distribute.make_strategy("multi_worker_mirrored")
+
+
+def test_a_cluster_under_the_default_strategy_is_refused(monkeypatch, caplog):
+    # Before: each worker trained its own model alone, with no warning.
+    monkeypatch.setenv("TF_CONFIG", json.dumps({
+        "cluster": {"worker": ["127.0.0.1:2222", "127.0.0.1:2223"]},
+        "task": {"type": "worker", "index": 0}}))
+    with pytest.raises(ValueError, match=r"TF_CONFIG describes a cluster of 2 tasks \(worker 0 "
+                       r"\(127.0.0.1:2222\), worker 1 \(127.0.0.1:2223\)\), but strategy is "
+                       r"'default': this process would train alone.*multi_worker_mirrored"):
+        distribute.make_strategy("default")
+    # A one-task cluster (a launcher that always sets it) is said, not refused.
+    monkeypatch.setenv("TF_CONFIG", json.dumps({"cluster": {"worker": ["127.0.0.1:2222"]},
+                                                "task": {"type": "worker", "index": 0}}))
+    with caplog.at_level(logging.WARNING):
+        assert distribute.make_strategy("default").num_replicas_in_sync == 1
+    assert "TF_CONFIG is set, but strategy 'default' does not use it" in caplog.text
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_worker_that_never_starts_is_named_and_the_wait_ends(caplog):
+    # Before: MultiWorkerMirroredStrategy() blocked forever, with no output.
+    mine, theirs = _free_port(), _free_port()
+    config = {"cluster": {"worker": [f"127.0.0.1:{mine}", f"127.0.0.1:{theirs}"]},
+              "task": {"type": "worker", "index": 0}}
+    start = time.monotonic()
+    with caplog.at_level(logging.WARNING):
+        with pytest.raises(ValueError, match=rf"worker 0 waited \d+ s for worker 1 "
+                           rf"\(127.0.0.1:{theirs}\) of TF_CONFIG to start.*raise "
+                           r"tfdp.training.make_strategy.worker_timeout_s \(now 1.5 s\)"):
+            distribute.wait_for_workers(config, timeout_s=1.5, log_every_s=0.5)
+    assert 1.5 <= time.monotonic() - start < 10
+    waits = [r.getMessage() for r in caplog.records if "is waiting for" in r.getMessage()]
+    assert len(waits) >= 2, waits
+    assert (f"worker 0 is waiting for 1 of the 1 other workers of TF_CONFIG to start: worker 1 "
+            f"(127.0.0.1:{theirs}) (0 s of the 1.5 s timeout") in waits[0]
+    # While it waits, worker 0's own port answers: that is how the others see it started.
+
+
+def test_workers_that_start_are_found_and_see_each_other():
+    ports = [_free_port(), _free_port()]
+    cluster = {"worker": [f"127.0.0.1:{port}" for port in ports]}
+    errors, servers = [], []
+
+    def worker(index):
+        try:
+            distribute.wait_for_workers({"cluster": cluster,
+                                         "task": {"type": "worker", "index": index}},
+                                        timeout_s=20, log_every_s=5)
+        except ValueError as e:  # pragma: no cover  (the assertion below reports it)
+            errors.append(e)
+            return
+        server = socket.socket()  # what TensorFlow's server then does on that port
+        server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        server.bind(("127.0.0.1", ports[index]))
+        server.listen()
+        servers.append(server)
+
+    first = threading.Thread(target=worker, args=(0,))
+    first.start()
+    time.sleep(1.0)  # worker 1 starts a second later
+    worker(1)
+    first.join(timeout=20)
+    for server in servers:
+        server.close()
+    assert not first.is_alive() and errors == [] and len(servers) == 2

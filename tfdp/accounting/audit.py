@@ -69,6 +69,61 @@ from scipy import stats
 
 from tfdp.accounting import mechanism as mechanism_lib
 
+# Peak bytes per canary of an audit's arrays: the coin (8 B drawn, 1 B kept), the
+# participations (8), the noise (8), the score (8, and a temporary), and the ranking of
+# `audit` (argsort's 8 and a sorted copy's 8), rounded up.
+BYTES_PER_CANARY = 64
+
+
+def check_canary_memory(num_canaries: int, *, bytes_per_canary: int = BYTES_PER_CANARY,
+                        available_bytes: Optional[int] = None) -> None:
+    """Refuses, before allocating, a number of canaries whose arrays cannot fit in memory.
+
+    Args:
+      num_canaries: m.
+      bytes_per_canary: peak bytes per canary (`BYTES_PER_CANARY` for an audit).
+      available_bytes: the memory available (None: MemAvailable of /proc/meminfo, else
+        the free physical pages; if neither is known, nothing is checked).
+
+    Raises:
+      ValueError: m * bytes_per_canary exceeds the available memory; the message says
+        how much it would need, how much there is, and the largest m that fits.
+    """
+    m = _count("num_canaries", num_canaries, minimum=1)
+    available = _available_memory() if available_bytes is None else int(available_bytes)
+    need = m * int(bytes_per_canary)
+    if available is None or need <= available:
+        return
+    fits = available // int(bytes_per_canary)
+    raise ValueError(
+        f"{m:,} canaries would need about {_bytes(need)} of memory ({bytes_per_canary} bytes "
+        f"per canary: its coin, score and rank), and {_bytes(available)} is available. Use at "
+        f"most about {fits:,} canaries, or run on a machine with more memory.")
+
+
+def _available_memory():
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        import os  # pylint: disable=g-import-not-at-top
+
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _bytes(count):
+    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6)):
+        if count >= size:
+            return f"{count / size:.1f} {unit}"
+    return f"{count} bytes"
+
+
 # Bisection stops when the bracket is this narrow (in epsilon).
 _EPSILON_TOLERANCE = 1e-9
 # No run can be audited above this: the p-value's Binomial success
@@ -208,9 +263,11 @@ def draw_inclusion(num_canaries: int, rng: np.random.Generator) -> np.ndarray:
     """Each canary is in the run independently with probability 1/2: bool [m].
 
     Raises:
-      ValueError: if num_canaries < 1.
+      ValueError: if num_canaries < 1, or if an audit of m canaries would not fit in
+        memory (`check_canary_memory`), before anything is allocated.
     """
     m = _count("num_canaries", num_canaries, minimum=1)
+    check_canary_memory(m)
     return rng.random(m) < 0.5
 
 
@@ -426,6 +483,7 @@ def simulate_audits(mechanism: mechanism_lib.DPMechanism, *, num_canaries: int, 
     with the planted bugs `canary_norm` and `noise_scale`) and audits the
     claim at `mechanism.delta` (`audit`).
     """
+    check_canary_memory(num_canaries)
     results = []
     for _ in range(_count("repeats", repeats, minimum=1)):
         included = draw_inclusion(num_canaries, rng)

@@ -72,6 +72,7 @@ import dataclasses
 import functools
 import math
 import numbers
+import warnings
 from typing import Any, Dict, List, Optional, Tuple
 
 from tfdp.accounting import accountant as accountant_lib
@@ -531,19 +532,30 @@ def plan_mechanism(
             "(e.g. --gin_param=TARGET_EPSILON=3.0) so the run has a privacy budget.")
     if target_epsilon is not None:
         _positive_number("target_epsilon", target_epsilon)
-    mechanism = DPMechanism(
-        num_examples=num_examples, batch_size=batch_size, num_steps=num_steps,
-        noise_multiplier=1.0 if noise_multiplier is None else noise_multiplier,
-        l2_clip_norm=l2_clip_norm, delta=target_delta, accountant=accountant,
-        sampling=sampling, normalize_update=normalize_update,
-        num_microbatches=num_microbatches,
-        data_normalization=DataNormalization.from_config(data_normalization),
-        target_epsilon=target_epsilon, fixed_seeds=tuple(fixed_seeds),
-    )
-    if noise_multiplier is None:
-        return mechanism.calibrated(target_epsilon)
-    if target_epsilon is not None:
-        return mechanism.capped(target_epsilon)
+    # The calibration and the cap build a DPMechanism per candidate, and each would repeat
+    # the same warnings (delta >= 1/N: 16 times in one make_private call when warnings are
+    # shown "always"): they are collected here and each distinct one is given once.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        mechanism = DPMechanism(
+            num_examples=num_examples, batch_size=batch_size, num_steps=num_steps,
+            noise_multiplier=1.0 if noise_multiplier is None else noise_multiplier,
+            l2_clip_norm=l2_clip_norm, delta=target_delta, accountant=accountant,
+            sampling=sampling, normalize_update=normalize_update,
+            num_microbatches=num_microbatches,
+            data_normalization=DataNormalization.from_config(data_normalization),
+            target_epsilon=target_epsilon, fixed_seeds=tuple(fixed_seeds),
+        )
+        if noise_multiplier is None:
+            mechanism = mechanism.calibrated(target_epsilon)
+        elif target_epsilon is not None:
+            mechanism = mechanism.capped(target_epsilon)
+    given = set()
+    for warning in caught:
+        key = (warning.category, str(warning.message))
+        if key not in given:
+            given.add(key)
+            warnings.warn(warning.message, stacklevel=2)
     return mechanism
 
 

@@ -47,4 +47,5 @@ from tfdp.data.tfds_source import dataset_identity
 from tfdp.data.tfds_source import image_collection
 from tfdp.data.tfds_source import is_tfds_dataset
 from tfdp.data.tfds_source import same_dataset
+from tfdp.data.tfds_source import raise_read_error
 from tfdp.data.tfds_source import splits_overlap

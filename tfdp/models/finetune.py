@@ -26,6 +26,7 @@ statistics in training mode, so no example is mixed with another
 import fnmatch
 import json
 import os
+import zipfile
 
 import gin
 import keras
@@ -111,7 +112,9 @@ def build_finetune_model(
     """
     backbone_model, preprocess = load_backbone(
         backbone, backbone_weights=backbone_weights, input_shape=backbone_input_shape)
-    features = _feature_tensor(backbone_model, feature_layer)
+    # A keras.applications model without its top ends in its pooled features.
+    features = _feature_tensor(backbone_model, feature_layer,
+                               pooled_output=backbone.startswith(APPLICATIONS_PREFIX))
     if len(backbone_model.inputs) != 1:
         raise BackboneError(f"The backbone {backbone!r} takes {len(backbone_model.inputs)} "
                             "inputs; a fine-tuning backbone takes one batch of images.")
@@ -381,8 +384,20 @@ def load_backbone(backbone, *, backbone_weights=None, input_shape=None):
                 f"The backbone file {backbone!r} is not a '.keras' file. Save the model with "
                 "model.save('backbone.keras'); for a weights file of keras.applications, set "
                 "backbone='keras.applications.<Name>' and backbone_weights to the file.")
+        if not zipfile.is_zipfile(backbone):
+            # Keras says "File not found" for a file that exists but is not a zip archive.
+            raise BackboneError(
+                f"The backbone {backbone!r} exists ({os.path.getsize(backbone)} bytes) but is "
+                "not a valid '.keras' file: a .keras file is a zip archive, and this one is "
+                "not (a truncated or corrupt copy or download?). Copy it again, or save the "
+                "model again with model.save('backbone.keras').")
         try:
             return keras.saving.load_model(backbone, compile=False), None
+        except (zipfile.BadZipFile, KeyError, EOFError) as e:
+            raise BackboneError(
+                f"The backbone {backbone!r} is a corrupt '.keras' file ({type(e).__name__}: "
+                f"{e}): copy it again, or save the model again with "
+                "model.save('backbone.keras').") from None
         except (ValueError, TypeError, OSError) as e:
             raise BackboneError(f"Could not load the Keras model {backbone!r}: {e}. If it "
                                 "uses custom layers, register them with "
@@ -595,24 +610,46 @@ def _app_preprocessing(backbone):
     return keras.layers.Lambda(preprocess, name="backbone_preprocessing")
 
 
-def _feature_tensor(backbone, feature_layer):
-    """The symbolic features of `backbone`: a named layer's output or the last Dense's input."""
+def _feature_tensor(backbone, feature_layer, *, pooled_output=False):
+    """The symbolic features of `backbone`: a named layer's output or the last Dense's input.
+
+    Args:
+      backbone: the loaded `keras.Model`.
+      feature_layer: None, or the name of the layer whose output are the features.
+      pooled_output: without a Dense layer, take the backbone's single 2-D output (a
+        keras.applications model without its top: its pooled features). Any other
+        backbone without a Dense layer needs `feature_layer`: its output may as well be
+        class scores.
+
+    Raises:
+      BackboneError: an unknown feature_layer, or no Dense layer (and no pooled output)
+        to take the features from; the message lists the layers.
+    """
+    names = [layer.name for layer in backbone.layers]
     if feature_layer is not None:
         try:
             return backbone.get_layer(feature_layer).output
         except ValueError:
-            names = [layer.name for layer in backbone.layers]
             raise BackboneError(
                 f"feature_layer={feature_layer!r} is not a layer of the backbone "
                 f"{backbone.name!r}; its layers: {', '.join(names)}.") from None
-    dense = [layer for layer in backbone.layers if isinstance(layer, keras.layers.Dense)]
-    if dense:
-        return dense[-1].input
-    if len(backbone.outputs) == 1 and len(backbone.output_shape) == 2:
-        return backbone.output  # a notop application: its pooled features
+    try:
+        dense = [layer for layer in backbone.layers if isinstance(layer, keras.layers.Dense)]
+        if dense:
+            return dense[-1].input
+        outputs = list(backbone.outputs or [])
+        if pooled_output and len(outputs) == 1 and len(outputs[0].shape) == 2:
+            return outputs[0]  # a notop application: its pooled features
+    except AttributeError as e:  # a layer never called: Keras knows no symbolic tensor
+        raise BackboneError(
+            f"The features of the backbone {backbone.name!r} cannot be located ({e}). Name "
+            "the layer whose output are the features with feature_layer= (its layers: "
+            f"{', '.join(names)}).") from None
     raise BackboneError(
         f"The backbone {backbone.name!r} has no Dense layer whose input would be the "
-        "features; name the layer whose output are the features with feature_layer=.")
+        "features; name the layer whose output are the features with feature_layer= (e.g. "
+        f"tfdp.models.build_finetune_model.feature_layer = '{names[-1] if names else 'NAME'}'; "
+        f"its layers: {', '.join(names)}).")
 
 
 def _adapt_images(images, input_shape, target):

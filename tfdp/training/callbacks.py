@@ -430,16 +430,6 @@ def check_privacy_ledger(checkpoint_path: str, mechanism: accounting.DPMechanism
     return steps, config
 
 
-def config_changes(saved: str, current: str) -> list:
-    """The gin bindings that differ between two `gin.config_str()`s, as '-'/'+' lines."""
-    def bindings(config):
-        return {line for line in config.splitlines() if line and not line.startswith("#")}
-
-    old, new = bindings(saved), bindings(current)
-    return ([f"- {line}" for line in sorted(old - new)]
-            + [f"+ {line}" for line in sorted(new - old)])
-
-
 def ran_validation(logs):
     """True when an epoch's logs hold validation results (keys `val_...`)."""
     return bool(logs) and any(key.startswith("val_") for key in logs)

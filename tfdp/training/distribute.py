@@ -67,20 +67,33 @@ workdir; the others write to a temporary directory that is deleted at the end
 """
 
 import atexit
+import contextlib
 import dataclasses
 import json
 import os
 import shutil
+import socket
 import tempfile
+import time
 
 import gin
 import tensorflow as tf
+from absl import logging
 
 STRATEGIES = ("default", "mirrored", "multi_worker_mirrored", "tpu")
 
 
+# How long a multi_worker_mirrored worker waits for the others to start, and how often it
+# says so (`wait_for_workers`).
+WORKER_TIMEOUT_S = 600
+WAIT_LOG_EVERY_S = 30
+# The jobs of a TF_CONFIG cluster that train (`MultiWorkerMirroredStrategy`'s collectives).
+_TRAINING_JOBS = ("chief", "worker")
+
+
 @gin.configurable(module="tfdp.training", denylist=["name"])
-def make_strategy(name="default", *, tpu="local", devices=None):
+def make_strategy(name="default", *, tpu="local", devices=None,
+                  worker_timeout_s=WORKER_TIMEOUT_S, wait_log_every_s=WAIT_LOG_EVERY_S):
     """Builds the tf.distribute strategy called `name`.
 
     Create it before any other TensorFlow op of the process:
@@ -95,14 +108,22 @@ def make_strategy(name="default", *, tpu="local", devices=None):
         (`TPUClusterResolver(tpu=...)`).
       devices: for `mirrored`: device names (e.g. `["/gpu:0", "/gpu:1"]`), or
         None for every local GPU (the CPU if there is none).
+      worker_timeout_s: for `multi_worker_mirrored`: seconds to wait for every
+        other worker of TF_CONFIG to start before stopping with an error
+        (`wait_for_workers`; TensorFlow itself would wait forever, silently).
+      wait_log_every_s: seconds between the log lines that name the workers
+        still awaited.
 
     Returns:
       A `tf.distribute.Strategy`; `strategy.num_replicas_in_sync` is R.
 
     Raises:
-      ValueError: on an unknown name (the message lists `STRATEGIES`), or for
+      ValueError: on an unknown name (the message lists `STRATEGIES`); for
         `multi_worker_mirrored` without a valid `TF_CONFIG` environment
-        variable.
+        variable (JSON with a cluster, the task's type and index, and every
+        address as host:port), or when a worker has not started within
+        `worker_timeout_s`; for `default` with a TF_CONFIG cluster of several
+        tasks (each would train alone).
       tf.errors.NotFoundError: for `tpu` when no TPU is reachable.
     """
     if name not in STRATEGIES:
@@ -110,12 +131,15 @@ def make_strategy(name="default", *, tpu="local", devices=None):
             f"Unknown strategy {name!r}; use one of {', '.join(STRATEGIES)} "
             "(e.g. --gin_param=\"tfdp.train_and_evaluate.strategy = 'mirrored'\")."
         )
+    if name != "multi_worker_mirrored":
+        _check_no_cluster(name)
     if name == "default":
         return tf.distribute.get_strategy()
     if name == "mirrored":
         return tf.distribute.MirroredStrategy(devices=devices)
     if name == "multi_worker_mirrored":
-        _check_tf_config()
+        wait_for_workers(_check_tf_config(), timeout_s=worker_timeout_s,
+                         log_every_s=wait_log_every_s)
         return _MultiWorkerMirroredStrategy()
     resolver = tf.distribute.cluster_resolver.TPUClusterResolver(tpu=tpu)
     tf.config.experimental_connect_to_cluster(resolver)  # a no-op for tpu="local"
@@ -355,6 +379,14 @@ class _MultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy):
 
 
 def _check_tf_config():
+    """The parsed TF_CONFIG of a multi-worker run, every address checked.
+
+    Raises:
+      ValueError: TF_CONFIG unset, not JSON, without cluster or task, a task
+        index outside its job, or an address that is not host:port (e.g.
+        "10.0.0.2" without its port; TensorFlow would stop deep inside with
+        "Could not parse port").
+    """
     raw = os.environ.get("TF_CONFIG")
     example = ('TF_CONFIG=\'{"cluster": {"worker": ["host0:12345", "host1:12345"]}, '
                '"task": {"type": "worker", "index": 0}}\'')
@@ -365,7 +397,163 @@ def _check_tf_config():
         )
     try:
         config = json.loads(raw)
-        config["cluster"]
-        config["task"]["type"], config["task"]["index"]
-    except (ValueError, KeyError, TypeError) as e:
+        cluster = config["cluster"]
+        task_type, task_index = config["task"]["type"], config["task"]["index"]
+        addresses = cluster[task_type][task_index]
+    except (ValueError, KeyError, TypeError, IndexError) as e:
         raise ValueError(f"TF_CONFIG={raw!r} is not valid ({e!r}); expected {example}.") from e
+    del addresses
+    for job in cluster:
+        for index, address in _tasks(cluster, job):
+            if _host_port(address) is None:
+                raise ValueError(
+                    f"TF_CONFIG's {job} {index} has the address {address!r}, which is not "
+                    "host:port (e.g. '10.0.0.2:12345'): every task needs the port its "
+                    f"server listens on. Fix TF_CONFIG on every worker; expected {example}.")
+    return config
+
+
+def _tasks(cluster, job):
+    """[(index, address)] of a TF_CONFIG job: a list, or a sparse {index: address} dict."""
+    tasks = cluster.get(job, [])
+    if isinstance(tasks, dict):
+        return sorted((int(i), address) for i, address in tasks.items())
+    return list(enumerate(tasks if isinstance(tasks, list) else [tasks]))
+
+
+def _host_port(address):
+    """`(host, port)` of "host:port" (also "[v6]:port"), or None if it is not one."""
+    if not isinstance(address, str):
+        return None
+    host, sep, port = address.rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        return None
+    return host, int(port)
+
+
+def _check_no_cluster(name):
+    """Refuses a TF_CONFIG cluster of several tasks under a single-process strategy.
+
+    Every worker started with the same command and TF_CONFIG would then train
+    its own model alone, on its own secret coins. A cluster of one task (a
+    launcher that always sets TF_CONFIG) is only logged.
+    """
+    raw = os.environ.get("TF_CONFIG")
+    if not raw:
+        return
+    try:
+        cluster = json.loads(raw).get("cluster", {})
+        tasks = [f"{job} {i} ({address})" for job in _TRAINING_JOBS
+                 for i, address in _tasks(cluster, job)]
+    except (ValueError, AttributeError, TypeError):
+        tasks = []
+    if len(tasks) > 1:
+        raise ValueError(
+            f"TF_CONFIG describes a cluster of {len(tasks)} tasks ({', '.join(tasks)}), but "
+            f"strategy is {name!r}: this process would train alone, and every other worker "
+            "started this way would train its own model. Set "
+            "tfdp.train_and_evaluate.strategy = 'multi_worker_mirrored' to train them as one "
+            "job, or unset TF_CONFIG to train on this machine alone.")
+    logging.warning("TF_CONFIG is set, but strategy %r does not use it: this process trains "
+                    "alone. (Use strategy 'multi_worker_mirrored' for a cluster.)", name)
+
+
+def wait_for_workers(config, *, timeout_s=WORKER_TIMEOUT_S, log_every_s=WAIT_LOG_EVERY_S,
+                     probe_timeout_s=1.0):
+    """Waits until every other training task of `config` (TF_CONFIG) has started, or stops.
+
+    `MultiWorkerMirroredStrategy()` blocks, silently and with no timeout, until
+    every worker has joined (TensorFlow's coordination service), holding the
+    Python interpreter meanwhile: a worker that never starts hangs the others
+    forever. So, before any TensorFlow op, each worker listens on its own
+    port (what the others probe: "this worker started") and connects to every
+    other task's address until all answer. While some do not, it logs which
+    (job, index, address) and for how long, at once and every `log_every_s`;
+    after `timeout_s` it stops with an error naming them. Its own listener is
+    closed before TensorFlow's server takes the port.
+
+    Args:
+      config: the parsed TF_CONFIG (`_check_tf_config`).
+      timeout_s: seconds to wait in all (`make_strategy`'s worker_timeout_s).
+      log_every_s: seconds between two "waiting" lines.
+      probe_timeout_s: seconds a connection attempt may take.
+
+    Raises:
+      ValueError: some task did not answer within `timeout_s`; the message
+        names each, what to check, and the setting that raises the timeout.
+    """
+    if not (isinstance(timeout_s, (int, float)) and timeout_s > 0
+            and isinstance(log_every_s, (int, float)) and log_every_s > 0):
+        raise ValueError(f"worker_timeout_s={timeout_s!r} and wait_log_every_s={log_every_s!r} "
+                         "must be numbers > 0 (seconds).")
+    cluster, task = config["cluster"], config["task"]
+    me = (task["type"], int(task["index"]))
+    others = [(job, i, address) for job in _TRAINING_JOBS
+              for i, address in _tasks(cluster, job) if (job, i) != me]
+    if not others:
+        return
+    start = time.monotonic()
+    last_log = None
+    with _listening(dict(_tasks(cluster, me[0]))[me[1]]):
+        while True:
+            missing = [(job, i, address) for job, i, address in others
+                       if not _answers(address, probe_timeout_s)]
+            elapsed = time.monotonic() - start
+            if not missing:
+                if last_log is not None:
+                    logging.info("All %d workers of TF_CONFIG have started (waited %.0f s).",
+                                 len(others) + 1, elapsed)
+                return
+            names = ", ".join(f"{job} {i} ({address})" for job, i, address in missing)
+            if elapsed >= timeout_s:
+                raise ValueError(
+                    f"{me[0]} {me[1]} waited {elapsed:.0f} s for {names} of TF_CONFIG to "
+                    f"start, and {'it has' if len(missing) == 1 else 'they have'} not. Start "
+                    "the same command on every worker of TF_CONFIG (each with its own task "
+                    "index), check that the addresses and ports are right and reachable from "
+                    "here, or raise tfdp.training.make_strategy.worker_timeout_s (now "
+                    f"{timeout_s:g} s). Nothing was trained or written.")
+            if last_log is None or time.monotonic() - last_log >= log_every_s:
+                last_log = time.monotonic()
+                logging.warning(
+                    "%s %d is waiting for %d of the %d other workers of TF_CONFIG to start: "
+                    "%s (%.0f s of the %g s timeout, "
+                    "tfdp.training.make_strategy.worker_timeout_s).", me[0], me[1],
+                    len(missing), len(others), names, elapsed, timeout_s)
+            time.sleep(min(0.5, max(0.0, timeout_s - elapsed)))
+
+
+@contextlib.contextmanager
+def _listening(address):
+    """Listens on `address`'s port for the block (best effort), so other workers see us."""
+    host_port = _host_port(address)
+    sock = None
+    if host_port is not None:
+        sock = socket.socket(socket.AF_INET6 if ":" in host_port[0] else socket.AF_INET)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("", host_port[1]))
+            sock.listen(64)
+        except OSError as e:
+            sock.close()
+            raise ValueError(
+                f"This worker's TF_CONFIG address {address} cannot be listened on: "
+                f"{e.strerror or e}. Is another process (an earlier worker?) using port "
+                f"{host_port[1]}? Stop it, or give this task another port in TF_CONFIG on "
+                "every worker.") from None
+    try:
+        yield
+    finally:
+        if sock is not None:
+            sock.close()
+
+
+def _answers(address, timeout_s):
+    """Whether a TCP connection to host:port succeeds within `timeout_s`."""
+    host, port = _host_port(address)
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
