@@ -259,7 +259,7 @@ def _overridden_macros(unused, files_config, gin_params):
 
 
 # Configurables that train_and_evaluate calls itself, not through a binding's `@reference`.
-_CALLED_BY = {"tfdp.train_and_evaluate": ("tfdp.training.make_strategy",)}
+_CALLED_BY = {"tfdp.train_and_evaluate": ("tfdp.training.make_strategy", "tfdp.data.open_split")}
 _ROOT = "tfdp.train_and_evaluate"
 
 
@@ -270,7 +270,7 @@ def _check_bindings_are_called():
     never called is silently ignored: `tfdp.models.build_wide_resnet.depth =
     40` on a config whose model_fn is the Tramer CNN trained the CNN and said
     nothing. The configurables a run calls are `train_and_evaluate`, what it
-    calls itself (`make_strategy`), and every configurable that a binding of a
+    calls itself (`make_strategy`, `open_split`), and every configurable that a binding of a
     called one references (`@tfdp.models.build_tramer_cnn`), transitively,
     macros resolved. These are exactly the configurables that gin's operative
     config lists after the run (tests/configs_test.py checks this on every
