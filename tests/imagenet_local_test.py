@@ -45,6 +45,10 @@ def test_config_runs_two_steps_on_local_imagenet_shaped_data(
     assert not any("while_loop" in m for m in tensorflow_warnings), tensorflow_warnings
 
 
+# The runbook test (tests/runbook_test.py) runs the same path in the default suite, on a
+# ram:// folder, with the same check that no Python input is called; this local-folder run
+# is slow-only (129 s on the 2-core host: the suite's 15-minute budget).
+@pytest.mark.slow
 def test_imagenet_gin_runs_on_a_jpeg_folder_through_the_pure_tf_input(
         tmp_path, run_smoke, synthetic_jpeg_dir, monkeypatch):
     # ImageNet's own layout (train/<synset>/*.JPEG), read with tf.io.read_file and sampled in

@@ -35,7 +35,17 @@ def _runbook_command():
     return files, params, workdir
 
 
-def test_the_pod_runbook_command_runs_up_to_the_tpu(run_smoke):
+def test_the_pod_runbook_command_runs_up_to_the_tpu(run_smoke, monkeypatch):
+    # A pod's other hosts run their input as graphs: the pure-TF JPEG-folder input never
+    # calls the numpy sampler or the ArrayRecord reader (tf.numpy_function) (issue 28).
+    from tfdp.data import sampling  # pylint: disable=g-import-not-at-top
+    from tfdp.data import tfds_source  # pylint: disable=g-import-not-at-top
+
+    def python_input(*args, **kwargs):
+        raise AssertionError("the pure-TF input called the Python input path")
+
+    monkeypatch.setattr(sampling, "poisson_indices", python_input)
+    monkeypatch.setattr(tfds_source.TFDSSource, "_fetch", python_input)
     files, params, workdir = _runbook_command()
     assert files == ["imagenet.gin"] and workdir.startswith("gs://BUCKET/")
     assert "tfdp.data.open_split.source='jpeg_folder'" in params

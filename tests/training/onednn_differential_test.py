@@ -75,8 +75,10 @@ def _check(results, group, onednn):
     return numeric
 
 
-@pytest.mark.parametrize("group, onednn", [("shipped", "1"), ("sequence", "1"),
-                                           ("sequence", "0")])
+@pytest.mark.parametrize("group, onednn", [
+    ("shipped", "1"), ("sequence", "1"),
+    # The control (the guard leaves the vectorized path with oneDNN off): slow-only, 52 s.
+    pytest.param("sequence", "0", marks=pytest.mark.slow)])
 def test_clipped_sum_equals_float64_in_a_process_of_its_own(group, onednn):
     results = _run(group, onednn)
     numeric = _check(results, group, onednn)

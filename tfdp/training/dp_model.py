@@ -564,10 +564,10 @@ class DPModel(chunked.ChunkedTraining, ema.EMAParameters, keras.Model):
             self._example_loss, self.trainable_variables, (images, labels),
             method=self._per_example_method)
         m = self.mechanism.num_microbatches
-        sums = [tf.math.unsorted_segment_sum(g * _expand(mask, g), ids, m) for g in grads]
+        sums = [tf.math.unsorted_segment_sum(_masked(g, mask), ids, m) for g in grads]
         counts = tf.math.unsorted_segment_sum(mask, ids, m)
-        stats = (tf.reduce_sum(losses * mask), tf.reduce_sum(_hits(logits, labels) * mask),
-                 tf.reduce_sum(mask))
+        stats = (tf.reduce_sum(_masked(losses, mask)),
+                 tf.reduce_sum(_masked(_hits(logits, labels), mask)), tf.reduce_sum(mask))
         return sums, counts, stats
 
     def _finish_accumulation(self, total):
@@ -615,9 +615,9 @@ class DPModel(chunked.ChunkedTraining, ema.EMAParameters, keras.Model):
                 mask=mask,
             )
         stats = (
-            tf.reduce_sum(losses * mask),
-            tf.reduce_sum(_hits(logits, labels) * mask),
-            tf.reduce_sum(norms * mask),
+            tf.reduce_sum(_masked(losses, mask)),
+            tf.reduce_sum(_masked(_hits(logits, labels), mask)),
+            tf.reduce_sum(_masked(norms, mask)),
             tf.reduce_sum(clipped),
             tf.reduce_sum(mask),
             tf.reduce_sum(mask),
@@ -715,6 +715,12 @@ def _dims(t):
 def _expand(vector, like):
     """`vector` [n] reshaped to broadcast against `like` [n, ...]."""
     return tf.reshape(vector, [-1] + [1] * (like.shape.rank - 1))
+
+
+def _masked(values, mask):
+    """`values` [n, ...] with padding rows (mask 0) set to 0: a padding row's NaN or inf
+    (a loss, a norm, a gradient) adds nothing, where `values * mask` would add NaN."""
+    return tf.where(_expand(mask, values) > 0, values, tf.zeros_like(values))
 
 
 def _safe_mean(total, count):
