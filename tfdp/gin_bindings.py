@@ -108,28 +108,26 @@ def resolved(config_text: str) -> Dict[Tuple[str, str], object]:
     return {key: resolve(value, macros) for key, value in bindings.items()}
 
 
-def references(value):
-    """Every `Reference` inside a (resolved or not) value."""
-    if isinstance(value, Reference):
+def found(value, kinds):
+    """Every object of `kinds` inside a value, through dicts, lists and tuples."""
+    if isinstance(value, kinds):
         yield value
     elif isinstance(value, dict):
         for item in value.values():
-            yield from references(item)
+            yield from found(item, kinds)
     elif isinstance(value, (list, tuple)):
         for item in value:
-            yield from references(item)
+            yield from found(item, kinds)
+
+
+def references(value):
+    """Every `Reference` inside a (resolved or not) value."""
+    return found(value, Reference)
 
 
 def macro_uses(value):
     """The names of the macros a value (not resolved) refers to."""
-    if isinstance(value, _Macro):
-        yield value.name
-    elif isinstance(value, dict):
-        for item in value.values():
-            yield from macro_uses(item)
-    elif isinstance(value, (list, tuple)):
-        for item in value:
-            yield from macro_uses(item)
+    return (macro.name for macro in found(value, _Macro))
 
 
 def setting_name(key) -> str:

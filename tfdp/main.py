@@ -190,6 +190,8 @@ def _check_macros_are_used(files_config="", gin_params=()):
     """
     import gin  # pylint: disable=g-import-not-at-top
 
+    from tfdp import gin_bindings  # pylint: disable=g-import-not-at-top
+
     defined, used = set(), set()
     for line in gin.config_str(max_line_length=100_000).splitlines():  # one line a binding
         if not line or line.startswith("#"):
@@ -197,7 +199,8 @@ def _check_macros_are_used(files_config="", gin_params=()):
         key, _, value = line.partition(" = ")
         if "." not in key:  # `NAME = value` is a macro; bindings are `configurable.param`
             defined.add(key)
-        for ref in _references(gin.config.parse_value(value)):
+        for ref in gin_bindings.found(gin.config.parse_value(value),
+                                      gin.config.ConfigurableReference):
             if ref.selector == "gin.macro":
                 used.add(ref.scoped_selector.rsplit("/", 1)[0])
     unused = sorted(defined - used)
@@ -307,20 +310,6 @@ def _check_bindings_are_called():
             f"{', '.join(sorted(called))}. Remove the binding, or make the run call that "
             "function (e.g. tfdp.train_and_evaluate.model_fn = @tfdp.models.build_wide_resnet "
             "to train a WRN).")
-
-
-def _references(value):
-    """Every gin reference (`@name`, `%MACRO`) inside a parsed value."""
-    import gin  # pylint: disable=g-import-not-at-top
-
-    if isinstance(value, gin.config.ConfigurableReference):
-        yield value
-    elif isinstance(value, dict):
-        for item in value.values():
-            yield from _references(item)
-    elif isinstance(value, (list, tuple)):
-        for item in value:
-            yield from _references(item)
 
 
 def error_message(error: BaseException) -> str:
