@@ -202,8 +202,8 @@ def _smoke_param(config):
     if "_finetune_" in config and config not in (
             "cifar10_finetune_wrn28_10_all_eps8.gin", "imagenet_finetune_nfresnet_head_eps8.gin"):
         return _param(config, pytest.mark.slow)
-    # The ImageNet configs run 2 steps on real local files in the default suite
-    # (tests/imagenet_local_test.py); their mock-data run is slow-only.
+    # imagenet.gin runs 2 steps end to end in the default suite (tests/runbook_test.py, on
+    # a synthetic JPEG folder); both ImageNet configs' mock-data runs are slow-only.
     if config in ("imagenet.gin", "imagenet_tan.gin"):
         return _param(config, pytest.mark.slow)
     return _param(config)

@@ -31,6 +31,24 @@ def _run_smoke(workdir, gin_files, extra_params=(), mock=True):
         gin.clear_config()
 
 
+@pytest.fixture(autouse=True)
+def _op_determinism_left_as_found():
+    """Turns TensorFlow's op determinism off again after a test that turned it on.
+
+    `deterministic=True` runs call `tf.config.experimental.enable_op_determinism()`,
+    which holds for the whole process: one run per process in real use, but a
+    pytest-xdist worker runs hundreds of tests, and a later one then compiled its
+    step under determinism ("GPU MaxPool gradient ops do not yet have a
+    deterministic XLA implementation", on a CPU).
+    """
+    from tensorflow.python.framework import config as tf_config  # pylint: disable=g-import-not-at-top
+
+    before = tf_config.is_op_determinism_enabled()
+    yield
+    if tf_config.is_op_determinism_enabled() and not before:
+        tf_config.disable_op_determinism()
+
+
 @pytest.fixture
 def run_smoke():
     """`run_smoke(workdir, gin_files, extra_params=(), mock=True)`: a 2-step run."""
