@@ -138,6 +138,30 @@ def test_metrics_report_pre_clip_norm_and_clipped_fraction():
     assert float(logs["grad_norm"]) > 0
 
 
+@pytest.mark.parametrize("num_microbatches", [None, 2])
+def test_a_nan_padding_row_reaches_no_statistic_and_adds_nothing(num_microbatches):
+    # Found by the DP-model fuzzer: the statistics were sum(x * mask), and a masked
+    # row's NaN made the logged norm, loss and accuracy NaN (0 * NaN = NaN); in the
+    # microbatch path the row's NaN gradient would also have dropped its microbatch.
+    model = _mlp(hidden=16)
+    extra = {} if num_microbatches is None else {"num_microbatches": num_microbatches}
+    dp = DPModel(model, _mechanism(l2_clip_norm=1.0, noise_multiplier=1.0, batch_size=4.0,
+                                   **extra))
+    dp.compile(optimizer=keras.optimizers.SGD(0.0))
+    images, labels = _batch(n=4)
+    mask = tf.constant([1.0, 1.0, 1.0, 0.0])
+    poisoned = tf.tensor_scatter_nd_update(images, [[3]], tf.fill([1, 8], np.nan))
+    summed, stats = dp.clip_and_accumulate(poisoned, labels, mask)
+    clean, clean_stats = dp.clip_and_accumulate(images, labels, mask)
+    if num_microbatches is None:  # (microbatch ids are drawn afresh by every call)
+        for a, b in zip(summed, clean):
+            np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-6, atol=1e-7)
+    assert all(np.isfinite(a.numpy()).all() for a in summed)
+    for a, b in zip(stats, clean_stats):
+        assert np.isfinite(a.numpy()).all(), stats
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-6, atol=1e-7)
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [
