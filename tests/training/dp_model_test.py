@@ -153,12 +153,15 @@ def test_a_nan_padding_row_reaches_no_statistic_and_adds_nothing(num_microbatche
     poisoned = tf.tensor_scatter_nd_update(images, [[3]], tf.fill([1, 8], np.nan))
     summed, stats = dp.clip_and_accumulate(poisoned, labels, mask)
     clean, clean_stats = dp.clip_and_accumulate(images, labels, mask)
-    if num_microbatches is None:  # (microbatch ids are drawn afresh by every call)
+    assert all(np.isfinite(a.numpy()).all() for a in summed)
+    assert all(np.isfinite(a.numpy()).all() for a in stats), stats
+    # Microbatch ids are drawn afresh by every call: the clipped sum and the microbatch
+    # norm statistics then depend on the draw; the loss and accuracy sums do not.
+    same = (slice(None) if num_microbatches is None else slice(0, 2))
+    if num_microbatches is None:
         for a, b in zip(summed, clean):
             np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-6, atol=1e-7)
-    assert all(np.isfinite(a.numpy()).all() for a in summed)
-    for a, b in zip(stats, clean_stats):
-        assert np.isfinite(a.numpy()).all(), stats
+    for a, b in zip(stats[same], clean_stats[same]):
         np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-6, atol=1e-7)
 
 
