@@ -176,9 +176,8 @@ def test_a_full_disk_during_export_leaves_an_unfinished_workdir_that_a_rerun_fin
             (workdir / "metrics.jsonl").read_text().splitlines()] == [2]  # trained once
 
 
-def test_a_full_disk_at_the_first_checkpoint_leaves_nothing_like_progress(
-        tmp_path, run_smoke, monkeypatch):
-    # Before: a raw ResourceExhaustedError traceback, and checkpoints/ckpt-0_temp left.
+def _fail_checkpoint_saves(monkeypatch, error):
+    """Every checkpoint save leaves a partial ckpt-N_temp/ behind and raises `error(partial)`."""
     import tensorflow as tf  # pylint: disable=g-import-not-at-top
 
     def save(self, checkpoint_number=None, **kwargs):
@@ -186,9 +185,18 @@ def test_a_full_disk_at_the_first_checkpoint_leaves_nothing_like_progress(
         os.makedirs(partial)
         with open(os.path.join(partial, "part-00000-of-00001.data-00000-of-00001"), "w") as f:
             f.write("partial")
-        raise tf.errors.ResourceExhaustedError(None, None, "No space left on device")
+        raise error(partial)
 
     monkeypatch.setattr(tf.train.CheckpointManager, "save", save)
+
+
+def test_a_full_disk_at_the_first_checkpoint_leaves_nothing_like_progress(
+        tmp_path, run_smoke, monkeypatch):
+    # Before: a raw ResourceExhaustedError traceback, and checkpoints/ckpt-0_temp left.
+    import tensorflow as tf  # pylint: disable=g-import-not-at-top
+
+    _fail_checkpoint_saves(monkeypatch, lambda partial: tf.errors.ResourceExhaustedError(
+        None, None, "No space left on device"))
     workdir = tmp_path / "wd"
     with pytest.raises(ValueError, match=r"ResourceExhaustedError: No space left on device\. "
                                          r"No checkpoint was kept"):
@@ -424,16 +432,9 @@ def test_a_file_size_limit_at_the_first_checkpoint_is_a_failed_write_like_a_full
     # checkpoints/ckpt-0_temp/ left behind.
     import tensorflow as tf  # pylint: disable=g-import-not-at-top
 
-    def save(self, checkpoint_number=None, **kwargs):
-        partial = os.path.join(self.directory, f"ckpt-{checkpoint_number}_temp")
-        os.makedirs(partial)
-        with open(os.path.join(partial, "part-00000-of-00001.data-00000-of-00001"), "w") as f:
-            f.write("partial")
-        raise tf.errors.OutOfRangeError(
-            None, None, f"{partial}/part-00000-of-00001.data-00000-of-00001.tempstate1; File "
-            "too large [Op:SaveV2]")
-
-    monkeypatch.setattr(tf.train.CheckpointManager, "save", save)
+    _fail_checkpoint_saves(monkeypatch, lambda partial: tf.errors.OutOfRangeError(
+        None, None, f"{partial}/part-00000-of-00001.data-00000-of-00001.tempstate1; File "
+        "too large [Op:SaveV2]"))
     workdir = tmp_path / "wd"
     with pytest.raises(ValueError, match=r"failed write or read in .*OutOfRangeError: .*File "
                                          r"too large \[Op:SaveV2\]\. No checkpoint was kept; "
