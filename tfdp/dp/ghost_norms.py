@@ -175,18 +175,43 @@ class Rows:
         row's sum over its F columns (any float32 rounding of it), cheaper
         than building the blocks (weight standardization centres the rows
         with it).
+      magnitude: None, or a callable returning float32 `[batch * K]`, an
+        upper bound on every |entry| of each image's rows (its input's
+        largest |entry|: a patch holds input entries and zeros), cheaper
+        than building the blocks. The Gram form scales by it (`scaled`).
     """
 
     blocks: Tuple[Callable[[], tf.Tensor], ...]
     fan_in: int
     order: Optional[np.ndarray] = None
     row_sums: Optional[Callable[[], tf.Tensor]] = None
+    magnitude: Optional[Callable[[], tf.Tensor]] = None
 
     @classmethod
     def of(cls, inputs: tf.Tensor) -> "Rows":
         """The rows of a dense layer's input `[batch * K, ..., fan_in]`, one block."""
         return cls((lambda: inputs,), inputs.shape[-1], None,
-                   lambda: tf.reduce_sum(inputs, axis=-1))
+                   lambda: tf.reduce_sum(inputs, axis=-1), lambda: _largest_entry(inputs))
+
+    def largest_entry(self, num_views: int) -> tf.Tensor:
+        """Per example (over its K views), an upper bound on every |entry|, float32 `[batch]`."""
+        if self.magnitude is not None:
+            per_image = self.magnitude()
+        else:  # one pass over the blocks
+            per_image = tf.reduce_max(tf.stack(
+                [_largest_entry(block()) for block in self.blocks]), axis=0)
+        return tf.reduce_max(tf.reshape(per_image, [-1, num_views]), axis=1)
+
+    def scaled(self, factors: tf.Tensor, num_views: int) -> "Rows":
+        """These rows times one float32 factor per example `[batch]` (a power of two: exact)."""
+        per_image = tf.repeat(factors, num_views)
+
+        def times(t):
+            return t * tf.reshape(per_image, [-1] + [1] * (t.shape.rank - 1))
+
+        row_sums = None if self.row_sums is None else (lambda: times(self.row_sums()))
+        return Rows(tuple((lambda b=b: times(b())) for b in self.blocks), self.fan_in,
+                    self.order, row_sums, None)
 
     def row_means(self, num_views: int) -> tf.Tensor:
         """Each row's mean over its columns, float32 `[batch, R]` (a rounding of it)."""
@@ -201,6 +226,13 @@ class Rows:
         if self.order is None:
             return tensor
         return tf.gather(tensor, np.argsort(self.order), axis=0)
+
+
+def _largest_entry(t: tf.Tensor) -> tf.Tensor:
+    """The largest |entry| of each `t[i]`, float32 `[n]` (nan if any entry is nan)."""
+    flat = tf.abs(tf.reshape(t, [tf.shape(t)[0], -1]))
+    return tf.where(tf.reduce_any(tf.math.is_nan(flat), axis=1), np.float32(np.nan),
+                    tf.reduce_max(flat, axis=1))
 
 
 def _one_block_at_a_time(rows: Rows, num_views: int, fn) -> list:
@@ -387,7 +419,13 @@ def _staged_over(t: tf.Tensor, axis: int) -> tf.Tensor:
 class _Gram:
     """The Gram form of one kernel's per-example gradients, and their weighted sum.
 
-    Built by `_gram_form`. Every tensor is float32 and per example.
+    Built by `_gram_form`. Every tensor is float32 and per example, and in
+    SCALED units (issue 34; `tfdp.dp.precision`, "Range"): the rows x_r and
+    the output gradients y_r of example i are divided by powers of two that
+    bring their largest entries into [1, 4), so that no product of a huge
+    factor and a tiny one underflows. The true h is `2^exponent[i]` times the
+    scaled one; `norm` scales a bound back, and `weighted_sum` folds the
+    power of two into each example's weight.
 
     Attributes:
       squares: `[batch]`, |h|^2 as computed.
@@ -403,6 +441,10 @@ class _Gram:
       sums: with `unit`, `[batch, R + 1]`, sum_k x_rk as computed (WS).
       along: with `unit`, `[batch, R + 1, fan_out]`, u_o . x_r as computed (WS).
       sums_error, along_error: their errors, per |x_r| (see `ws_kernel_sq_norms`).
+      rows: the scaled rows (what the norms and the weighted sum read).
+      exponent: int32 `[batch]`, the power of two that scales back.
+      floor: `[batch]`, `underflow_slack`'s root: what flushing can add to |h|,
+        scaled units (0 where a or g is all zero).
     """
 
     squares: tf.Tensor
@@ -412,6 +454,9 @@ class _Gram:
     y: tf.Tensor
     means: list
     weighted_error: float
+    rows: Rows
+    exponent: tf.Tensor
+    floor: tf.Tensor
     row_means: Optional[tf.Tensor] = None
     sums: Optional[tf.Tensor] = None
     along: Optional[tf.Tensor] = None
@@ -419,20 +464,30 @@ class _Gram:
     along_error: float = 0.0
 
     def bound(self) -> tf.Tensor:
-        """An upper bound on |h|^2, float32 `[batch]`."""
-        return precision.upper(tf.maximum(self.squares, 0.0) + self.error, 4 * _U)
+        """An upper bound on |h|^2, float32 `[batch]`, scaled units (flushing included)."""
+        return precision.upper(tf.maximum(self.squares, 0.0) + self.error + self.floor**2,
+                               4 * _U)
 
-    def weighted_sum(self, rows: Rows, num_views: int, finish):
+    def unscaled_squares(self, norm: tf.Tensor) -> tf.Tensor:
+        """`(norm * 2^exponent)^2`, rounded up: a scaled-units norm bound -> squares `[batch]`."""
+        unscaled = precision.times_power_of_two(norm, self.exponent)  # exact, or inf, or tiny
+        return precision.upper(tf.square(unscaled), 8 * _U)
+
+    def weighted_sum(self, num_views: int, finish):
         """`weighted_sum(factors)` from the same rows x_r and gradients y_r as the norms.
 
         `finish` gets float32 `[F, fan_out]` (a's column order). Rows of a
         zero factor are zeroed first, so that an inf or nan there cannot
-        reach the sum.
+        reach the sum. Example i's weight is `factors[i] * 2^exponent[i]`
+        (exact: a power of two), so that it adds `factors[i]` times its
+        unscaled gradient.
         """
+        rows = self.rows
 
         def weighted_sum(factors):
             keep = tf.cast(factors, tf.float32) > 0
             weights = tf.where(keep, tf.cast(factors, tf.float32), 0.0)
+            weights = precision.times_power_of_two(weights, self.exponent)
             keep3 = keep[:, None, None]
             y = tf.where(keep3, self.y, 0.0) * weights[:, None, None]
             means = iter(self.means)
@@ -455,18 +510,27 @@ class _Gram:
 
 def _gram_form(rows: Rows, output_grads: tf.Tensor, num_views: int, *,
                scale: Optional[tf.Tensor] = None, unit: Optional[tf.Tensor] = None,
-               row_means: Optional[tf.Tensor] = None) -> _Gram:
+               centre_rows: bool = False) -> _Gram:
     """The centred Gram form of `h = sum_r a_r g_r^T` per example (see "Rounding").
 
     `g_r` is the float32 output gradient, times `scale` (float32 `[fan_out]`,
-    WS) if given. With `unit` (float32 `[F, fan_out]` in a's column order,
-    WS) also each row's sum and its products with the unit vectors. With
-    `row_means` (`[batch, R]`), the rows are first centred over their
-    columns (`_centred_columns`).
+    WS) if given. Each example's rows and output gradients are first scaled
+    by powers of two (`_Gram`; `tfdp.dp.precision`, "Range"). With `unit`
+    (float32 `[F, fan_out]` in a's column order, WS) also each row's sum and
+    its products with the unit vectors. With `centre_rows`, the rows are
+    first centred over their columns (`_centred_columns`, with
+    `Rows.row_means` of the scaled rows).
     """
     g = example_rows(output_grads, num_views)  # [batch, R, fan_out]
     if scale is not None:
         g = g * scale
+    # Scale-safe (issue 34): the largest |entry| of each example's g and a into [1, 4).
+    largest_g, largest_a = _largest_entry(g), rows.largest_entry(num_views)
+    exponent_g = precision.binary_exponent(largest_g)
+    g = g * precision.power_of_two(-exponent_g)[:, None, None]
+    exponent_a = precision.binary_exponent(largest_a)
+    rows = rows.scaled(precision.power_of_two(-exponent_a), num_views)
+    row_means = rows.row_means(num_views) if centre_rows else None
     centred = g.shape[1] > 1
     y = tf.concat([g, precision.compensated_sum(g, axis=1)[:, None, :]], 1) if centred else g
     num_rows = y.shape[1]
@@ -513,9 +577,13 @@ def _gram_form(rows: Rows, output_grads: tf.Tensor, num_views: int, *,
              + e_q * precision.staged_sum(flat(tf.abs(m * n)))
              + e_f * e_o * tf.square(support))
     error = precision.upper(error, 0.01)  # the float32 sums of these non-negative terms
+    # An all-zero a or g defines h = 0 exactly: nothing to flush.
+    floor = tf.where(tf.logical_and(largest_a > 0, largest_g > 0), np.float32(math.sqrt(
+        precision.underflow_slack(num_rows, sum(block_widths), y.shape[-1]))), 0.0)
     gram = _Gram(squares, error, support, xi, y,
                  [None if not centred else p["mean"] for p in parts],
-                 _U + (1 + _U) * _rows_contraction_error(num_rows), row_means)
+                 _U + (1 + _U) * _rows_contraction_error(num_rows), rows,
+                 exponent_a + exponent_g, floor, row_means)
     if unit is not None:
         gram.sums = tf.add_n([p["sums"] for p in parts])
         gram.sums_error = 1.01 * (precision.gamma(chain_f) + precision.gamma(blocks))
@@ -553,9 +621,8 @@ def kernel_sq_norms(rows: Rows, output_grads: tf.Tensor, *, num_views: int = 1):
         squares = held_squares(held)
         return squares, _summer(held, squares, lambda s: rows.to_kernel_rows(tf.transpose(s)))
     gram = _gram_form(rows, output_grads, num_views)
-    norm = _root(gram.bound()) + gram.weighted_error * gram.support
-    squares = precision.upper(tf.square(norm), 8 * _U)
-    return squares, gram.weighted_sum(rows, num_views, rows.to_kernel_rows)
+    norm = _root(gram.bound()) + gram.weighted_error * gram.support + gram.floor
+    return gram.unscaled_squares(norm), gram.weighted_sum(num_views, rows.to_kernel_rows)
 
 
 def _same_padding(size, kernel, stride, dilation):
@@ -605,7 +672,8 @@ def conv2d_patches(inputs: tf.Tensor, *, kernel_size, strides, dilation_rate,
     if height is None or width is None or not (sh == sw and (sh == 1 or dh == dw == 1)):
         return Rows((lambda: tf.image.extract_patches(
             inputs, sizes=[1, kh, kw, 1], strides=[1, sh, sw, 1], rates=[1, dh, dw, 1],
-            padding=padding.upper()),), fan_in, None, row_sums)
+            padding=padding.upper()),), fan_in, None, row_sums,
+            lambda: _largest_entry(original))
     if padding.lower() == "same":
         pad_h = _same_padding(height, kh, sh, dh)
         pad_w = _same_padding(width, kw, sw, dw)
@@ -635,7 +703,8 @@ def conv2d_patches(inputs: tf.Tensor, *, kernel_size, strides, dilation_rate,
 
     if out_h * out_w * fan_in <= _BLOCK_FLOATS:
         slices = [[piece for row in slices for piece in row]]
-    return Rows(tuple(block(row) for row in slices), fan_in, order, row_sums)
+    return Rows(tuple(block(row) for row in slices), fan_in, order, row_sums,
+                lambda: _largest_entry(original))
 
 
 def conv2d_kernel_sq_norms(
@@ -763,14 +832,14 @@ def ws_kernel_sq_norms(
         return squares, _summer(held, squares, to_kernel)
 
     gram = _gram_form(rows, output_grads, num_views, scale=scale, unit=tf.transpose(unit_t),
-                      row_means=rows.row_means(num_views))
-    squares = _ws_gram_squares(gram, unit_t, fan_in)
+                      centre_rows=True)
+    squares = gram.unscaled_squares(_ws_gram_norm(gram, unit_t, fan_in))
     return squares, gram.weighted_sum(
-        rows, num_views, lambda summed: to_kernel(project(tf.transpose(summed))))
+        num_views, lambda summed: to_kernel(project(tf.transpose(summed))))
 
 
-def _ws_gram_squares(gram: _Gram, unit_t: tf.Tensor, fan_in: int) -> tf.Tensor:
-    """A bound on |v|^2 / f^2 for the projected Gram-form weighted sum (`ws_kernel_sq_norms`).
+def _ws_gram_norm(gram: _Gram, unit_t: tf.Tensor, fan_in: int) -> tf.Tensor:
+    """A bound on |v| / f for the projected Gram-form weighted sum, scaled units (`_Gram`).
 
     With A = |h|^2, X = sum_o x_o^2 (x_o = 1.h_o / sqrt(F)), Y = sum_o y_o^2
     (y_o = u_o.h_o): `|P h|^2 <= A - X - Y + sum_o delta_o y_o^2 + 2 sum_o
@@ -814,10 +883,10 @@ def _ws_gram_squares(gram: _Gram, unit_t: tf.Tensor, fan_in: int) -> tf.Tensor:
                  + 4 * _U * (whole + x_sq + y_sq))
     projected = precision.upper(tf.maximum(projected, 0.0), 4 * _U)
     stretch = tf.maximum(1.0, tf.reduce_max(delta + eps))  # the norm of P: 1 unless u_o is off
-    slack = gram.weighted_error * support
+    slack = gram.weighted_error * support + gram.floor
     rounding = 1.03 * (2 * (chain_f + 2) + 8) * _U
     norm = _root(projected) + stretch * slack + rounding * (_root(whole) + slack)
-    return precision.upper(tf.square(precision.upper(norm, 8 * _U)), 4 * _U)
+    return precision.upper(norm, 8 * _U)
 
 
 # -- Broadcast parameters: biases, offsets and scales -------------------------
