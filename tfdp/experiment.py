@@ -38,6 +38,7 @@ from tfdp import storage
 from tfdp import resume_rule
 from tfdp import workdir as workdir_lib
 from tfdp.dp import coins
+from tfdp.dp import precision
 from tfdp.export import privacy_report
 from tfdp.export import saved_model
 from tfdp.training import callbacks as callbacks_lib
@@ -513,6 +514,7 @@ def train_and_evaluate(
                 exported_parameters="ema" if ema_decay is not None else "last",
                 simulation=simulation,
                 study=study,
+                clip_margin=precision.clip_margin_record(mechanism.l2_clip_norm),
             )
             if audit is not None:
                 report["audit"] = audit.result(dp_model, mechanism)

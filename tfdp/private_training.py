@@ -30,6 +30,7 @@ from tfdp import accounting
 from tfdp import data
 from tfdp import models
 from tfdp.dp import coins
+from tfdp.dp import precision
 from tfdp.export import privacy_report
 from tfdp.export import saved_model
 from tfdp.training import callbacks as callbacks_lib
@@ -108,7 +109,8 @@ class PrivateTraining:
             self.mechanism, steps_completed=self.steps,
             hyperparameters={"optimizer": keras.optimizers.serialize(
                 self.model.optimizer)["config"]},
-            exported_parameters="ema" if self.model.ema_variables else "last")
+            exported_parameters="ema" if self.model.ema_variables else "last",
+            clip_margin=precision.clip_margin_record(self.mechanism.l2_clip_norm))
 
     def export(self, export_dir, *, overwrite=False, allow_untrained=False):
         """Writes a SavedModel serving uint8 images, with the privacy report in `assets/`.

@@ -97,7 +97,8 @@ def global_l2_norms(gradients: Sequence[tf.Tensor]) -> tf.Tensor:
     Returns:
       float32 `[batch]`: an upper bound on `sqrt(sum over variables and entries of g**2)`.
     """
-    squares = precision.held_squares(list(gradients))
+    # Squares below 2^-126 may flush to 0: at least NORM_FLOOR (tfdp.dp.precision, "Range").
+    squares = tf.maximum(precision.held_squares(list(gradients)), precision.NORM_FLOOR**2)
     return precision.upper(tf.sqrt(tf.maximum(squares, 0.0)), 8 * precision.UNIT_ROUNDOFF)
 
 
@@ -106,9 +107,14 @@ def clip_factors(
 ) -> tf.Tensor:
     """Per-example scale that bounds each contribution's L2 norm.
 
-    `factor = min(1, C / norm)`, so `factor * norm <= C` (Abadi et al. 2016,
-    Algorithm 1). With `normalize=True` the factor is further divided by C, the
-    update of De et al. 2022, eq. (3): every contribution then has norm
+    `factor = min(1, C' / norm)` with `C' = C / (1 + kappa)`, so `factor *
+    norm <= C'` (Abadi et al. 2016, Algorithm 1). kappa is the device
+    class's clip margin (`tfdp.dp.precision.CLIP_MARGINS`: 1e-5 on a CPU,
+    1e-3 with TF32, 1e-2 with bf16 matmuls), read at trace time: it covers
+    arithmetic of the device that no bound models, so that what the device
+    really adds is still within C, the sensitivity the noise is calibrated
+    to (issue 34). With `normalize=True` the factor is further divided by C,
+    the update of De et al. 2022, eq. (3): every contribution then has norm
     `<= 1` and the learning rate does not depend on C.
 
     Edge cases:
@@ -132,13 +138,14 @@ def clip_factors(
     Returns:
       `[batch]` factors of `norms`' dtype in `[0, 1]` (or `[0, 1/C]` when normalizing).
     """
-    c = tf.cast(l2_clip_norm, norms.dtype)
+    c = precision.margined_clip_norm(l2_clip_norm)
+    c = tf.cast(c, norms.dtype) if isinstance(c, tf.Tensor) else tf.constant(c, norms.dtype)
     one, zero = tf.ones_like(norms), tf.zeros_like(norms)
     # divide_no_nan(c, 0) is 0, so handle a zero norm explicitly.
     factors = tf.where(norms > 0, tf.minimum(one, tf.math.divide_no_nan(c, norms)), one)
     factors = tf.where(tf.math.is_finite(norms), factors, zero)
     if normalize:
-        factors = factors / c
+        factors = factors / tf.cast(l2_clip_norm, norms.dtype)
     return factors
 
 
@@ -167,11 +174,11 @@ def clipped_sum(
     Returns:
       `(summed, norms, clipped)`: `summed[i]` has shape `gradients[i].shape[1:]`;
       `norms` float32 `[batch]` are the pre-clip norms; `clipped` float32
-      `[batch]` is 1 where the example was scaled down (norm > C).
+      `[batch]` is 1 where the example was scaled down (norm > C / (1 + kappa)).
     """
     norms = global_l2_norms(gradients)
     factors = clip_factors(norms, l2_clip_norm, normalize=normalize)
-    clipped = tf.cast(norms > l2_clip_norm, tf.float32)
+    clipped = tf.cast(norms > precision.margined_clip_norm(l2_clip_norm), tf.float32)
     if mask is not None:
         mask = tf.cast(mask, factors.dtype)
         factors = factors * mask

@@ -47,11 +47,45 @@ instead of n. This assumes that no compiler merges the stages into one
 longer chain: XLA's CPU compiler merges consecutive reductions but then cuts
 every reduction into windows of 32 (its tree reduction rewrite: a shorter
 chain), and keeps a chunked contraction's chunks as a batch axis of its dot;
-`tests/dp/precision_test.py` checks both on the compiled HLO. Unchecked on
-GPUs and TPUs (none here).
+`tests/dp/precision_test.py` checks both on the compiled HLO. On an H200,
+XLA's GPU compiler merged the stages into 1,024-wide reductions (errors
+stayed at most 0.16 of the bound there); no TPU was checked. What the model
+above does not cover (a compiler's rewrites, a device's own algorithms) the
+clip margin does (`CLIP_MARGINS`): every example is clipped to C / (1 + kappa).
 
-Underflow (terms below 1e-38) is not covered: a norm that small is below
-any usable clip norm.
+Range (issue 34). The bounds above are relative (Higham's model without
+underflow), and a float32 device may flush results and inputs below 2^-126
+(1.18e-38) to zero: TensorFlow's CPU threads do, and so should a TPU. A norm
+that is a product of a huge factor and a tiny one (a Gram form's
+`(x . x)(y . y)` with |x| ~ 1e19 and |y| ~ 1e-19: an input column holding an
+int64 ID, a LayerNormalization after a Dense) would then come out 0 while
+the vector added is of order 1. So every rule whose norm multiplies two
+factors first brings each factor into [1, 4) per example by an exact power
+of two (`binary_exponent`, `times_power_of_two`), computes and bounds the
+norm there, and scales the bound back; the weighted sum uses the same
+scaled factors with the power of two folded into each example's weight.
+What the bounds then cover, with the argument:
+- In the scaled units every entry is at most 4 and the largest about 1, so
+  a flushed operation changes its result by less than 2^-126 while the
+  terms it feeds are at most `R^2 F O` (rows, fan-in, fan-out) in size: an
+  ABSOLUTE error of at most `2^-117 R^2 (F + 1)(O + 1)` in the squared
+  norm, which `underflow_slack` adds (2^-100 times that size, 10^5 times the
+  argument's need), below 1e-15 relative on anything but a norm of 0.
+- Scaling back is exact while the result is a normal float32. A norm
+  above 3.4e38 becomes inf: its factor is 0 and its example is dropped,
+  as a non-finite gradient is (`tfdp.dp.clipping.clip_factors`). A squared
+  norm that underflows (norm below 2^-63) may come out 0; the clipped sum
+  then counts each example's total at no less than `NORM_FLOOR`^2
+  (`tfdp.training.ghost_clipping`), so that it stays an upper bound.
+- Held vectors (direct forms, biases, scales, embeddings, the vectorized
+  path) multiply nothing into their norm: a sum of squares that flushes
+  loses at most 2^-126 per entry, which `NORM_FLOOR` covers for up to 2^36
+  entries per example.
+- The weighted sums' own products `weight * y` may flush in the output's
+  units: at most 2^-126 per entry added, below 1e-20 of any clip norm
+  >= `NORM_FLOOR`.
+Non-finite inputs keep exponent 0 and propagate: their norm is inf or nan,
+and their factor 0.
 """
 
 import contextlib
@@ -70,6 +104,9 @@ SPLIT_CHUNK = 16  # the same for a split (six-pass) contraction: see `contractio
 ROW_CHUNK = 128  # rows of one example per contraction of a Gram-form weighted sum
 _SPLIT_ERROR = 4.01 * UNIT_ROUNDOFF  # dropped piece products and remainders, per |a| |b|
 _SPLIT_MASS = 1.02  # sum over the six passes of |a_i| |b_j| <= 1.02 |a| |b|
+
+
+NORM_FLOOR = 2.0**-45  # every example's norm counts as at least this (about 2.8e-14)
 
 
 def gamma(n: float) -> float:
@@ -117,7 +154,9 @@ def emulate(device: MatmulInputs, *, handled: bool = True) -> Iterator[None]:
     """Emulates a device's matmul precision on any device, while the rules are traced.
 
     Inside, every one-pass `einsum` rounds its inputs to `device.bits`
-    significant bits first, as the device would. With `handled`, the rules
+    significant bits first, as the device would (the rules' own products;
+    `tests/dp/device_emulation.py` rounds every matmul and convolution of a
+    traced step, the model's included). With `handled`, the rules
     know it (`planned_inputs()` is `device`) and split the products that
     matter; with `handled=False` they plan for full float32 while the
     emulated device rounds: the norms of the old rules on that device (a
@@ -157,6 +196,122 @@ def device_inputs() -> MatmulInputs:
     if any(os.environ.get(var, "").upper() not in ("", "STRICT") for var in _ONEDNN_FPMATH_VARS):
         return BF16
     return FLOAT32
+
+
+# -- The clip margin: error no op-by-op model covers (issue 34) -------------------------
+
+# kappa per device class: every example is clipped to C / (1 + kappa) while the noise stays
+# calibrated to C, so a contribution that the device computes up to (1 + kappa) times larger
+# than the rules' bound is still within C. The rules' bounds are rigorous for the arithmetic
+# `tfdp.dp.precision` models (round-to-nearest float32 and the device's matmul inputs, with
+# flushing: "Range"); kappa covers what it cannot model, such as a compiler that turns an
+# elementwise weighted sum into a rounded dot, or a convolution algorithm of its own choice.
+# The worst excess seen (BUILD.md, "The clip margin"):
+#   float32 (CPU): none (<= 0.999998 C in every fuzzer and the HLO replay); 1e-5 is 10x
+#     the fuzzers' tolerance of 1e-6.
+#   tf32 (Ampere+ GPU): 8.72e-5 on an H200 (one-hot replay, float32 plan; 7.42e-5 with the
+#     split plan); 1e-3 is 11x that, and above the worst a TF32 rounding of both inputs of
+#     a weighted sum can add ((1 + 2^-11)^2 - 1 = 9.8e-4).
+#   bf16 (TPU, oneDNN bf16 fpmath): not measured on a TPU; 1e-2 is 14x the H200's excess
+#     scaled by the 8x coarser rounding, and above a bf16 rounding of one input (3.9e-3).
+CLIP_MARGINS = {"float32": 1e-5, "tf32": 1e-3, "bf16": 1e-2}
+
+
+def clip_margin() -> float:
+    """kappa for the device that runs the step (`device_inputs()`): see `CLIP_MARGINS`."""
+    return CLIP_MARGINS[device_inputs().name]
+
+
+def margined_clip_norm(l2_clip_norm: float) -> float:
+    """`C / (1 + kappa)`: the norm every example is clipped to; the noise stays calibrated to C.
+
+    Args:
+      l2_clip_norm: C > 0, the sensitivity the accountant and the noise use.
+
+    Returns:
+      `l2_clip_norm`'s type (a Python float, or a tensor), with kappa read now,
+      at trace time (the device class of `clip_margin`).
+    """
+    return l2_clip_norm / (1.0 + clip_margin())
+
+
+def clip_margin_record(l2_clip_norm: float) -> dict:
+    """What the privacy card says of the clip margin (`tfdp.export.privacy_report`)."""
+    kappa = clip_margin()
+    return {"device_matmul_inputs": device_inputs().name, "kappa": kappa,
+            "clipped_to": margined_clip_norm(float(l2_clip_norm)),
+            "why": ("every example is clipped to l2_clip_norm / (1 + kappa) and the noise is "
+                    "calibrated to l2_clip_norm: kappa covers device arithmetic that the "
+                    "per-example norm bounds do not model (README, 'What the guarantee "
+                    "rests on')")}
+
+
+# -- What may not change after tracing (issue 34) ---------------------------------------
+
+_AMP_OPTIONS = ("auto_mixed_precision", "auto_mixed_precision_mkl",
+                "auto_mixed_precision_onednn_bfloat16", "auto_mixed_precision_cpu")
+_FAST_MATH_FLAGS = ("xla_cpu_enable_fast_math=true", "xla_cpu_enable_fast_math=1",
+                    "xla_gpu_enable_fast_math=true", "xla_gpu_enable_fast_math=1")
+
+
+class PrecisionRewrite(ValueError):
+    """Something would change the step's float32 arithmetic after the rules were traced."""
+
+
+def refuse_precision_rewrites() -> None:
+    """Raises if a setting would rewrite the traced step's arithmetic behind the rules.
+
+    Grappler's automatic mixed precision (`tf.config.optimizer.
+    set_experimental_options({"auto_mixed_precision...": True})`, including
+    Intel's `auto_mixed_precision_onednn_bfloat16` and the v1
+    `enable_mixed_precision_graph_rewrite`) rewrites the traced graph to
+    bf16/fp16 after the ghost rules have planned for float32, which no plan
+    can cover (issue 34: 1.003 C). XLA's fast math (`XLA_FLAGS`) may
+    reassociate the error-free sums (`two_sum`). Keras mixed policies are
+    refused by `tfdp.models.validate_float32`.
+
+    Raises:
+      PrecisionRewrite: naming the setting and how to turn it off.
+    """
+    options = tf.config.optimizer.get_experimental_options()
+    on = [name for name in _AMP_OPTIONS if options.get(name)]
+    if on:
+        raise PrecisionRewrite(
+            f"Grappler's automatic mixed precision is on ({', '.join(on)}): it rewrites the "
+            "traced DP step to lower precision after its per-example norms were planned for "
+            "float32, so a clipped contribution could exceed l2_clip_norm. Turn it off "
+            f"before training: tf.config.optimizer.set_experimental_options("
+            f"{ {name: False for name in on} }). DP training runs in float32.")
+    flags = os.environ.get("XLA_FLAGS", "").replace(" ", "").lower()
+    fast = [flag for flag in _FAST_MATH_FLAGS if flag in flags]
+    if fast:
+        raise PrecisionRewrite(
+            f"XLA_FLAGS turns on fast math ({', '.join(fast)}): XLA may then reorder the "
+            "error-free sums that bound the per-example norms. Remove it from XLA_FLAGS.")
+
+
+@dataclasses.dataclass(frozen=True)
+class StepPlan:
+    """What a traced DP step planned for; a change after tracing needs a new trace.
+
+    Attributes:
+      inputs: `device_inputs().name` at trace time.
+      tensor_float_32: whether TF32 execution was enabled.
+      onednn_fpmath: the oneDNN fpmath variables' values.
+
+    The strategy is the model's own (fixed); a TPU is seen by `device_inputs`.
+    """
+
+    inputs: str
+    tensor_float_32: bool
+    onednn_fpmath: tuple
+
+
+def step_plan() -> StepPlan:
+    """The `StepPlan` of a step traced now (cheap: read before every train-function call)."""
+    return StepPlan(device_inputs().name,
+                    bool(tf.config.experimental.tensor_float_32_execution_enabled()),
+                    tuple(os.environ.get(var, "") for var in _ONEDNN_FPMATH_VARS))
 
 
 def planned_inputs() -> MatmulInputs:
@@ -511,3 +666,55 @@ def weighted_sum(factors: tf.Tensor, held: tf.Tensor) -> tf.Tensor:
     if planned_inputs().bits >= FLOAT32.bits:
         return tf.tensordot(_device_rounded(factors), _device_rounded(held), 1)
     return tf.reduce_sum(held * tf.reshape(factors, [-1] + [1] * (held.shape.rank - 1)), 0)
+
+
+# -- Scale: exact powers of two (see "Range" in the module docstring) -----------------
+
+MIN_EXPONENT = -126  # float32's smallest normal exponent
+MAX_EXPONENT = 127
+
+
+def binary_exponent(magnitude: tf.Tensor) -> tf.Tensor:
+    """k with `magnitude / 2^k` in [1, 2), clipped to [-126, 126]; 0 where not finite or 0.
+
+    Args:
+      magnitude: float32, >= 0 (e.g. a maximum of absolute values).
+
+    Returns:
+      int32, `magnitude`'s shape. Read from the float's exponent bits, so
+      exact on every device (no log2).
+    """
+    magnitude = tf.convert_to_tensor(magnitude, tf.float32)
+    biased = tf.bitwise.bitwise_and(tf.bitwise.right_shift(tf.bitcast(magnitude, tf.int32), 23),
+                                    0xFF)
+    usable = tf.logical_and(magnitude > 0, tf.math.is_finite(magnitude))
+    return tf.where(usable, tf.clip_by_value(biased - 127, MIN_EXPONENT, MAX_EXPONENT - 1), 0)
+
+
+def power_of_two(k: tf.Tensor) -> tf.Tensor:
+    """`2^k` as float32, exactly, for int32 k in [-126, 127] (built from its bits)."""
+    k = tf.clip_by_value(tf.cast(k, tf.int32), MIN_EXPONENT, MAX_EXPONENT)
+    return tf.bitcast(tf.bitwise.left_shift(k + 127, 23), tf.float32)
+
+
+def times_power_of_two(x: tf.Tensor, k: tf.Tensor) -> tf.Tensor:
+    """`x * 2^k` for int32 k in [-252, 254] (broadcast against float32 x), in two exact steps.
+
+    Exact wherever the result is a normal float32. The two factors have the
+    sign of k, so an intermediate overflow (underflow) means that the exact
+    result overflows (underflows) too: inf (0 or a denormal) comes out
+    where it should.
+    """
+    k = tf.cast(k, tf.int32)
+    first = tf.clip_by_value(k, MIN_EXPONENT, MAX_EXPONENT)
+    second = tf.clip_by_value(k - first, MIN_EXPONENT, MAX_EXPONENT)
+    return x * power_of_two(first) * power_of_two(second)
+
+
+def underflow_slack(rows: int, fan_in: int, fan_out: int) -> float:
+    """An absolute bound, in the scaled units, on what flushing adds to a Gram-form |h|^2.
+
+    `2^-100 R^2 (F + 1)(O + 1)`: see "Range" in the module docstring (the
+    argument needs 2^-117 times the same size).
+    """
+    return 2.0**-100 * rows * rows * (fan_in + 1) * (fan_out + 1)

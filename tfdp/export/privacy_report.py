@@ -73,6 +73,7 @@ def build_privacy_report(
     exported_parameters="last",
     simulation=None,
     study=None,
+    clip_margin=None,
 ) -> dict:
     """Builds the report as a JSON-serializable dict, from the run's mechanism alone.
 
@@ -87,6 +88,8 @@ def build_privacy_report(
       simulation: None, or a dict describing the reference run this one
         simulates at a smaller batch (TAN, Sander et al. 2023, Sec. 3.4).
       study: None, or {"dir": ..., "epsilon": ..., ...} for the tuning ledger.
+      clip_margin: None, or `tfdp.dp.precision.clip_margin_record(C)`: the
+        norm every example was clipped to, C / (1 + kappa), and why.
 
     Returns:
       The report dict (keys documented by `privacy_report.md`). `epsilon` and
@@ -194,6 +197,8 @@ def build_privacy_report(
         "hyperparameters": dict(hyperparameters or {}),
         "software": software_versions(),
     }
+    if clip_margin:
+        report["clip_margin"] = dict(clip_margin)
     if simulation:
         report["simulation"] = dict(simulation)
     if study:
@@ -265,6 +270,7 @@ def render_markdown(report: dict) -> str:
         f"{report['delta_below_1_over_n']}) |",
         f"| epsilon tier (Sec. 5.2.1) | {report['epsilon_tier']} |",
         f"| l2_clip_norm | {report['l2_clip_norm']:.6g} |",
+        *_clip_margin_lines(report),
         f"| batch_size (expected) | {report['batch_size']} |",
         f"| num_examples | {report['num_examples']} |",
         f"| steps (planned) | {report['steps']} ({report['planned_steps']}) |",
@@ -294,6 +300,16 @@ def render_markdown(report: dict) -> str:
     lines += ["", "## Software", ""]
     lines += [f"- {k} {v}" for k, v in sorted(report["software"].items())]
     return "\n".join(lines) + "\n"
+
+
+def _clip_margin_lines(report: dict) -> list:
+    """The clip margin's row of the card (issue 34), if the report has one."""
+    margin = report.get("clip_margin")
+    if not margin:
+        return []
+    return [f"| clipped to | {margin['clipped_to']:.6g} = l2_clip_norm / (1 + kappa), kappa "
+            f"{margin['kappa']:.0e} for {margin['device_matmul_inputs']} matmul inputs: "
+            f"{margin['why']} |"]
 
 
 def _backbone_lines(report: dict) -> list:

@@ -764,10 +764,14 @@ class GhostClipping:
                 example_loss_fn, self.fallback_variables, (images, labels))
             squares.append(tf.add_n([ghost_norms.held_squares(g) for g in fallback]))
         total = precision.upper(tf.add_n(squares), precision.gamma(len(squares) + 1))
+        # Squares that underflowed (norms below 2^-63) may have come out 0: the floor keeps
+        # the total an upper bound (tfdp.dp.precision, "Range").
+        total = tf.maximum(total, precision.NORM_FLOOR**2)
         norms = precision.upper(tf.sqrt(total), 8 * precision.UNIT_ROUNDOFF)
         mask = tf.cast(mask, norms.dtype)
         factors = clipping.clip_factors(norms, l2_clip_norm, normalize=normalize) * mask
-        clipped = tf.cast(norms > l2_clip_norm, tf.float32) * tf.cast(mask, tf.float32)
+        clipped = tf.cast(norms > precision.margined_clip_norm(l2_clip_norm),
+                          tf.float32) * tf.cast(mask, tf.float32)
         summed = {}
         for v, g in zip(self.fallback_variables, fallback):
             summed[id(v)] = clipping.weighted_sum(tf.cast(factors, tf.float32), g)
