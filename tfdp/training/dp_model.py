@@ -14,6 +14,7 @@ from tfdp.dp import clipping
 from tfdp.dp import coins
 from tfdp import graph_checks
 from tfdp.dp import noise
+from tfdp.dp import precision
 from tfdp.training import chunked
 from tfdp.training import ema
 from tfdp.training import ghost_clipping
@@ -225,6 +226,7 @@ class DPModel(chunked.ChunkedTraining, ema.EMAParameters, keras.Model):
         self._ghost = None  # the GhostClipping chosen in compile(), or None
         self._loop = False  # per-example gradients one example at a time (`_checked`)
         self._mixing_checked = False  # models.refuse_example_mixing has passed (`compile`)
+        self._traced_plan = None  # precision.step_plan() of the traced step (`_chunk_contribution`)
         self.mechanism = mechanism
         self.accumulation_steps = int(accumulation_steps)
         self.ema_decay = None if ema_decay is None else float(ema_decay)
@@ -325,6 +327,8 @@ class DPModel(chunked.ChunkedTraining, ema.EMAParameters, keras.Model):
                     f"DPModel.compile does not take {key!r}: the per-example loss is fixed "
                     "to sparse categorical cross-entropy on logits."
                 )
+        # Before anything is traced: settings that would rewrite the step's float32 arithmetic.
+        precision.refuse_precision_rewrites()
         super().compile(optimizer=optimizer, **kwargs)
         # Build the optimizer (and the EMA) now, outside any tf.function.
         self.optimizer.build(self.trainable_variables)
@@ -453,8 +457,42 @@ class DPModel(chunked.ChunkedTraining, ema.EMAParameters, keras.Model):
         return ([tf.zeros(v.shape) for v in self.trainable_variables],
                 tuple(tf.zeros([]) for _ in range(6)))
 
+    def make_train_function(self, force=False):
+        """Keras' train function, checked before every call for what its trace planned.
+
+        The ghost rules plan their arithmetic for the device at trace time
+        (`tfdp.dp.precision.step_plan`: matmul inputs, TF32 execution, oneDNN's
+        fpmath mode) and the clip margin with it. A change after tracing
+        (`tf.config.experimental.enable_tensor_float_32_execution(True)` on a
+        GPU) would leave a float32 plan running on a rounding device (issue
+        34), so the next call traces the step anew; a setting that would
+        rewrite the step's precision (`precision.refuse_precision_rewrites`)
+        is refused before the step runs.
+        """
+        if self.train_function is not None and not force:
+            return self.train_function
+        super().make_train_function(force=force)
+        traced = self.train_function
+
+        def train_function(*args, **kwargs):
+            precision.refuse_precision_rewrites()
+            now = precision.step_plan()
+            if self._traced_plan is not None and now != self._traced_plan:
+                logging.warning("The DP step was traced for %s and would now run on %s: "
+                                "tracing it again for this device.", self._traced_plan, now)
+                self._traced_plan = None
+                self.train_function = None
+                return self.make_train_function()(*args, **kwargs)
+            return traced(*args, **kwargs)
+
+        self.train_function = train_function
+        return train_function
+
     def _chunk_contribution(self, images, labels, mask, ids=None):
         """What one chunk adds to the accumulators: clipped sums (or microbatch sums)."""
+        # Trace time: the precision the rules plan for is fixed now (`make_train_function`).
+        precision.refuse_precision_rewrites()
+        self._traced_plan = precision.step_plan()
         tensors = (images, labels, mask) if ids is None else (images, labels, mask, ids)
         return self._checked(self._chunk_contribution_on_path, tensors)
 
