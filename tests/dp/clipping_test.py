@@ -5,6 +5,10 @@ import pytest
 import tensorflow as tf
 
 from tfdp.dp import clipping
+from tfdp.dp import precision
+
+# Every example is clipped to C / (1 + kappa) (issue 34): 1e-5 on this host's float32 matmuls.
+KAPPA = precision.CLIP_MARGINS["float32"]
 
 
 def _linear_problem(batch=6, dim=5, classes=3, seed=0):
@@ -47,29 +51,40 @@ def test_clipped_sum_equals_explicit_loop_and_norms_are_bounded(normalize):
         gi = [g[i].numpy() for g in grads]
         norm = np.sqrt(sum(np.sum(g**2) for g in gi))
         np.testing.assert_allclose(norms[i], norm, rtol=1e-5)
-        scale = min(1.0, c / norm) / (c if normalize else 1.0)
+        scale = min(1.0, c / (1 + KAPPA) / norm) / (c if normalize else 1.0)
         contribution = [g * scale for g in gi]
         # Every example's clipped contribution is bounded: <= C, or <= 1 normalized.
         bound = 1.0 if normalize else c
-        assert np.sqrt(sum(np.sum(g**2) for g in contribution)) <= bound * (1 + 1e-5)
+        assert np.sqrt(sum(np.sum(g**2) for g in contribution)) <= bound
         for e, g in zip(expected, contribution):
             e += g
-        assert clipped[i] == float(norm > c)
+        assert clipped[i] == float(norm > c / (1 + KAPPA))
     for s, e in zip(summed, expected):
         np.testing.assert_allclose(s, e, rtol=1e-5, atol=1e-6)
 
 
 def test_clip_factors_edge_cases():
-    # norms:       0    0.5  2.0  inf  nan   with C = 1
-    # factors:     1    1    0.5  0    0
+    # norms:       0    0.5  2.0          inf  nan   with C = 1, C' = C / (1 + kappa)
+    # factors:     1    1    C' / 2.0     0    0
     norms = tf.constant([0.0, 0.5, 2.0, np.inf, np.nan])
     np.testing.assert_allclose(
-        clipping.clip_factors(norms, 1.0), [1.0, 1.0, 0.5, 0.0, 0.0]
-    )
-    # Normalized (De et al. eq. 3) with C = 2: min(1, 2/norm) / 2.
+        clipping.clip_factors(norms, 1.0), [1.0, 1.0, 0.5 / (1 + KAPPA), 0.0, 0.0], rtol=1e-7)
+    # Normalized (De et al. eq. 3) with C = 2: min(1, C' / norm) / C (the noise's C).
     np.testing.assert_allclose(
-        clipping.clip_factors(tf.constant([1.0, 4.0]), 2.0, normalize=True), [0.5, 0.25]
-    )
+        clipping.clip_factors(tf.constant([1.0, 4.0]), 2.0, normalize=True),
+        [0.5, 0.25 / (1 + KAPPA)], rtol=1e-7)
+
+
+@pytest.mark.parametrize("device", [precision.FLOAT32, precision.TF32, precision.BF16],
+                         ids=lambda d: d.name)
+def test_the_clip_margin_follows_the_device_class(device):
+    # Issue 34: clipped to C / (1 + kappa), kappa by the device's matmul inputs, read when the
+    # factors are traced; a norm of exactly C / (1 + kappa) is not scaled down.
+    kappa = {"float32": 1e-5, "tf32": 1e-3, "bf16": 1e-2}[device.name]
+    with precision.emulate(device):
+        assert precision.clip_margin() == kappa
+        factors = clipping.clip_factors(tf.constant([4.0, 1.0 / (1 + kappa)], tf.float64), 1.0)
+    np.testing.assert_allclose(factors, [0.25 / (1 + kappa), 1.0], rtol=1e-12)
 
 
 def test_non_finite_and_masked_examples_contribute_exactly_zero():
@@ -77,5 +92,5 @@ def test_non_finite_and_masked_examples_contribute_exactly_zero():
     # Example 1: inf -> dropped. Example 2: finite but masked (padding) -> dropped.
     g = tf.constant([[3.0, 4.0], [np.inf, 1.0], [10.0, 10.0]])
     summed, norms, clipped = clipping.clipped_sum([g], 1.0, mask=tf.constant([1.0, 1.0, 0.0]))
-    np.testing.assert_allclose(summed[0], [0.6, 0.8], rtol=1e-6)
+    np.testing.assert_allclose(summed[0], np.array([0.6, 0.8]) / (1 + KAPPA), rtol=1e-6)
     np.testing.assert_allclose(clipped, [1.0, 1.0, 0.0])

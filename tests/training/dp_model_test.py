@@ -7,6 +7,7 @@ import tensorflow as tf
 from scipy import stats
 
 from tfdp import accounting
+from tfdp.dp import precision
 from tfdp.training.dp_model import DPModel
 
 
@@ -335,16 +336,19 @@ def test_microbatched_sensitivity_is_2c_for_any_chunking(accumulation_steps):
     # per-chunk microbatches, adding 4 at index 0 moved the later examples across the chunk
     # boundary and changed both microbatches: ||delta|| = 4C. Microbatches that span the
     # chunks change only the added example's one: <= 2C, whatever the ids.
+    # Each unit is clipped to C / (1 + kappa) (issue 34), so 2C becomes 2C / (1 + kappa).
     deltas = [delta for _, _, delta in _linear_clipped_sums(accumulation_steps, 2)]
     assert len(deltas) == 16
-    assert max(deltas) <= 2.0 + 1e-5
-    assert max(deltas) >= 2.0 - 1e-5  # e.g. all in one microbatch: mean -1 -> +1 (tight)
+    clipped_to = 1.0 / (1 + precision.clip_margin())
+    assert max(deltas) <= 2.0 * clipped_to + 3e-6
+    assert max(deltas) >= 2.0 * clipped_to - 3e-6  # all in one microbatch: -1 -> +1 (tight)
 
 
 @pytest.mark.parametrize("accumulation_steps", [1, 2, 4])
 def test_per_example_sensitivity_is_c_for_any_chunking(accumulation_steps):
     deltas = [delta for _, _, delta in _linear_clipped_sums(accumulation_steps, None)]
-    assert deltas == pytest.approx([1.0], abs=1e-5)  # exactly the added clipped vector
+    # exactly the added clipped vector, of norm C / (1 + kappa) (issue 34)
+    assert deltas == pytest.approx([1.0 / (1 + precision.clip_margin())], abs=3e-6)
 
 
 @pytest.mark.parametrize("batch, accumulation_steps", [(0, 1), (0, 2), (1, 2), (3, 4)])
