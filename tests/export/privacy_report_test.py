@@ -119,3 +119,22 @@ def test_an_audit_gets_its_own_section_with_the_verdict_and_the_command(tmp_path
     assert f"epsilon >= **{bound:.3f}** at 95% confidence" in card
     assert "1000 (503 included" in card and "95 correct of 100" in card
     assert "`python tools/audit.py gradient ...`" in card
+
+
+@pytest.mark.parametrize("device", ["float32", "tf32", "bf16"])
+def test_the_card_states_the_norm_every_example_was_clipped_to(tmp_path, device):
+    # Issue 34: clipped to C / (1 + kappa), kappa by the device class; the noise stays at C.
+    from tfdp.dp import precision  # the report itself imports no TensorFlow
+
+    emulated = {"float32": precision.FLOAT32, "tf32": precision.TF32, "bf16": precision.BF16}
+    with precision.emulate(emulated[device]):
+        margin = precision.clip_margin_record(2.0)
+    report = privacy_report.build_privacy_report(
+        _mechanism(l2_clip_norm=2.0), steps_completed=100, clip_margin=margin)
+    kappa = precision.CLIP_MARGINS[device]
+    assert report["clip_margin"]["clipped_to"] == pytest.approx(2.0 / (1 + kappa), rel=1e-12)
+    assert report["noise_stddev"] == pytest.approx(2.0)  # noise_multiplier 1 times C, not C'
+    _, md_path = privacy_report.write_privacy_report(report, tmp_path)
+    card = open(md_path).read()
+    assert f"| clipped to | {2.0 / (1 + kappa):.6g} = l2_clip_norm / (1 + kappa), kappa " \
+           f"{kappa:.0e} for {device} matmul inputs" in card
