@@ -179,6 +179,9 @@ class Rows:
         upper bound on every |entry| of each image's rows (its input's
         largest |entry|: a patch holds input entries and zeros), cheaper
         than building the blocks. The Gram form scales by it (`scaled`).
+      rebuild: None, or a callable `factors [batch * K] -> Rows` that builds
+        the same rows from the input times one factor per image: cheaper
+        than scaling every block (a 3x3 patch is 9 input entries).
     """
 
     blocks: Tuple[Callable[[], tf.Tensor], ...]
@@ -186,12 +189,14 @@ class Rows:
     order: Optional[np.ndarray] = None
     row_sums: Optional[Callable[[], tf.Tensor]] = None
     magnitude: Optional[Callable[[], tf.Tensor]] = None
+    rebuild: Optional[Callable[[tf.Tensor], "Rows"]] = None
 
     @classmethod
     def of(cls, inputs: tf.Tensor) -> "Rows":
         """The rows of a dense layer's input `[batch * K, ..., fan_in]`, one block."""
         return cls((lambda: inputs,), inputs.shape[-1], None,
-                   lambda: tf.reduce_sum(inputs, axis=-1), lambda: _largest_entry(inputs))
+                   lambda: tf.reduce_sum(inputs, axis=-1), lambda: _largest_entry(inputs),
+                   lambda factors: cls.of(_times_per_image(inputs, factors)))
 
     def largest_entry(self, num_views: int) -> tf.Tensor:
         """Per example (over its K views), an upper bound on every |entry|, float32 `[batch]`."""
@@ -205,13 +210,12 @@ class Rows:
     def scaled(self, factors: tf.Tensor, num_views: int) -> "Rows":
         """These rows times one float32 factor per example `[batch]` (a power of two: exact)."""
         per_image = tf.repeat(factors, num_views)
-
-        def times(t):
-            return t * tf.reshape(per_image, [-1] + [1] * (t.shape.rank - 1))
-
-        row_sums = None if self.row_sums is None else (lambda: times(self.row_sums()))
-        return Rows(tuple((lambda b=b: times(b())) for b in self.blocks), self.fan_in,
-                    self.order, row_sums, None)
+        if self.rebuild is not None:
+            return self.rebuild(per_image)
+        row_sums = None if self.row_sums is None else (
+            lambda: _times_per_image(self.row_sums(), per_image))
+        return Rows(tuple((lambda b=b: _times_per_image(b(), per_image)) for b in self.blocks),
+                    self.fan_in, self.order, row_sums)
 
     def row_means(self, num_views: int) -> tf.Tensor:
         """Each row's mean over its columns, float32 `[batch, R]` (a rounding of it)."""
@@ -226,6 +230,11 @@ class Rows:
         if self.order is None:
             return tensor
         return tf.gather(tensor, np.argsort(self.order), axis=0)
+
+
+def _times_per_image(t: tf.Tensor, factors: tf.Tensor) -> tf.Tensor:
+    """`t [n, ...]` times `factors [n]`, one per leading index."""
+    return t * tf.reshape(factors, [-1] + [1] * (t.shape.rank - 1))
 
 
 def _largest_entry(t: tf.Tensor) -> tf.Tensor:
@@ -660,6 +669,10 @@ def conv2d_patches(inputs: tf.Tensor, *, kernel_size, strides, dilation_rate,
     fan_in = kh * kw * channels
     original = inputs
 
+    def rebuild(factors):  # the same patches of the input times a factor per image
+        return conv2d_patches(_times_per_image(original, factors), kernel_size=kernel_size,
+                              strides=strides, dilation_rate=dilation_rate, padding=padding)
+
     def row_sums():  # the patches of the channels' sum, summed: 1 / channels of the work
         if channels == 1:
             summed = original
@@ -673,7 +686,7 @@ def conv2d_patches(inputs: tf.Tensor, *, kernel_size, strides, dilation_rate,
         return Rows((lambda: tf.image.extract_patches(
             inputs, sizes=[1, kh, kw, 1], strides=[1, sh, sw, 1], rates=[1, dh, dw, 1],
             padding=padding.upper()),), fan_in, None, row_sums,
-            lambda: _largest_entry(original))
+            lambda: _largest_entry(original), rebuild)
     if padding.lower() == "same":
         pad_h = _same_padding(height, kh, sh, dh)
         pad_w = _same_padding(width, kw, sw, dw)
@@ -704,7 +717,7 @@ def conv2d_patches(inputs: tf.Tensor, *, kernel_size, strides, dilation_rate,
     if out_h * out_w * fan_in <= _BLOCK_FLOATS:
         slices = [[piece for row in slices for piece in row]]
     return Rows(tuple(block(row) for row in slices), fan_in, order, row_sums,
-                lambda: _largest_entry(original))
+                lambda: _largest_entry(original), rebuild)
 
 
 def conv2d_kernel_sq_norms(
