@@ -130,6 +130,37 @@ def test_a_tabular_id_column_contributes_at_most_c():
     np.testing.assert_allclose(contributions, 1 / (1 + precision.clip_margin()), rtol=1e-4)
 
 
+def _unread_entries_case(unread):
+    """A 6x6 input at 1e18 whose row and column 5 (`unread`) no 3x3 stride-2 patch reads."""
+    keras.utils.set_random_seed(1)
+    inputs = keras.Input((6, 6, 4))
+    h = keras.layers.Conv2D(32, 3, strides=2, use_bias=False,
+                            kernel_initializer=keras.initializers.RandomNormal(0, 1e-3))(inputs)
+    head = keras.layers.Dense(10, use_bias=False, trainable=False)
+    model = keras.Model(inputs, head(keras.layers.Flatten()(h)))
+    b = np.random.default_rng(5).normal(size=(32, 10))  # the 4 positions' output gradients
+    head.set_weights([np.concatenate([1e-20 * b, b, -b, 0 * b]).astype(np.float32)])
+    x = np.full((2, 6, 6, 4), 1e18, np.float32)
+    x[:, 5], x[:, :, 5] = unread, unread
+    y = ((np.argmax(model(np.where(np.isfinite(x), x, 0.0)).numpy(), -1) + 1) % 10)
+    return model, x, y.astype(np.int32)
+
+
+@pytest.mark.parametrize("unread", [np.inf, np.nan, 1e30])
+def test_input_entries_no_patch_reads_do_not_set_the_scale(unread):
+    # Review of issue 34: an inf or nan in entries that no patch reads made the input's
+    # largest entry non-finite, which turned the scaling off: 42.3 C at C = 0.01 (also on
+    # 73e281e). A 1e30 there scaled every real entry to ~2^-100, where the flushing allowance
+    # swamped the norm: 1e-16 C. The example must contribute as if they held 0.
+    contributions = {}
+    for value in (0.0, unread):
+        model, x, y = _unread_entries_case(value)
+        contributions[value], path = one_hot_contributions(model, x, y, 0.01, clipping="ghost")
+        assert path == "ghost"
+    assert contributions[unread].max() <= 1 + RTOL, contributions
+    np.testing.assert_allclose(contributions[unread], contributions[0.0], rtol=1e-6)
+
+
 def test_powers_of_two_are_exact_and_saturate_where_float32_does():
     x = tf.constant([1.5, 3.0e38, 1e-30, 0.0, np.inf, np.nan])
     k = precision.binary_exponent(tf.abs(x))
@@ -189,10 +220,25 @@ def test_grappler_mixed_precision_is_refused_before_any_step(option, when,
             np.testing.assert_array_equal(v.numpy(), b)
 
 
-def test_xla_fast_math_is_refused(monkeypatch):
-    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_enable_fast_math=true")
+@pytest.mark.parametrize("flags", ["--xla_cpu_enable_fast_math=true",
+                                   "--xla_gpu_enable_fast_math=1 --xla_dump_to=/tmp/x",
+                                   "--xla_cpu_enable_fast_math",  # XLA reads a bare flag as true
+                                   "flagfile"])
+def test_xla_fast_math_is_refused(monkeypatch, tmp_path, flags):
+    if flags == "flagfile":
+        path = tmp_path / "xla.flags"
+        path.write_text("--xla_cpu_enable_fast_math\n")
+        flags = f"--flagfile={path}"
+    monkeypatch.setenv("XLA_FLAGS", flags)
     with pytest.raises(precision.PrecisionRewrite, match="fast math"):
         _small_dp_model().compile(optimizer=keras.optimizers.SGD(1.0))
+
+
+@pytest.mark.parametrize("flags", ["--xla_cpu_enable_fast_math=false",
+                                   "--xla_cpu_enable_fast_math_honor_nans=true"])
+def test_xla_flags_without_fast_math_are_accepted(monkeypatch, flags):
+    monkeypatch.setenv("XLA_FLAGS", flags)
+    precision.refuse_precision_rewrites()
 
 
 # -- §3: the plan follows the device ---------------------------------------------------

@@ -176,9 +176,10 @@ class Rows:
         than building the blocks (weight standardization centres the rows
         with it).
       magnitude: None, or a callable returning float32 `[batch * K]`, an
-        upper bound on every |entry| of each image's rows (its input's
-        largest |entry|: a patch holds input entries and zeros), cheaper
-        than building the blocks. The Gram form scales by it (`scaled`).
+        upper bound on every |entry| of each image's rows (the largest
+        |entry| of the input region the patches read: a patch holds input
+        entries and zeros), cheaper than building the blocks. The Gram form
+        scales by it (`scaled`).
       rebuild: None, or a callable `factors [batch * K] -> Rows` that builds
         the same rows from the input times one factor per image: cheaper
         than scaling every block (a 3x3 patch is 9 input entries).
@@ -454,6 +455,8 @@ class _Gram:
       exponent: int32 `[batch]`, the power of two that scales back.
       floor: `[batch]`, `underflow_slack`'s root: what flushing can add to |h|,
         scaled units (0 where a or g is all zero).
+      finite: bool `[batch]`, whether the rows and output gradients are
+        finite; where not, the squares are inf (factor 0: dropped).
     """
 
     squares: tf.Tensor
@@ -466,6 +469,7 @@ class _Gram:
     rows: Rows
     exponent: tf.Tensor
     floor: tf.Tensor
+    finite: tf.Tensor
     row_means: Optional[tf.Tensor] = None
     sums: Optional[tf.Tensor] = None
     along: Optional[tf.Tensor] = None
@@ -480,7 +484,7 @@ class _Gram:
     def unscaled_squares(self, norm: tf.Tensor) -> tf.Tensor:
         """`(norm * 2^exponent)^2`, rounded up: a scaled-units norm bound -> squares `[batch]`."""
         unscaled = precision.times_power_of_two(norm, self.exponent)  # exact, or inf, or tiny
-        return precision.upper(tf.square(unscaled), 8 * _U)
+        return tf.where(self.finite, precision.upper(tf.square(unscaled), 8 * _U), np.inf)
 
     def weighted_sum(self, num_views: int, finish):
         """`weighted_sum(factors)` from the same rows x_r and gradients y_r as the norms.
@@ -586,13 +590,14 @@ def _gram_form(rows: Rows, output_grads: tf.Tensor, num_views: int, *,
              + e_q * precision.staged_sum(flat(tf.abs(m * n)))
              + e_f * e_o * tf.square(support))
     error = precision.upper(error, 0.01)  # the float32 sums of these non-negative terms
-    # An all-zero a or g defines h = 0 exactly: nothing to flush.
-    floor = tf.where(tf.logical_and(largest_a > 0, largest_g > 0), np.float32(math.sqrt(
+    # An all-zero a or g defines h = 0 exactly: nothing to flush. (A nan is not 0.)
+    floor = tf.where(tf.logical_and(largest_a != 0, largest_g != 0), np.float32(math.sqrt(
         precision.underflow_slack(num_rows, sum(block_widths), y.shape[-1]))), 0.0)
+    finite = tf.logical_and(tf.math.is_finite(largest_a), tf.math.is_finite(largest_g))
     gram = _Gram(squares, error, support, xi, y,
                  [None if not centred else p["mean"] for p in parts],
                  _U + (1 + _U) * _rows_contraction_error(num_rows), rows,
-                 exponent_a + exponent_g, floor, row_means)
+                 exponent_a + exponent_g, floor, finite, row_means)
     if unit is not None:
         gram.sums = tf.add_n([p["sums"] for p in parts])
         gram.sums_error = 1.01 * (precision.gamma(chain_f) + precision.gamma(blocks))
@@ -683,10 +688,11 @@ def conv2d_patches(inputs: tf.Tensor, *, kernel_size, strides, dilation_rate,
         return tf.reduce_sum(tf.concat([b() for b in ones.blocks], axis=-1), axis=-1)
 
     if height is None or width is None or not (sh == sw and (sh == 1 or dh == dw == 1)):
+        # The largest entry from the patches themselves (`Rows.largest_entry`): an input
+        # entry no patch reads must not set the scale (an inf there would turn it off).
         return Rows((lambda: tf.image.extract_patches(
             inputs, sizes=[1, kh, kw, 1], strides=[1, sh, sw, 1], rates=[1, dh, dw, 1],
-            padding=padding.upper()),), fan_in, None, row_sums,
-            lambda: _largest_entry(original), rebuild)
+            padding=padding.upper()),), fan_in, None, row_sums, None, rebuild)
     if padding.lower() == "same":
         pad_h = _same_padding(height, kh, sh, dh)
         pad_w = _same_padding(width, kw, sw, dw)
@@ -694,6 +700,9 @@ def conv2d_patches(inputs: tf.Tensor, *, kernel_size, strides, dilation_rate,
         height, width = height + sum(pad_h), width + sum(pad_w)
     out_h = (height - (kh - 1) * dh - 1) // sh + 1
     out_w = (width - (kw - 1) * dw - 1) // sw + 1
+    # What the patches read: rows and columns a strided "valid" window never reaches are
+    # left out of the largest entry (an inf or a 1e30 there would set the Gram form's scale).
+    read = inputs[:, :(out_h - 1) * sh + (kh - 1) * dh + 1, :(out_w - 1) * sw + (kw - 1) * dw + 1]
     s = sh
     if s > 1:
         inputs = tf.pad(inputs, [[0, 0], [0, -height % s], [0, -width % s], [0, 0]])
@@ -717,7 +726,7 @@ def conv2d_patches(inputs: tf.Tensor, *, kernel_size, strides, dilation_rate,
     if out_h * out_w * fan_in <= _BLOCK_FLOATS:
         slices = [[piece for row in slices for piece in row]]
     return Rows(tuple(block(row) for row in slices), fan_in, order, row_sums,
-                lambda: _largest_entry(original), rebuild)
+                lambda: _largest_entry(read), rebuild)
 
 
 def conv2d_kernel_sq_norms(

@@ -84,14 +84,17 @@ What the bounds then cover, with the argument:
 - The weighted sums' own products `weight * y` may flush in the output's
   units: at most 2^-126 per entry added, below 1e-20 of any clip norm
   >= `NORM_FLOOR`.
-Non-finite inputs keep exponent 0 and propagate: their norm is inf or nan,
-and their factor 0.
+A non-finite largest entry (of the rows a Gram form reads, or of its output
+gradients) makes that example's squares inf: factor 0, dropped. A conv's
+largest entry is taken over the input region its patches read, so that
+entries no patch reads (an inf, a 1e30) cannot set the scale.
 """
 
 import contextlib
 import dataclasses
 import math
 import os
+import re
 from typing import Iterator, Optional
 
 import numpy as np
@@ -217,9 +220,9 @@ def device_inputs() -> MatmulInputs:
 CLIP_MARGINS = {"float32": 1e-5, "tf32": 1e-3, "bf16": 1e-2}
 
 
-def clip_margin() -> float:
-    """kappa for the device that runs the step (`device_inputs()`): see `CLIP_MARGINS`."""
-    return CLIP_MARGINS[device_inputs().name]
+def clip_margin(device: Optional[str] = None) -> float:
+    """kappa for `device` (a `MatmulInputs` name), or for `device_inputs()`: `CLIP_MARGINS`."""
+    return CLIP_MARGINS[device or device_inputs().name]
 
 
 def margined_clip_norm(l2_clip_norm: float) -> float:
@@ -235,11 +238,18 @@ def margined_clip_norm(l2_clip_norm: float) -> float:
     return l2_clip_norm / (1.0 + clip_margin())
 
 
-def clip_margin_record(l2_clip_norm: float) -> dict:
-    """What the privacy card says of the clip margin (`tfdp.export.privacy_report`)."""
-    kappa = clip_margin()
-    return {"device_matmul_inputs": device_inputs().name, "kappa": kappa,
-            "clipped_to": margined_clip_norm(float(l2_clip_norm)),
+def clip_margin_record(l2_clip_norm: float, device: Optional[str] = None) -> dict:
+    """What the privacy card says of the clip margin (`tfdp.export.privacy_report`).
+
+    Args:
+      l2_clip_norm: C.
+      device: the `MatmulInputs` name the step was traced for
+        (`tfdp.training.DPModel.traced_matmul_inputs`); None: `device_inputs()`.
+    """
+    device = device or device_inputs().name
+    kappa = clip_margin(device)
+    return {"device_matmul_inputs": device, "kappa": kappa,
+            "clipped_to": float(l2_clip_norm) / (1.0 + kappa),
             "why": ("every example is clipped to l2_clip_norm / (1 + kappa) and the noise is "
                     "calibrated to l2_clip_norm: kappa covers device arithmetic that the "
                     "per-example norm bounds do not model (README, 'What the guarantee "
@@ -250,8 +260,11 @@ def clip_margin_record(l2_clip_norm: float) -> dict:
 
 _AMP_OPTIONS = ("auto_mixed_precision", "auto_mixed_precision_mkl",
                 "auto_mixed_precision_onednn_bfloat16", "auto_mixed_precision_cpu")
-_FAST_MATH_FLAGS = ("xla_cpu_enable_fast_math=true", "xla_cpu_enable_fast_math=1",
-                    "xla_gpu_enable_fast_math=true", "xla_gpu_enable_fast_math=1")
+# XLA reads a bare boolean flag as true (`--xla_cpu_enable_fast_math`), and flags may come
+# from a file (`--flagfile=`), which is read too.
+_FAST_MATH = re.compile(r"--xla_(cpu|gpu)_enable_fast_math(=(true|t|1|yes|y))?(\s|$)",
+                        re.IGNORECASE)
+_FLAGFILE = re.compile(r"--flagfile=(\S+)")
 
 
 class PrecisionRewrite(ValueError):
@@ -282,8 +295,16 @@ def refuse_precision_rewrites() -> None:
             "float32, so a clipped contribution could exceed l2_clip_norm. Turn it off "
             f"before training: tf.config.optimizer.set_experimental_options("
             f"{ {name: False for name in on} }). DP training runs in float32.")
-    flags = os.environ.get("XLA_FLAGS", "").replace(" ", "").lower()
-    fast = [flag for flag in _FAST_MATH_FLAGS if flag in flags]
+    flags = os.environ.get("XLA_FLAGS", "")
+    for path in _FLAGFILE.findall(flags):
+        try:
+            with open(path) as flagfile:
+                flags += " " + flagfile.read()
+        except OSError as error:
+            raise PrecisionRewrite(
+                f"XLA_FLAGS names a flag file that cannot be read ({path}: {error}), so "
+                "whether it turns on fast math cannot be checked. Fix or remove it.") from error
+    fast = [match.group(0).strip() for match in _FAST_MATH.finditer(flags)]
     if fast:
         raise PrecisionRewrite(
             f"XLA_FLAGS turns on fast math ({', '.join(fast)}): XLA may then reorder the "
