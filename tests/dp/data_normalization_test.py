@@ -7,6 +7,7 @@ import scipy.stats
 import tensorflow as tf
 
 from tfdp.accounting import data_normalization_dp_event
+from tfdp.dp import precision
 from tfdp.dp.data_normalization import (
     clipped_channel_sums,
     private_channel_mean_and_var,
@@ -41,9 +42,12 @@ def test_sigma_zero_gives_the_exact_clipped_statistics():
     # Mean squares: (9, 16) clipped to norm 4 -> 4/sqrt(337) * (9, 16); (0, 2) unchanged.
     #   mean_square = (36/sqrt(337), 64/sqrt(337) + 2) / 2.
     #   var = mean_square - mean^2.
-    expected_mean = np.array([0.3, 0.9])
+    # Clipped as the DP-SGD step clips: to C / (1 + kappa) (issue 34), so (0, 1), of norm
+    # exactly C = 1, is scaled down too.
+    shrink = 1.0 / (1 + precision.clip_margin())
+    expected_mean = np.array([0.3, 0.9]) * shrink
     root = np.sqrt(337.0)
-    expected_square = np.array([36.0 / root, 64.0 / root + 2.0]) / 2.0
+    expected_square = np.array([36.0 / root * shrink, 64.0 / root * shrink + 2.0]) / 2.0
     np.testing.assert_allclose(mean.numpy(), expected_mean, rtol=1e-6)
     np.testing.assert_allclose(var.numpy(), expected_square - expected_mean**2, rtol=1e-5)
 
@@ -91,6 +95,21 @@ def test_each_example_contributes_at_most_the_clip_norm():
     )
     assert np.linalg.norm(sum_mean - sum_mean_7) <= 0.5 + 1e-5
     assert np.linalg.norm(sum_square - sum_square_7) <= 2.0 + 1e-4
+
+
+def test_an_overflowing_feature_drops_its_statistic_instead_of_poisoning_the_sums():
+    # Review of issue 34: with tf.clip_by_norm, one feature of 3e38 (its square is inf) made
+    # the released sums NaN, which showed that the example was in the data.
+    rng = np.random.default_rng(0)
+    features = rng.normal(0.0, 1.0, size=(8, 2, 2, 3)).astype(np.float32)
+    clean_mean, clean_square = clipped_channel_sums(
+        np.delete(features, 3, axis=0), l2_clip_norm_mean=0.5, l2_clip_norm_square=2.0)
+    features[3, 0, 0, 1] = 3e38
+    sum_mean, sum_square = clipped_channel_sums(features, l2_clip_norm_mean=0.5,
+                                                l2_clip_norm_square=2.0)
+    assert np.all(np.isfinite(sum_mean)) and np.all(np.isfinite(sum_square))
+    np.testing.assert_allclose(sum_square, clean_square, rtol=1e-6)  # dropped: inf statistic
+    assert np.linalg.norm(sum_mean - clean_mean) <= 0.5  # its finite mean is clipped, kept
 
 
 def test_noise_has_std_sigma_times_clip_norm_over_n():

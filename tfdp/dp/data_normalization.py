@@ -23,6 +23,7 @@ them to the run's accounting by composing `data_normalization_dp_event`
 
 import tensorflow as tf
 
+from tfdp.dp import clipping
 from tfdp.dp import coins
 
 
@@ -49,7 +50,9 @@ def clipped_channel_sums(features, *, l2_clip_norm_mean, l2_clip_norm_square):
 
     Returns:
       (sum_mean, sum_square): float32 [K] each; each example contributes a
-      vector of L2 norm at most C1 (resp. C2).
+      vector of L2 norm at most C1 (resp. C2), clipped as the DP-SGD step
+      clips (`tfdp.dp.clipping.clipped_sum`: to C / (1 + kappa)); an example
+      with a non-finite statistic contributes nothing to that sum.
 
     Raises:
       ValueError: if a clipping norm is not positive or features has rank < 2.
@@ -65,9 +68,11 @@ def clipped_channel_sums(features, *, l2_clip_norm_mean, l2_clip_norm_square):
     axes = list(range(1, features.shape.rank - 1))
     means = tf.reduce_mean(features, axis=axes) if axes else features
     squares = tf.reduce_mean(tf.square(features), axis=axes) if axes else tf.square(features)
-    # tf.clip_by_norm with axes=[1] scales each row by min(1, C / ||row||).
-    sum_mean = tf.reduce_sum(tf.clip_by_norm(means, l2_clip_norm_mean, axes=[1]), axis=0)
-    sum_square = tf.reduce_sum(tf.clip_by_norm(squares, l2_clip_norm_square, axes=[1]), axis=0)
+    # The clip of the DP-SGD step (tfdp.dp.clipping): a norm that never under-counts, the clip
+    # margin, and a non-finite row dropped (factor 0), so that one feature of 3e38 cannot make
+    # the released sums NaN (tf.clip_by_norm did: the example's presence showed).
+    (sum_mean,), _, _ = clipping.clipped_sum([means], l2_clip_norm_mean)
+    (sum_square,), _, _ = clipping.clipped_sum([squares], l2_clip_norm_square)
     return sum_mean, sum_square
 
 
