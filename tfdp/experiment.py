@@ -514,7 +514,8 @@ def train_and_evaluate(
                 exported_parameters="ema" if ema_decay is not None else "last",
                 simulation=simulation,
                 study=study,
-                clip_margin=precision.clip_margin_record(mechanism.l2_clip_norm),
+                clip_margin=precision.clip_margin_record(
+                    mechanism.l2_clip_norm, device=dp_model.traced_matmul_inputs),
             )
             if audit is not None:
                 report["audit"] = audit.result(dp_model, mechanism)

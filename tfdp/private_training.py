@@ -110,7 +110,8 @@ class PrivateTraining:
             hyperparameters={"optimizer": keras.optimizers.serialize(
                 self.model.optimizer)["config"]},
             exported_parameters="ema" if self.model.ema_variables else "last",
-            clip_margin=precision.clip_margin_record(self.mechanism.l2_clip_norm))
+            clip_margin=precision.clip_margin_record(
+                self.mechanism.l2_clip_norm, device=self.model.traced_matmul_inputs))
 
     def export(self, export_dir, *, overwrite=False, allow_untrained=False):
         """Writes a SavedModel serving uint8 images, with the privacy report in `assets/`.

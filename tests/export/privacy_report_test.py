@@ -132,6 +132,7 @@ def test_the_card_states_the_norm_every_example_was_clipped_to(tmp_path, device)
     report = privacy_report.build_privacy_report(
         _mechanism(l2_clip_norm=2.0), steps_completed=100, clip_margin=margin)
     kappa = precision.CLIP_MARGINS[device]
+    assert precision.clip_margin_record(2.0, device=device) == margin  # the traced device's
     assert report["clip_margin"]["clipped_to"] == pytest.approx(2.0 / (1 + kappa), rel=1e-12)
     assert report["noise_stddev"] == pytest.approx(2.0)  # noise_multiplier 1 times C, not C'
     _, md_path = privacy_report.write_privacy_report(report, tmp_path)

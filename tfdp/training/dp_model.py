@@ -383,6 +383,12 @@ class DPModel(chunked.ChunkedTraining, ema.EMAParameters, keras.Model):
             return "loop"
         return "vectorized" if self._ghost is None else "ghost"
 
+    @property
+    def traced_matmul_inputs(self):
+        """The device's matmul inputs ("float32", "tf32", "bf16") the step was last traced
+        for, None before the first trace: what its norms and clip margin planned for."""
+        return None if self._traced_plan is None else self._traced_plan.inputs
+
     def _example_loss(self, example):
         """Loss of one example: the mean over its views (De et al. 2022, eq. (4))."""
         images, label = example
@@ -467,7 +473,9 @@ class DPModel(chunked.ChunkedTraining, ema.EMAParameters, keras.Model):
         GPU) would leave a float32 plan running on a rounding device (issue
         34), so the next call traces the step anew; a setting that would
         rewrite the step's precision (`precision.refuse_precision_rewrites`)
-        is refused before the step runs.
+        is refused before the step runs. A step the user traces in a
+        `tf.function` of their own (`clip_and_accumulate`, `train_step`) gets
+        the refusal at trace time only: trace it again after such a change.
         """
         if self.train_function is not None and not force:
             return self.train_function
