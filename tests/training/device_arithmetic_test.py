@@ -13,7 +13,7 @@ before the fix (numbers in the comments):
   matmul and convolution input of the traced step rounded to TF32 or bf16):
   the old float32 plan without a margin lets examples add more than C, the
   plan for the device holds with and without the clip margin, for every
-  shipped family (the default suite runs two families, `-m slow` all);
+  shipped family (the default suite runs tramer_cnn, `-m slow` all 13);
 - a fuzzer of global input and weight rescaling (1e-30 to 1e30, powers of
   two and not) over Dense -> LayerNorm, tabular ID-column and image models,
   with a grappler option drawn on or off.
@@ -100,9 +100,10 @@ def tabular_mlp(features=6, classes=2):
 def test_a_huge_input_before_a_layer_norm_contributes_at_most_c():
     # Issue 34, §1: an input of norm 1.5e19 into a Gram-form Dense whose LayerNorm makes the
     # output gradient ~1e-19: (x.x)(y.y) flushed to 0 while x y^T is of order 1. Before the
-    # power-of-two scaling: 8.16 C (this seed; the issue's 5.98 C), 1.04 C at norm 3e18.
+    # power-of-two scaling: 8.16 C (this seed; the issue's 5.98 C). The rescaling fuzzer
+    # draws norms from 3e18 up (1.04 C at 3e18 before).
     worst = 0.0
-    for norm in (3e18, 1.5e19):
+    for norm in (1.5e19,):
         keras.utils.set_random_seed(2)
         model = dense_layer_norm()
         x = np.random.default_rng(2).normal(size=(1, 8)).astype(np.float32)
@@ -317,10 +318,12 @@ def _check_family_under_emulation(name, device):
 
 
 @pytest.mark.parametrize("device", [precision.TF32, precision.BF16], ids=lambda d: d.name)
-@pytest.mark.parametrize("name", ["tramer_cnn", "layer_norm"])
+@pytest.mark.parametrize("name", ["tramer_cnn",
+                                  pytest.param("layer_norm", marks=pytest.mark.slow)])
 def test_every_rounded_matmul_fails_the_float32_plan_and_holds_the_device_plan(name, device):
     # Issue 34, §4-5. Before: the float32 plan on an emulated TF32 device gave 1.000067 C
-    # (tramer_cnn) and 1.00017 C (layer_norm); bf16 1.00091 C and 1.0017 C.
+    # (tramer_cnn) and 1.00017 C (layer_norm); bf16 1.00091 C and 1.0017 C. layer_norm (74 s
+    # in CI: its rank-3 Dense) is slow-only, as are the other 11 families (below).
     old = _check_family_under_emulation(name, device)
     assert old > 1 + RTOL, old
 
