@@ -253,7 +253,7 @@ def clip_margin_record(l2_clip_norm: float, device: Optional[str] = None) -> dic
             "why": ("every example is clipped to l2_clip_norm / (1 + kappa) and the noise is "
                     "calibrated to l2_clip_norm: kappa covers device arithmetic that the "
                     "per-example norm bounds do not model (README, 'What the guarantee "
-                    "rests on')")}
+                    "assumes')")}
 
 
 # -- What may not change after tracing (issue 34) ---------------------------------------
