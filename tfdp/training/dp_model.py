@@ -320,6 +320,9 @@ class DPModel(chunked.ChunkedTraining, ema.EMAParameters, keras.Model):
 
         Raises:
           ValueError: if `loss` or `metrics` is given.
+          tfdp.dp.precision.PrecisionRewrite: (a ValueError) if grappler's
+            automatic mixed precision or XLA's fast math is on: either would
+            rewrite the traced step's arithmetic behind its per-example norms.
         """
         for key in ("loss", "metrics"):
             if kwargs.get(key) is not None:
