@@ -209,7 +209,7 @@ def device_inputs() -> MatmulInputs:
 # `tfdp.dp.precision` models (round-to-nearest float32 and the device's matmul inputs, with
 # flushing: "Range"); kappa covers what it cannot model, such as a compiler that turns an
 # elementwise weighted sum into a rounded dot, or a convolution algorithm of its own choice.
-# The worst excess seen (BUILD.md, "The clip margin"):
+# The worst excess seen (BUILD.md, "A clip that holds for the arithmetic the machine"):
 #   float32 (CPU): none (<= 0.999998 C in every fuzzer and the HLO replay); 1e-5 is 10x
 #     the fuzzers' tolerance of 1e-6.
 #   tf32 (Ampere+ GPU): 8.72e-5 on an H200 (one-hot replay, float32 plan; 7.42e-5 with the
