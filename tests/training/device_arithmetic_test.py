@@ -361,7 +361,8 @@ def _image_model():
     return keras.Model(inputs, keras.layers.Dense(10)(x))
 
 
-MODELS = {"dense_layer_norm": (lambda: dense_layer_norm(head=1.0), (8,)), "tabular": (tabular_mlp, (6,)),
+MODELS = {"dense_layer_norm": (lambda: dense_layer_norm(head=1.0), (8,)),
+          "tabular": (tabular_mlp, (6,)),
           "image": (_image_model, (6, 6, 2))}
 
 
@@ -387,8 +388,9 @@ def rescaled_cases(draw):
     if id_column:
         x[:, 0] = rng.choice([9.1e18, 5.3e18, 3.7e18, 2.0**62], size=size)
     # None: the model's own prediction (a confident one has a tiny output gradient, §1).
-    labels = None if hazard or draw(st.booleans()) else rng.integers(0, 10 if name != "tabular" else 2,
-                                                            size).astype(np.int32)
+    classes = 2 if name == "tabular" else 10
+    labels = (None if hazard or draw(st.booleans())
+              else rng.integers(0, classes, size).astype(np.int32))
     clip = draw(st.sampled_from([1e-4, 0.1, 10.0]))
     amp = draw(st.sampled_from([None] * 3 + AMP_OPTIONS))
     return name, head, seed, x.astype(np.float32), labels, weight_scale, clip, amp
