@@ -21,6 +21,8 @@ import time
 
 import pytest
 
+from tfdp import workdir as workdir_lib
+
 _WRAPPER = r'''
 import os, sys, time
 pause = os.environ.get("TFDP_TEST_PAUSE")
@@ -102,6 +104,12 @@ def runs(tmp_path_factory):
     second = _start(wrapper, root / "a")
     result["second"] = (second.communicate(timeout=600), second.returncode)
     result["unchanged_by_second"] = _listing(root / "a") == listing
+    # An editor saves the lock file again (a new file renamed over it): still one run.
+    edited = root / "a" / ".tfdp.lock.swp"
+    edited.write_text((root / "a" / ".tfdp.lock").read_text())
+    os.replace(edited, root / "a" / ".tfdp.lock")
+    third = _start(wrapper, root / "a")
+    result["third"] = (third.communicate(timeout=600), third.returncode)
     _kill(holder)
     resumed = _start(wrapper, root / "a")
     _wait_for(exporting, root / "paused_e")
@@ -122,6 +130,59 @@ def test_a_second_run_in_a_locked_workdir_exits_2_and_names_the_holder(runs):
             in stderr), stderr[-2000:]
     assert "Traceback" not in stderr
     assert result["unchanged_by_second"]
+
+
+def test_a_run_after_the_lock_file_was_saved_again_is_refused_too(runs):
+    # Before: flock locked the old file's inode, so the third run locked the new file, and
+    # both trained steps 2.. and exported into one workdir.
+    _, result = runs
+    (_, stderr), returncode = result["third"]
+    assert returncode == 2, stderr[-4000:]
+    assert "is in use by another run" in stderr and "Traceback" not in stderr
+
+
+@pytest.mark.parametrize("how", ["saved_again", "deleted", "moved_away"])
+def test_replacing_or_deleting_the_lock_file_keeps_the_lock(tmp_path, how):
+    workdir = tmp_path / "wd"
+    lock = workdir / ".tfdp.lock"
+    with workdir_lib.locked(workdir):
+        if how == "saved_again":  # vim, sed -i, IDEs: a new file renamed over the old
+            (workdir / "x.tmp").write_text('{"edited": true}')
+            os.replace(workdir / "x.tmp", lock)
+        elif how == "deleted":
+            lock.unlink()
+        else:
+            os.replace(lock, tmp_path / "elsewhere")
+        with pytest.raises(workdir_lib.WorkdirLockedError, match="in use by another run"):
+            with workdir_lib.locked(workdir):
+                raise AssertionError("a second run got the lock")
+        if how == "saved_again":
+            assert lock.read_text() == '{"edited": true}'  # not this run's file: kept
+    with workdir_lib.locked(workdir):  # released when the holder ends
+        assert json.loads(lock.read_text())["pid"] == os.getpid()
+    assert not lock.exists()
+
+
+def test_the_lock_holds_across_processes(tmp_path):
+    workdir = tmp_path / "wd"
+    holder = subprocess.Popen(
+        [sys.executable, "-c",
+         "import sys, time\nfrom tfdp import workdir\n"
+         "with workdir.locked(sys.argv[1]):\n    print('held', flush=True)\n"
+         "    time.sleep(60)", str(workdir)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        os.replace(workdir / ".tfdp.lock", tmp_path / "gone")
+        with pytest.raises(workdir_lib.WorkdirLockedError,
+                           match=rf"is in use by another run \(a process whose .tfdp.lock is "
+                                 r"not yet written, or was replaced or deleted since\)"):
+            with workdir_lib.locked(workdir):
+                pass
+    finally:
+        holder.kill()
+        holder.wait()
+    with workdir_lib.locked(workdir):  # the kernel dropped the killed holder's lock
+        pass
 
 
 def test_a_killed_holder_leaves_no_lock_and_the_same_command_resumes(runs):

@@ -4,10 +4,13 @@ The trainer (`tfdp.experiment.train_and_evaluate`) keeps four promises about
 its workdir, and this module holds the code of each:
 
 1. **One run at a time** (`locked`): the chief holds an exclusive
-   `fcntl.flock` on `WORKDIR/.tfdp.lock` for the whole run. A second run in
-   the same workdir is refused (exit 2) with the holder's pid, host and start
-   time, which the holder writes into the lock file. The kernel drops the lock
-   when its process dies, even on SIGKILL, so a rerun after a kill resumes.
+   `fcntl.flock` on the workdir folder itself for the whole run. A second
+   run in the same workdir is refused (exit 2) with the holder's pid, host
+   and start time, which the holder writes into `WORKDIR/.tfdp.lock`. The
+   lock is on the folder, not on that file: an editor that saves the file
+   again (a new file renamed over it) or an `rm` of it does not let a second
+   run in. The kernel drops the lock when its process dies, even on SIGKILL,
+   so a rerun after a kill resumes.
    On an object store (a gs:// workdir) the lock is a lease object
    (`tfdp.lease`): created only if absent, renewed while the run lives,
    taken over only once it has expired.
@@ -101,8 +104,11 @@ def locked(workdir, *, lease_seconds=lease_lib.LEASE_SECONDS,
            renew_every_seconds=lease_lib.RENEW_EVERY_SECONDS):
     """Holds an exclusive lock on `workdir` for the block; creates the workdir.
 
-    The lock file `.tfdp.lock` holds the holder's pid, host and start time
-    while it runs, and is deleted when the block ends. If the block fails and
+    A local workdir is locked with `fcntl.flock` on the folder (an open file
+    description of the directory), so replacing or deleting any file in it
+    does not release the lock. The file `.tfdp.lock` holds the holder's pid,
+    host and start time while it runs (for the refusal's message only), and
+    is deleted when the block ends, unless something else replaced it. If the block fails and
     the workdir was created here and holds nothing else, the workdir is
     removed again, so that a refused run leaves nothing behind. On a URL the
     lock is a lease object of the same name (`tfdp.lease`; `lease_seconds`
@@ -123,7 +129,7 @@ def locked(workdir, *, lease_seconds=lease_lib.LEASE_SECONDS,
     path = os.path.join(workdir, LOCK_FILE)
     try:
         os.makedirs(workdir, exist_ok=True)
-        fd = _acquire(path)
+        fd, locks_file = _acquire(workdir)
     except WorkdirLockedError:
         raise
     except OSError as e:
@@ -132,11 +138,20 @@ def locked(workdir, *, lease_seconds=lease_lib.LEASE_SECONDS,
             f"({type(e).__name__}). Choose a writable workdir (--workdir), or free space "
             "on its disk.") from None
     try:
+        written = _write_holder(path, fd if locks_file else None)
+    except OSError as e:
+        os.close(fd)
+        raise WorkdirError(
+            f"Cannot write into the workdir {workdir}: {e.strerror or e} "
+            f"({type(e).__name__}). Choose a writable workdir (--workdir), or free space "
+            "on its disk.") from None
+    try:
         yield workdir
     finally:
         with contextlib.suppress(OSError):
-            os.unlink(path)  # while still holding it: see _acquire
-        os.close(fd)
+            if os.stat(path).st_ino == written:  # not a file someone put in its place
+                os.unlink(path)
+        os.close(fd)  # releases the lock
         if created:
             with contextlib.suppress(OSError):
                 os.rmdir(workdir)  # only if empty: this run wrote nothing that stays
@@ -157,34 +172,75 @@ def _leased(workdir, lease_seconds, renew_every_seconds):
         raise WorkdirLockedError(
             f"The workdir {workdir} is in use by another run ({e.holder}). One workdir holds "
             "one run: wait for that run to end, or use another workdir. (A killed run's "
-            "lease is taken over once it has expired.)") from None
+            f"lease is taken over {lease_lib.CLOCK_SKEW_SECONDS:g} s after it has expired, "
+            "at the time given above.)") from None
     except Exception as e:  # pylint: disable=broad-except  (gfile and client errors)
         raise WorkdirError(
             f"Cannot write into the workdir {workdir}: {_first_line(e)} "
             f"({type(e).__name__}). Check the URL and your write access to it.") from None
+    lost = WorkdirLockedError(
+        f"This run lost its lease on the workdir {workdir} (another run took it over after it "
+        "expired, or it could not be renewed) and stopped, so that two runs never write one "
+        "workdir. Run the same command again once the other run has ended; it resumes from "
+        "the last checkpoint.")
     try:
         yield
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # lease_lib.LeaseLostError is one
+        _release(lease, workdir, created)
         if lease.lost:
-            raise WorkdirLockedError(
-                f"This run lost its lease on the workdir {workdir} (another run took it over "
-                "after it expired, or it could not be renewed) and stopped, so that two runs "
-                "never write one workdir. Run the same command again once the other run has "
-                "ended; it resumes from the last checkpoint.") from None
+            raise lost from None
         raise
-    finally:
+    except BaseException:
+        _release(lease, workdir, created)
+        raise
+    _release(lease, workdir, created)
+    if lease.lost:  # lost after the block's last check: its writes may be mixed with another's
+        raise lost
+
+
+def _release(lease, workdir, created):
+    """Releases `lease`, even if its LeaseLostError arrives inside the release itself."""
+    try:
         lease.release()
-        if created:
-            storage.rmdir_if_empty(workdir)
+    except lease_lib.LeaseLostError:
+        lease.release()
+    if created:
+        storage.rmdir_if_empty(workdir)
 
 
-def _acquire(path):
-    """Opens and flocks `path`; returns the fd. Retries if the file was replaced meanwhile.
+def _acquire(workdir):
+    """Opens the folder `workdir` and flocks it (exclusive, non-blocking).
 
-    The holder deletes the lock file before it closes it, so a process that
-    opened the old file and got its lock after the holder closed it sees that
-    the path now names another file (or none) and tries again.
+    Returns:
+      `(fd, locks_file)`: the locked fd, and whether it is the lock file's
+      (`_acquire_file`, where the file system cannot flock a folder).
+
+    Raises:
+      WorkdirLockedError: another open file description holds the lock (another
+        run); the message names the holder from its `.tfdp.lock`.
+      OSError: the folder cannot be opened or locked.
     """
+    fd = os.open(workdir, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        os.close(fd)
+        if e.errno in (errno.EBADF, errno.ENOLCK, errno.EINVAL, errno.EOPNOTSUPP):
+            return _acquire_file(workdir), True  # NFS: no exclusive flock of a folder
+        if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            raise
+        raise _in_use(workdir) from None
+    return fd, False
+
+
+def _acquire_file(workdir):
+    """`_acquire` where a folder cannot be flocked (NFS): flocks the file `.tfdp.lock`.
+
+    Weaker than the folder's lock: a lock file replaced by another file (an
+    editor's save) or deleted while the run holds it lets a second run in.
+    Said in a warning.
+    """
+    path = os.path.join(workdir, LOCK_FILE)
     while True:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
@@ -193,24 +249,47 @@ def _acquire(path):
             os.close(fd)
             if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                 raise
-            raise WorkdirLockedError(
-                f"The workdir {os.path.dirname(path)} is in use by another run "
-                f"({_holder(path)}). One workdir holds one run: wait for that run to end, or "
-                "use another workdir. (The lock is released when that process ends, even if "
-                "it is killed.)") from None
+            raise _in_use(workdir) from None
         try:
-            same = os.fstat(fd).st_ino == os.stat(path).st_ino
+            if os.fstat(fd).st_ino == os.stat(path).st_ino:
+                break
         except FileNotFoundError:
-            same = False
-        if same:
-            break
-        os.close(fd)
+            pass
+        os.close(fd)  # replaced meanwhile: lock the file the path names now
+    _warn(f"The file system of {workdir} cannot lock a folder, so this run locks the file "
+          f"{LOCK_FILE} instead: do not replace or delete it while the run lives, or a "
+          "second run could start in this workdir.")
+    return fd
+
+
+def _in_use(workdir):
+    return WorkdirLockedError(
+            f"The workdir {workdir} is in use by another run "
+            f"({_holder(os.path.join(workdir, LOCK_FILE))}). One workdir holds one run: wait "
+            "for that run to end, or use another workdir. (The lock is released when that "
+            "process ends, even if it is killed.)")
+
+
+def _write_holder(path, locked_fd=None):
+    """Writes the holder's pid, host and start time to `path`; returns the file's inode.
+
+    Written whole (a temporary file renamed over `path`), or, when the lock
+    is on the file itself (`locked_fd`), into that file.
+    """
     holder = {"pid": os.getpid(), "host": socket.gethostname(),
               "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds")}
-    os.ftruncate(fd, 0)
-    os.write(fd, json.dumps(holder).encode())
-    os.fsync(fd)
-    return fd
+    if locked_fd is not None:
+        os.ftruncate(locked_fd, 0)
+        os.write(locked_fd, json.dumps(holder).encode())
+        os.fsync(locked_fd)
+        return os.fstat(locked_fd).st_ino
+    temporary = f"{path}.tmp-{os.getpid()}"
+    with open(temporary, "w") as f:
+        json.dump(holder, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(temporary, path)
+    return os.stat(path).st_ino
 
 
 def _holder(path):
@@ -219,7 +298,8 @@ def _holder(path):
             holder = json.load(f)
         return f"pid {holder['pid']} on {holder['host']}, started {holder['started']}"
     except (OSError, ValueError, KeyError, TypeError):
-        return "a process that has not yet written its pid"
+        return (f"a process whose {LOCK_FILE} is not yet written, or was replaced or deleted "
+                "since")
 
 
 def earlier_run_outputs(workdir):
@@ -540,7 +620,8 @@ def remove_stale_temporaries(workdir):
 
     Called under the lock, so no other process is writing them.
     """
-    for pattern in (".export.tmp-*", ".export.old-*", ".report.tmp-*", FINISHED_FILE + ".tmp-*"):
+    for pattern in (".export.tmp-*", ".export.old-*", ".report.tmp-*", FINISHED_FILE + ".tmp-*",
+                    LOCK_FILE + ".tmp-*"):
         for path in storage.glob(workdir, pattern):
             storage.remove_any(path)
 
