@@ -8,6 +8,7 @@ lost it stops. (Cloud Storage itself is not reachable from here; BUILD.md.)
 """
 
 import json
+import re
 import threading
 import time
 import uuid
@@ -274,3 +275,99 @@ def test_gs_without_credentials_says_what_to_do(fake_gcs, monkeypatch):
                        match=r"Cannot open Cloud Storage for the workdir's lease \(RuntimeError: "
                              r"Your default credentials were not found\.\).*application-default"):
         workdir_lib.check_lockable("gs://bucket/runs/x")
+
+
+# -- A lost lease stops the run whatever its signal dispositions (issue 36) ----------------
+# A run started as `cmd &` from a script ignores SIGINT; the stop used to be a SIGINT to the
+# main thread, so such a run trained on after another run took its workdir over.
+_LOSER = r'''
+import json, signal, sys, time
+signal.signal(signal.SIGINT, signal.SIG_IGN)  # as a background job of a shell script
+from tfdp import lease as lease_lib
+from tfdp import workdir as workdir_lib
+url, renew, work = sys.argv[1], float(sys.argv[2]), sys.argv[3]
+store, lock = lease_lib.RamLeaseStore(), url + "/" + workdir_lib.LOCK_FILE
+try:
+    with workdir_lib.locked(url, lease_seconds=20 * renew, renew_every_seconds=renew):
+        _, generation = store.read(lock)  # another run takes the workdir over
+        store.replace(lock, json.dumps({"id": "thief", "expires": time.time() + 60}).encode(),
+                      generation)
+        taken = time.time()
+        if work == "python":  # the run's Python loop (Keras' fit returns to Python each step)
+            while time.time() < taken + 30:
+                sum(range(1000))
+        else:  # stuck in one long native call
+            time.sleep(30)
+        print("STILL RUNNING"); sys.exit(1)
+except workdir_lib.WorkdirLockedError as e:
+    print(f"STOPPED after {time.time() - taken:.3f} s: {e}")
+    assert json.loads(store.read(lock)[0])["id"] == "thief"  # the winner's lease stays
+    sys.exit(2)
+'''
+
+
+@pytest.fixture
+def busy_cpu():
+    """A busy loop on a core beside the test, as on a loaded host."""
+    import subprocess  # pylint: disable=g-import-not-at-top
+    import sys  # pylint: disable=g-import-not-at-top
+
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    yield
+    spinner.kill()
+    spinner.wait()
+
+
+@pytest.mark.parametrize("work", ["python", "native"])
+def test_a_run_that_ignores_sigint_stops_within_a_renewal_of_losing_its_lease(
+        tmp_path, busy_cpu, work):
+    import subprocess  # pylint: disable=g-import-not-at-top
+    import sys  # pylint: disable=g-import-not-at-top
+
+    script = tmp_path / "loser.py"
+    script.write_text(_LOSER)
+    renew = 1.0
+    started = time.time()
+    proc = subprocess.run([sys.executable, str(script), f"ram://loser/{uuid.uuid4().hex}",
+                           str(renew), work], capture_output=True, text=True, timeout=120)
+    assert "STILL RUNNING" not in proc.stdout, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    if work == "python":
+        # Interrupted at the first renewal after the takeover (<= renew), plus scheduling.
+        assert proc.returncode == 2, proc.stdout + proc.stderr[-3000:]
+        elapsed = float(proc.stdout.split("STOPPED after ")[1].split(" s")[0])
+        assert elapsed < renew + 1.0, proc.stdout
+        assert "lost its lease on the workdir" in proc.stdout
+    else:
+        # No Python code runs to be interrupted: the process exits one renewal later.
+        assert proc.returncode == lease_lib.LOST_EXIT_STATUS, proc.stdout + proc.stderr[-3000:]
+        assert "did not stop within 1 s of losing its workdir lease" in proc.stderr
+        assert time.time() - started < 25  # not the 30 s sleep (the interpreter's start incl.)
+
+
+@pytest.mark.parametrize("expires", ["soon", None, [1], True, float("nan")])
+def test_a_lease_with_a_non_numeric_expiry_is_refused_by_name_not_with_a_type_error(
+        url, expires):
+    store, lock = lease_lib.RamLeaseStore(), f"{url}/{workdir_lib.LOCK_FILE}"
+    tf.io.gfile.makedirs(url)
+    store.create(lock, json.dumps({"id": "x", "pid": 7, "expires": expires}).encode())
+    with pytest.raises(workdir_lib.WorkdirLockedError,
+                       match=r"cannot be read or has no numeric expiry: it is never taken "
+                             r"over; delete it if no run uses this workdir") as refused:
+        with workdir_lib.locked(url):
+            pass
+    assert not isinstance(refused.value, TypeError)
+
+
+def test_the_refusal_gives_the_time_of_the_takeover_expiry_plus_the_clock_skew(url):
+    store, lock = lease_lib.RamLeaseStore(), f"{url}/{workdir_lib.LOCK_FILE}"
+    tf.io.gfile.makedirs(url)
+    expires = time.time() + 100
+    store.create(lock, json.dumps({"id": "x", "pid": 7, "host": "h", "started": "s",
+                                   "expires": expires,
+                                   "expires_utc": lease_lib._utc(expires)}).encode())
+    takeover = lease_lib._utc(expires + lease_lib.CLOCK_SKEW_SECONDS)
+    with pytest.raises(workdir_lib.WorkdirLockedError,
+                       match=re.escape(f"can be taken over from {takeover})")):
+        with workdir_lib.locked(url):
+            pass

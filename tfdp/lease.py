@@ -18,14 +18,22 @@ time and an expiry time.
   on the generation it read, so of two runs taking over, one wins.
 - **Lost**: if a renewal finds another generation (someone took over after
   this run failed to renew in time: a host paused longer than the lease),
-  or cannot renew before the expiry, the holder stops: the main thread is
-  interrupted and `tfdp.workdir.locked` raises WorkdirLockedError. A run
-  never writes on after it has lost its lease.
+  or cannot renew before the expiry, the holder stops. The thread that took
+  the lease gets a `LeaseLostError` raised into it (an asynchronous
+  exception, not a signal: a run started as `cmd &` from a script ignores
+  SIGINT, and a run must stop whatever its signal dispositions), and
+  `tfdp.workdir.locked` turns it into a WorkdirLockedError. If that thread
+  has not let go of the lease within `renew_every_seconds` (stuck in a long
+  native call), the process exits at once with status `LOST_EXIT_STATUS`.
+  A run never writes on after it has lost its lease.
 - **Released** at the end: the object is deleted (precondition: our
   generation).
 
 A kill leaves the lease in place until it expires (`lease_seconds`, default
-300 s); the message of a refused rerun says when.
+300 s, counted from its last renewal, so 240-300 s after a kill with the
+default renewal every 60 s), and a new run takes it over only
+`CLOCK_SKEW_SECONDS` (30 s) later: 270-330 s after a kill with the
+defaults. The message of a refused rerun gives that time.
 
 Stores: `RamLeaseStore` for ram:// (TensorFlow's in-process file system,
 which the tests use: its preconditions are exact, under a process lock) and
@@ -33,7 +41,7 @@ which the tests use: its preconditions are exact, under a process lock) and
 NOT tested here: no Cloud Storage from this machine, BUILD.md).
 """
 
-import _thread
+import ctypes
 import dataclasses
 import datetime
 import json
@@ -46,6 +54,16 @@ import uuid
 LEASE_SECONDS = 300.0
 RENEW_EVERY_SECONDS = 60.0
 CLOCK_SKEW_SECONDS = 30.0
+# The exit status of a process that lost its lease and did not stop within a renewal period.
+LOST_EXIT_STATUS = 75
+
+
+class LeaseLostError(KeyboardInterrupt):
+    """Raised into the thread that holds a lease when the run loses it.
+
+    A KeyboardInterrupt (a BaseException), so that no `except Exception` on
+    the way (Keras' callbacks, TensorFlow) swallows it: the run stops.
+    """
 
 
 class LeaseHeldError(Exception):
@@ -227,7 +245,9 @@ class Lease:
         self._generation = None
         self._expires = 0.0
         self._stop = threading.Event()
+        self._stopping = threading.Lock()  # no LeaseLostError once release() has begun
         self._thread = None
+        self._owner = None
 
     def acquire(self):
         """Takes the lease, or takes over an expired one; then renews it in the background.
@@ -244,20 +264,22 @@ class Lease:
                 continue
             content, seen = current
             record = _parse(content)
-            if time.time() <= record.get("expires", float("inf")) + CLOCK_SKEW_SECONDS:
+            if time.time() <= _expiry(record) + CLOCK_SKEW_SECONDS:
                 raise LeaseHeldError(_describe(record))
             # Expired: its holder died. Take it over, unless another run does first.
             generation = self.store.replace(self.path, data, seen)
             if generation is None:
                 continue  # someone else took it over or renewed: read again
         self._generation = generation
+        self._owner = threading.get_ident()
         self._thread = threading.Thread(target=self._renew_loop, name="tfdp-lease",
                                         daemon=True)
         self._thread.start()
 
     def release(self):
         """Stops renewing and deletes the lease if it is still this run's."""
-        self._stop.set()
+        with self._stopping:
+            self._stop.set()
         if self._thread is not None:
             self._thread.join()
         if self._generation is not None and not self.lost:
@@ -283,29 +305,53 @@ class Lease:
                     continue
                 generation = None
             if generation is None:
-                self.lost = True
-                _log_error(f"This run lost its workdir lease {self.path} (taken over, or not "
-                           "renewed in time); it stops so that two runs never write one "
-                           "workdir.")
-                _thread.interrupt_main()
+                self._stop_the_run()
                 return
             self._generation = generation
 
+    def _stop_the_run(self):
+        """Lost: raises LeaseLostError in the owner; exits the process if it does not stop."""
+        with self._stopping:
+            if self._stop.is_set():  # released meanwhile: the run has already stopped
+                return
+            self.lost = True
+            _log_error(f"This run lost its workdir lease {self.path} (taken over, or not "
+                       "renewed in time); it stops so that two runs never write one workdir.")
+            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self._owner),
+                                                       ctypes.py_object(LeaseLostError))
+        if not self._stop.wait(self.renew_every_seconds):
+            _log_error(f"The run did not stop within {self.renew_every_seconds:g} s of losing "
+                       f"its workdir lease {self.path}; exiting now (status "
+                       f"{LOST_EXIT_STATUS}).")
+            os._exit(LOST_EXIT_STATUS)  # pylint: disable=protected-access
+
 
 def _parse(content):
+    """The lease record as a dict ({} when it is not a JSON object with a numeric expiry)."""
     try:
         record = json.loads(content)
-        return record if isinstance(record, dict) else {}
     except ValueError:
         return {}
+    if not isinstance(record, dict) or _expiry(record) == float("inf"):
+        return {}
+    return record
+
+
+def _expiry(record):
+    """The record's expiry (seconds since the epoch); inf unless it is a finite number."""
+    expires = record.get("expires")
+    if isinstance(expires, bool) or not isinstance(expires, (int, float)):
+        return float("inf")
+    return float(expires) if expires == expires else float("inf")  # NaN: never expires
 
 
 def _describe(record):
     if not record:
-        return ("a holder whose lease object cannot be read (delete it if no run uses this "
-                "workdir)")
+        return ("a holder whose lease object cannot be read or has no numeric expiry: it is "
+                "never taken over; delete it if no run uses this workdir")
     return (f"pid {record.get('pid')} on {record.get('host')}, started {record.get('started')}; "
-            f"its lease expires at {record.get('expires_utc')} unless that run renews it")
+            f"its lease expires at {record.get('expires_utc')} unless that run renews it, "
+            f"and can be taken over from {_utc(_expiry(record) + CLOCK_SKEW_SECONDS)}")
 
 
 def _utc(seconds):
