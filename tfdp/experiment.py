@@ -37,6 +37,7 @@ from tfdp import models
 from tfdp import storage
 from tfdp import resume_rule
 from tfdp import workdir as workdir_lib
+from tfdp.data import fingerprint
 from tfdp.dp import coins
 from tfdp.dp import precision
 from tfdp.export import privacy_report
@@ -386,6 +387,8 @@ def train_and_evaluate(
                              prepare_train=audit and audit.prepare_train)
     image_shape = train.image_shape
     test_examples = _test_examples(eval_examples, test)
+    data_fingerprint = {"train": fingerprint.split_fingerprint(train),
+                        "test": fingerprint.split_fingerprint(test)}
 
     # 3. The workdir: locked for the whole run by the chief (which writes it), then
     # checked: a checkpoint of this very mechanism, or no output of an earlier run.
@@ -394,7 +397,7 @@ def train_and_evaluate(
     with contextlib.ExitStack() as run:
         if chief:
             run.enter_context(workdir_lib.locked(workdir))
-        latest, finished = _check_workdir(workdir, mechanism, audit=audit,
+        latest, finished = _check_workdir(workdir, mechanism, data_fingerprint, audit=audit,
                                           sampling_seed=sampling_seed, noise_seed=noise_seed)
         if finished is not None:
             return finished
@@ -431,10 +434,12 @@ def train_and_evaluate(
         if privacy is None:  # the batches' seed is public: `seed` unless fixed
             ledger = callbacks_lib.make_non_private_ledger(
                 mechanism.num_steps, config=gin.config_str(),
+                data=json.dumps(data_fingerprint, sort_keys=True),
                 sampling_seed=seed if sampling_seed is None else sampling_seed)
         else:
             ledger = callbacks_lib.make_privacy_ledger(
                 mechanism, noise_seed=noise_seed, config=gin.config_str(),
+                data=json.dumps(data_fingerprint, sort_keys=True),
                 sampling_seed=distribute.broadcast_from_chief(
                     dist, coins.secret_seed() if sampling_seed is None else sampling_seed))
 
@@ -694,7 +699,7 @@ def _test_examples(eval_examples, test):
     return min(eval_examples, test.num_examples)
 
 
-def _check_workdir(workdir, mechanism, *, audit, sampling_seed, noise_seed):
+def _check_workdir(workdir, mechanism, data_fingerprint, *, audit, sampling_seed, noise_seed):
     """Stage 3: what the workdir allows this run to do; read only (the chief holds the lock).
 
     A workdir without a checkpoint to resume must hold no output of an
@@ -715,7 +720,9 @@ def _check_workdir(workdir, mechanism, *, audit, sampling_seed, noise_seed):
     interval, devices, ...) may change, and are logged. A private run's
     checkpoint is never resumed by a non-private run (`mechanism` a
     `NonPrivatePlan`), nor the other way round (`check_non_private_ledger`,
-    `check_privacy_ledger`).
+    `check_privacy_ledger`). Nor is it resumed, or its finished report
+    returned, on other data: `data_fingerprint` (`{"train": ..., "test": ...}`,
+    `tfdp.data.fingerprint`) must equal the one its ledger recorded.
 
     Returns:
       `(latest, report)`: the checkpoint to resume (or None), and the
@@ -743,6 +750,8 @@ def _check_workdir(workdir, mechanism, *, audit, sampling_seed, noise_seed):
             latest, mechanism, sampling_seed=sampling_seed, noise_seed=noise_seed)
     else:  # refuses a private run's checkpoint
         steps, saved_config = callbacks_lib.check_non_private_ledger(latest, mechanism.num_steps)
+    _check_same_data(workdir, latest, steps, data_fingerprint,
+                     resuming=steps < mechanism.num_steps)
     changes = resume_rule.changed_settings(saved_config, gin.config_str())
     refused = [change for change in changes if not change.resumable]
     harmless = "\n  ".join(line for change in changes if change.resumable
@@ -791,6 +800,37 @@ def _check_workdir(workdir, mechanism, *, audit, sampling_seed, noise_seed):
                         "model nor its metrics (- before, + now):\n  %s", workdir, steps,
                         harmless)
     return latest, None
+
+
+def _check_same_data(workdir, latest, steps, data_fingerprint, *, resuming):
+    """Refuses a workdir whose checkpoint was trained on other data than this run reads.
+
+    A checkpoint without fingerprints (an older tfdp) cannot be checked: its
+    resume is refused; its finished report is returned with a warning.
+
+    Raises:
+      ValueError: naming each split whose fingerprint differs.
+    """
+    saved = callbacks_lib.saved_data_fingerprint(latest)
+    if saved is None:
+        if resuming:
+            raise ValueError(
+                f"{workdir} holds a run stopped at step {steps} whose checkpoint does not "
+                "record which data it was trained on (written by an older tfdp), so a resume "
+                "cannot check that it trains on the same examples: the accountant counts "
+                "one dataset. Nothing was changed. Use a new workdir.")
+        logging.warning("%s: its checkpoint does not record which data it was trained on (an "
+                        "older tfdp); its data cannot be compared with this run's.", workdir)
+        return
+    changed = fingerprint.differences(saved, data_fingerprint)
+    if changed:
+        raise ValueError(
+            f"{workdir} holds a run of {steps} steps trained on other data than this command "
+            "reads (the checkpoint's -> this command's):\n  " + "\n  ".join(changed)
+            + "\nA resume must train on the examples its first steps were taken on: the "
+            "accountant composes every step on one dataset, and the report's metrics are of "
+            "one test set. Nothing was changed. Point data_dir (or $TFDS_DATA_DIR) at the data "
+            "the run started on, or use a new workdir for this data.")
 
 
 @contextlib.contextmanager

@@ -40,7 +40,8 @@ RESUMABLE = {
     (TRAINER, "checkpoint_every_steps"): "when it saves",
     (TRAINER, "eval_batch_size"): "how the same test examples are batched",
     (TRAINER, "progress_bar"): "the display",
-    (TRAINER, "data_dir"): "where the same prepared dataset is read from",
+    (TRAINER, "data_dir"): "where the same prepared dataset is read from (its fingerprint "
+                           "is checked: tfdp.data.fingerprint)",
     (TRAINER, "strategy"): "the devices; each logical batch and its noise stay the same",
     (TRAINER, "jit_compile"): "how the same step is compiled",
     (TRAINER, "deterministic"): "op determinism, not the computation",
@@ -102,17 +103,43 @@ def changed_settings(saved_config: str, current_config: str) -> List[Change]:
         return _changed_lines(saved_config, current_config)
     changes = []
     for key in sorted(set(old) | set(new)):
-        before, after = (repr(side[key]) if key in side else _default(key)
+        before, after = (side[key] if key in side else gin_bindings.default_value(key)
                          for side in (old, new))
-        if before != after:
-            changes.append(Change(gin_bindings.setting_name(key), before, after,
+        if not same_value(before, after):
+            changes.append(Change(gin_bindings.setting_name(key), _text(before), _text(after),
                                   resumable=key in RESUMABLE))
     return changes
 
 
-def _default(key):
-    """An unbound argument's value as text: the function's default (or "(not set)")."""
-    value = gin_bindings.default_value(key)
+def same_value(a, b) -> bool:
+    """Whether two gin values are the same setting: numbers by value (4 == 4.0), not text.
+
+    Containers compare element by element (a tuple is not a list); booleans
+    are not numbers here (True is not 1); NaN equals NaN; anything else
+    compares by type and `==`, or by `repr` where `==` is not defined.
+    """
+    if a is gin_bindings.NO_DEFAULT or b is gin_bindings.NO_DEFAULT:
+        return a is b
+    if _is_number(a) and _is_number(b):
+        return a == b or (a != a and b != b)  # pylint: disable=comparison-with-itself
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(same_value(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(same_value(a[k], b[k]) for k in a)
+    try:
+        return bool(a == b)
+    except Exception:  # pylint: disable=broad-except  (an object without a plain ==)
+        return repr(a) == repr(b)
+
+
+def _is_number(value):
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _text(value):
+    """A value as text: "(not set)" for an unbound argument without a default."""
     return UNSET if value is gin_bindings.NO_DEFAULT else repr(value)
 
 

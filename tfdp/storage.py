@@ -95,6 +95,19 @@ def read_chunks(path, chunk_bytes=1 << 20):
             yield chunk
 
 
+def stat_length(path):
+    """The size of the file at `path`, in bytes."""
+    return _gfile().stat(path).length if is_url(path) else os.stat(path).st_size
+
+
+def read_range(path, offset, length):
+    """At most `length` bytes of the file at `path` from byte `offset`."""
+    opener = _gfile().GFile if is_url(path) else open
+    with opener(path, "rb") as f:
+        f.seek(offset)
+        return f.read(length)
+
+
 def walk_files(path):
     """Every file under the folder `path`, as `(full path, path relative to it)`, sorted."""
     if is_url(path):

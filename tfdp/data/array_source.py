@@ -59,6 +59,10 @@ class ArraySource:
         self.image_shape = tuple(int(d) for d in images.shape[1:])
         self._images, self._labels = _to_host_variables(images, labels)
 
+    def arrays(self):
+        """`(images, labels)` as NumPy arrays (copies of the host variables)."""
+        return self._images.numpy(), self._labels.numpy()
+
     def read(self, indices):
         """`(images [n, ...], labels int32 [n])` at `indices` (int64 [n]), in that order."""
         return tf.gather(self._images, indices), tf.gather(self._labels, indices)

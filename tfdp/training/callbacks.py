@@ -246,7 +246,7 @@ def save_checkpoint(manager, ledger, step):
 
 
 def make_privacy_ledger(mechanism: accounting.DPMechanism, *, sampling_seed: int,
-                        noise_seed=None, config: str = "") -> tf.Module:
+                        noise_seed=None, config: str = "", data: str = "") -> tf.Module:
     """Variables that put the run's privacy ledger and secret coins into every checkpoint.
 
     The module holds:
@@ -260,7 +260,10 @@ def make_privacy_ledger(mechanism: accounting.DPMechanism, *, sampling_seed: int
       are written (`tfdp.dp.coins`); the noise generator's state is saved
       with the DPModel;
     * `config` (string): the run's gin bindings (`gin.config_str()`), so a
-      rerun can say which settings changed.
+      rerun can say which settings changed;
+    * `data` (string): JSON of the fingerprints of the splits the run reads
+      (`tfdp.data.fingerprint`), so a resume trains on the same data
+      (`saved_data_fingerprint`).
 
     `check_privacy_ledger` compares a restored ledger with the new run.
     Create it outside any strategy scope (plain host variables). The
@@ -271,6 +274,7 @@ def make_privacy_ledger(mechanism: accounting.DPMechanism, *, sampling_seed: int
       sampling_seed: the run's sampling seed (secret, or fixed by the user).
       noise_seed: the user's fixed noise seed, or None.
       config: the run's gin bindings.
+      data: the run's data fingerprints, as JSON.
 
     Returns:
       A `tf.Module` to add to the `tf.train.Checkpoint`.
@@ -288,6 +292,7 @@ def make_privacy_ledger(mechanism: accounting.DPMechanism, *, sampling_seed: int
         ledger.noise_seed = tf.Variable(-1 if noise_seed is None else int(noise_seed),
                                         dtype=tf.int64, trainable=False, name="noise_seed")
         ledger.config = tf.Variable(config, trainable=False, name="config")
+        ledger.data = tf.Variable(data, trainable=False, name="data")
     return ledger
 
 
@@ -296,7 +301,7 @@ NOT_PRIVATE = "NOT PRIVATE"
 
 
 def make_non_private_ledger(num_steps: int, *, sampling_seed: int,
-                            config: str = "") -> tf.Module:
+                            config: str = "", data: str = "") -> tf.Module:
     """The checkpoint's ledger of a NON-PRIVATE run (`privacy=None`): no mechanism, no epsilon.
 
     It takes the privacy ledger's place in the checkpoint (under the same
@@ -305,13 +310,15 @@ def make_non_private_ledger(num_steps: int, *, sampling_seed: int,
     round (`check_privacy_ledger`, `check_non_private_ledger`). It holds
     `privacy` (string), `steps` (int64, set before each save), the run's
     `sampling_seed` (int64: the batches of step t are a function of (seed,
-    t), so a resumed run continues the same stream; not a secret here) and
-    `config` (the gin bindings). `ledger.mechanism` is None.
+    t), so a resumed run continues the same stream; not a secret here),
+    `config` (the gin bindings) and `data` (the data fingerprints, as in
+    `make_privacy_ledger`). `ledger.mechanism` is None.
 
     Args:
       num_steps: the planned optimizer updates (kept as `ledger.num_steps`).
       sampling_seed: the seed of the batches.
       config: the run's gin bindings.
+      data: the run's data fingerprints, as JSON.
 
     Returns:
       A `tf.Module` to add to the `tf.train.Checkpoint` as `ledger`.
@@ -325,7 +332,25 @@ def make_non_private_ledger(num_steps: int, *, sampling_seed: int,
         ledger.sampling_seed = tf.Variable(int(sampling_seed), dtype=tf.int64, trainable=False,
                                            name="sampling_seed")
         ledger.config = tf.Variable(config, trainable=False, name="config")
+        ledger.data = tf.Variable(data, trainable=False, name="data")
     return ledger
+
+
+def saved_data_fingerprint(checkpoint_path: str):
+    """The data fingerprints a checkpoint's ledger recorded (a dict), or None if it has none.
+
+    None for a checkpoint written by a tfdp before the fingerprints (issue 36),
+    or one whose record is not readable JSON.
+    """
+    reader = storage.checkpoint_reader(checkpoint_path)
+    key = _LEDGER_KEY.format("data")
+    if not reader.has_tensor(key):
+        return None
+    try:
+        saved = json.loads(reader.get_tensor(key).decode())
+    except ValueError:
+        return None
+    return saved if isinstance(saved, dict) and saved else None
 
 
 def _is_non_private(reader):
