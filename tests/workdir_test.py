@@ -347,6 +347,37 @@ def test_settings_are_compared_as_values_not_as_text():
         ("tfdp.train_and_evaluate.num_steps", True)]
 
 
+@pytest.mark.parametrize("now, same", [
+    ("4", True), ("4.00", True), ("4e0", True),  # before: 4 against 4.0 was a change
+    ("4.000001", False), ("True", False), ("'4.0'", False), ("(4.0,)", False)])
+def test_a_number_is_compared_by_value_whatever_its_spelling(now, same):
+    from tfdp import resume_rule  # pylint: disable=g-import-not-at-top
+
+    saved = "tfdp.training.build_optimizer.learning_rate = 4.0\n"
+    changes = resume_rule.changed_settings(saved, saved.replace("4.0", now))
+    assert (changes == []) == same, changes
+
+
+@pytest.mark.parametrize("a, b, same", [
+    (4, 4.0, True), (float("nan"), float("nan"), True), (True, 1, False), (0, False, False),
+    ((1, 2.0), (1.0, 2), True), ((1, 2), [1, 2], False), ({"a": 1}, {"a": 1.0}, True),
+    ({"a": 1}, {"b": 1}, False), ("x", "x", True), (None, None, True), (None, 0, False)])
+def test_same_value_is_numeric_equality_inside_containers_and_nothing_looser(a, b, same):
+    from tfdp import resume_rule  # pylint: disable=g-import-not-at-top
+
+    assert resume_rule.same_value(a, b) is same and resume_rule.same_value(b, a) is same
+
+
+def test_a_finished_run_is_returned_when_its_learning_rate_is_spelt_as_an_int(
+        copy, finished, run_smoke):
+    # fashion_mnist.gin says 4.0. Before: "finished run of 2 steps with other settings".
+    before = _snapshot(copy)
+    report = run_smoke(copy, ["fashion_mnist.gin"],
+                       [*PARAMS, "tfdp.training.build_optimizer.learning_rate = 4"])
+    assert report == json.loads(json.dumps(finished[1]))
+    assert _snapshot(copy) == before
+
+
 # -- Issue 29, Sec. 2: "unchanged" only after checking what FINISHED vouches for ----------
 
 
