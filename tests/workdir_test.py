@@ -403,12 +403,21 @@ def _flip_a_byte(path):
     ("flip:export/variables/variables.data-00000-of-00001",
      "export/variables/variables.data-00000-of-00001: same size, other contents"),
     ("flip:export/saved_model.pb", "export/saved_model.pb: same size, other contents"),
+    # Before (issue 36): FINISHED listed saved_model.pb, variables/ and the report's copies
+    # only, so these were "unchanged".
+    ("flip:export/fingerprint.pb", "export/fingerprint.pb: same size, other contents"),
+    ("plant:export/assets/labels.txt", "export/assets/labels.txt: not there when FINISHED"),
+    ("plant:export/extra/notes.md", "export/extra/notes.md: not there when FINISHED"),
 ])
 def test_a_finished_workdir_with_changed_files_is_named_not_called_unchanged(
         copy, other_finished, finished, run_smoke, swap, named, caplog):
     assert other_finished[1]["epsilon"] != finished[1]["epsilon"]
     if swap.startswith("flip:"):
         _flip_a_byte(copy / swap[len("flip:"):])
+    elif swap.startswith("plant:"):
+        planted = copy / swap[len("plant:"):]
+        planted.parent.mkdir(exist_ok=True)
+        planted.write_text("planted\n")
     elif (copy / swap).is_dir():
         shutil.rmtree(copy / swap)
         shutil.copytree(other_finished[0] / swap, copy / swap)
@@ -435,6 +444,11 @@ def test_finished_records_a_digest_of_every_file_it_vouches_for(finished):
             "export/variables/variables.index", "export/assets/privacy_report.json",
             "export/assets/privacy_report.md"} <= names
     assert any(name.startswith("export/variables/variables.data-") for name in names)
+    # The whole export, every file under it (issue 36): fingerprint.pb too.
+    export = finished[0] / "export"
+    assert {f"export/{path.relative_to(export)}" for path in export.rglob("*")
+            if path.is_file()} <= names
+    assert "export" in record["files"]
     for name, digest in record["digests"].items():
         assert digest == workdir_lib.file_digest(finished[0] / name), name
     assert workdir_lib.changed_since_finished(str(finished[0]), record) == []

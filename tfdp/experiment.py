@@ -778,9 +778,9 @@ def _check_workdir(workdir, mechanism, data_fingerprint, *, audit, sampling_seed
                     f"from its checkpoint, remove {workdir_lib.FINISHED_FILE}, {EXPORT_DIR}/ "
                     "and the report files and run the same command again.")
             if changed is not None:
-                logging.info("%s already holds this finished run (%d steps; see %s); its "
-                             "report and export are unchanged (checked against the digests "
-                             "in %s).%s", workdir, steps, workdir_lib.FINISHED_FILE,
+                logging.info("%s already holds this finished run (%d steps; see %s); %s "
+                             "(checked against the digests in %s).%s", workdir, steps,
+                             workdir_lib.FINISHED_FILE, _what_was_checked(finished),
                              workdir_lib.FINISHED_FILE,
                              f" Settings that do not change it differ:\n  {harmless}"
                              if harmless else "")
@@ -800,6 +800,15 @@ def _check_workdir(workdir, mechanism, data_fingerprint, *, audit, sampling_seed
                         "model nor its metrics (- before, + now):\n  %s", workdir, steps,
                         harmless)
     return latest, None
+
+
+def _what_was_checked(record):
+    """What a rerun's check of a finished workdir covered, in words, for its message."""
+    if EXPORT_DIR in record.get("files", []):
+        return "its report and export are unchanged (every file under export/)"
+    return (f"the {len(record.get('digests', {}))} files its {workdir_lib.FINISHED_FILE} lists "
+            f"are unchanged (written by an older tfdp: other files under {EXPORT_DIR}/ are "
+            "not covered)")
 
 
 def _check_same_data(workdir, latest, steps, data_fingerprint, *, resuming):
@@ -1047,10 +1056,10 @@ def _finish(report, dp_model, export_model, out_dir, *, image_shape):
         "steps": report["steps"],
         **({"epsilon": report["epsilon"], "delta": report["delta"]} if private
            else {"privacy": NOT_PRIVATE}),
-        # The SavedModel's graph, its variables (index and data shards) and the report's
-        # copies; FINISHED records the size and SHA-256 of each file (checked on rerun).
-        "files": [*files, f"{EXPORT_DIR}/saved_model.pb", f"{EXPORT_DIR}/variables",
-                  *(f"{EXPORT_DIR}/assets/{name}" for name in files)],
+        # The report and the whole export (every file under it: the SavedModel's graph,
+        # fingerprint, variables and assets, the report's copies); FINISHED records the
+        # size and SHA-256 of each file, and a rerun checks them and any file added since.
+        "files": [*files, EXPORT_DIR],
     })
 
 
