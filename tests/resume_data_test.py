@@ -148,6 +148,7 @@ def test_a_large_split_is_fingerprinted_by_sampled_blocks_and_says_so(dirs, tmp_
     shutil.copytree(dirs["original"], copy)
     monkeypatch.setattr(fingerprint, "FULL_DIGEST_MAX_BYTES", 0)
     monkeypatch.setattr(fingerprint, "BLOCK_BYTES", 1024)
+    monkeypatch.setattr(fingerprint, "SAMPLE_BUDGET_BYTES", 4096)
     before = fingerprint.split_fingerprint(data.TFDSSource("fashion_mnist", "train",
                                                            data_dir=str(copy)))
     assert "blocks of" in before["covers"]
