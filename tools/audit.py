@@ -13,6 +13,8 @@ JSON object as the LAST line):
               python tools/audit.py simulate --noise_multiplier 2 \\
                 --sampling_prob 1 --steps 1 --num_canaries 20000 \\
                 --delta 1e-5 --bug noise_halved
+            (with --repeats N, the first audit is timed and the run refused if
+            all N would take more than --max_seconds, 600 by default)
   gradient  trains a gin config with gradient canaries (white box) and
             writes the result into the run's privacy report:
               python tools/audit.py gradient --gin_file=fashion_mnist.gin \\
@@ -30,6 +32,7 @@ import logging
 import os
 import shlex
 import sys
+import time
 
 # Runnable as `python tools/audit.py` from any directory, installed or not.
 _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -78,14 +81,35 @@ def _bound(args):
 
 
 def _simulate(args):
+    if not args.max_seconds > 0:
+        raise ValueError(f"--max_seconds must be > 0, got {args.max_seconds:g}.")
+    if args.repeats < 1:
+        raise ValueError(f"--repeats must be >= 1, got {args.repeats}.")
     mechanism = audit_lib.simulated_mechanism(
         sampling_prob=args.sampling_prob, num_steps=args.steps, delta=args.delta,
         noise_multiplier=args.noise_multiplier, accountant=args.accountant)
     claimed = mechanism.epsilon()
-    results = audit_lib.simulate_audits(
-        mechanism, num_canaries=args.num_canaries, repeats=args.repeats,
-        rng=np.random.default_rng(args.seed), beta=args.beta,
-        guesses=_guesses(args, args.num_canaries), **BUGS[args.bug])
+    rng = np.random.default_rng(args.seed)
+
+    def audits(repeats):
+        return audit_lib.simulate_audits(
+            mechanism, num_canaries=args.num_canaries, repeats=repeats, rng=rng,
+            beta=args.beta, guesses=_guesses(args, args.num_canaries), **BUGS[args.bug])
+
+    # The first audit is timed, and the others run only if all fit in --max_seconds (the
+    # same rng draws the same audits as one call would).
+    start = time.monotonic()
+    results = audits(1)
+    first = time.monotonic() - start
+    if args.repeats > 1:
+        if first * args.repeats > args.max_seconds:
+            fit = max(1, int(args.max_seconds / first))
+            raise ValueError(
+                f"{args.repeats:,} audits of {args.num_canaries:,} canaries would take about "
+                f"{_duration(first * args.repeats)} (the first took {first:.2f} s); at most "
+                f"{fit:,} fit in --max_seconds {args.max_seconds:g}. Use --repeats {fit:,} or "
+                "fewer, or raise --max_seconds.")
+        results += audits(args.repeats - 1)
     bounds = [r.epsilon_lower_bound for r in results]
     exceed = sum(b > claimed for b in bounds)
     _emit(args, [
@@ -102,6 +126,14 @@ def _simulate(args):
          "beta": args.beta, "noise_multiplier": args.noise_multiplier,
          "sampling_prob": mechanism.sampling_prob, "num_steps": args.steps,
          "results": [r.to_dict() for r in results]})
+
+
+def _duration(seconds):
+    for unit, size in (("years", 365.25 * 86400), ("days", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= size:
+            value = seconds / size
+            return f"{value:,.0f} {unit}" if value >= 100 else f"{value:.3g} {unit}"
+    return f"{seconds:.3g} s"
 
 
 def _gin_value(name):
@@ -207,7 +239,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sampling_prob", type=float, required=True, help="q in (0, 1]")
     p.add_argument("--steps", type=int, required=True, help="optimizer updates")
     p.add_argument("--num_canaries", type=int, required=True)
-    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--repeats", type=int, default=1,
+                   help="audits to simulate; the first is timed, and the run refused if all "
+                        "would take more than --max_seconds")
+    p.add_argument("--max_seconds", type=float, default=600.0,
+                   help="the longest the audits may take (default 600)")
     p.add_argument("--bug", choices=sorted(BUGS), default="none")
     p.add_argument("--accountant", choices=accounting.ACCOUNTANTS, default="pld")
     common(p)

@@ -12,8 +12,10 @@ import os
 import re
 import subprocess
 import sys
+import time
 
 import gin
+import numpy as np
 import pytest
 
 from tfdp import data
@@ -137,3 +139,60 @@ def test_too_many_canaries_are_refused_before_any_allocation(capsys):
                                          r"1.0 MB is available\. Use at most about 15,625"):
         audit.check_canary_memory(10**6, available_bytes=10**6)
     audit.check_canary_memory(10**4, available_bytes=10**6)  # 640 kB fits
+
+
+def _run_cli(args, *, timeout):
+    """Runs the CLI as a user would; returns (result, wall seconds)."""
+    start = time.monotonic()
+    result = subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True,
+                            check=False, timeout=timeout)
+    return result, time.monotonic() - start
+
+
+def test_a_bound_on_10_to_the_12_counts_is_refused_at_once():
+    # Before: a traceback, numpy's "Unable to allocate 7.28 TiB" (the p-value summed
+    # num_correct binomial terms at once). Now a refusal that says the limit and why.
+    big = str(10**12)
+    result, seconds = _run_cli(["bound", "--num_canaries", big, "--num_guesses", big,
+                                "--num_correct", big, "--delta", "1e-5"], timeout=60)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert re.search(r"^audit.py bound: error: num_correct = 1,000,000,000,000 is more than "
+                     r"10,000,000, the most the bound handles: .* about a minute.*40\.0 TB",
+                     result.stderr)
+    assert seconds < 10
+    with pytest.raises(ValueError, match="the most the bound handles"):
+        audit.epsilon_lower_bound(10**8, 10**8, 10**7 + 1, delta=1e-5, beta=0.05)
+
+
+def test_simulate_with_10_to_the_12_repeats_is_refused_after_timing_one():
+    # Before: silent, for ever (one audit of 2,000 canaries takes ~0.1 s). Now the first
+    # audit is timed and the run refused when the whole would exceed --max_seconds.
+    result, seconds = _run_cli(
+        ["simulate", "--noise_multiplier", "2", "--sampling_prob", "1", "--steps", "1",
+         "--num_canaries", "2000", "--delta", "1e-5", "--seed", "0",
+         "--repeats", str(10**12)], timeout=30)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert re.search(r"^audit.py simulate: error: 1,000,000,000,000 audits of 2,000 canaries "
+                     r"would take about .* \(the first took [\d.]+ s\); at most [\d,]+ fit in "
+                     r"--max_seconds 600\. Use --repeats [\d,]+ or fewer, or raise --max_seconds",
+                     result.stderr)
+    assert result.stdout == "" and seconds < 15
+
+
+def test_simulate_repeats_are_split_at_the_first_without_changing_the_audits(capsys):
+    # The first audit is timed apart from the others; the same seed gives the same bounds.
+    args = ["simulate", "--noise_multiplier", "2", "--sampling_prob", "1", "--steps", "1",
+            "--num_canaries", "500", "--delta", "1e-5", "--seed", "3", "--json"]
+    status, out, err = _main([*args, "--repeats", "3"], capsys)
+    assert status == 0, err
+    bounds = json.loads(out.strip().splitlines()[-1])["epsilon_lower_bounds"]
+    mechanism = audit.simulated_mechanism(sampling_prob=1.0, num_steps=1, delta=1e-5,
+                                          noise_multiplier=2.0)
+    expected = audit.simulate_audits(mechanism, num_canaries=500, repeats=3,
+                                     rng=np.random.default_rng(3),
+                                     guesses=audit.symmetric_guesses(500))
+    assert bounds == [r.epsilon_lower_bound for r in expected]
+    status, _, err = _main([*args, "--repeats", "3", "--max_seconds", "0"], capsys)
+    assert status == 2 and "--max_seconds must be > 0" in err

@@ -124,6 +124,14 @@ def _bytes(count):
     return f"{count} bytes"
 
 
+# The p-value sums v = num_correct binomial terms, with this many bytes per term at
+# once (the indices, the pmf, its running sum, the divisors and the ratios), at each
+# of about 40 bisection steps: v = 10^7 took 52 s and 0.5 GB for one bound
+# (2026-11-27, 2-core CPU), so larger counts are refused rather than left to run
+# for hours or to fail allocating (10^12 asked numpy for 7.28 TiB).
+BYTES_PER_CORRECT = 40
+MAX_NUM_CORRECT = 10**7
+
 # Bisection stops when the bracket is this narrow (in epsilon).
 _EPSILON_TOLERANCE = 1e-9
 # No run can be audited above this: the p-value's Binomial success
@@ -157,6 +165,14 @@ def _validate_counts(num_canaries, num_guesses, num_correct):
             f"Need num_correct <= num_guesses <= num_canaries, got num_correct={v}, "
             f"num_guesses={r}, num_canaries={m}: every guess is about one canary, and "
             "a correct guess is a guess.")
+    if v > MAX_NUM_CORRECT:
+        raise ValueError(
+            f"num_correct = {v:,} is more than {MAX_NUM_CORRECT:,}, the most the bound handles: "
+            f"its p-value sums num_correct binomial terms ({BYTES_PER_CORRECT} bytes each) at "
+            f"each of about 40 bisection steps, and {MAX_NUM_CORRECT:,} take about a minute; "
+            f"{v:,} would need {_bytes(v * BYTES_PER_CORRECT)} of memory. Guess on fewer "
+            "canaries (fewer or smaller --guess_fractions, or a random subset of the canaries "
+            "chosen before the scores are seen).")
     return m, r, v
 
 
@@ -191,8 +207,9 @@ def p_value(num_canaries: int, num_guesses: int, num_correct: int, epsilon: floa
       The p-value, a float in [0, 1].
 
     Raises:
-      ValueError: on counts that are not integers with 0 <= v <= r <= m, a
-        negative or non-finite epsilon, or a delta outside [0, 1).
+      ValueError: on counts that are not integers with 0 <= v <= r <= m, a v
+        above MAX_NUM_CORRECT (its time and memory), a negative or non-finite
+        epsilon, or a delta outside [0, 1).
     """
     m, r, v = _validate_counts(num_canaries, num_guesses, num_correct)
     if (not isinstance(epsilon, numbers.Real) or not math.isfinite(epsilon)
