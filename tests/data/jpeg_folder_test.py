@@ -4,7 +4,9 @@ A real folder of JPEG files of varying sizes (`write_jpeg_folder`, the same
 examples as the synthetic TFDS dataset), read by index with TensorFlow ops:
 the pixels are those of the files, the labels those of their class folders,
 eagerly and inside tf.data; a table that does not match its folder is
-refused with the command that checks or rebuilds it.
+refused with the command that checks or rebuilds it. Real folders (tiny
+hand-made ones): any name reads back; a bad file, a dangling link or an image
+listed twice is refused at index time by name, through the API and the tool.
 """
 
 import os
@@ -159,3 +161,202 @@ def test_bad_arguments_are_refused_with_what_to_do(folder, kwargs, message):
     args = {**dict(split="train", data_dir=folder, image_size=32), **kwargs}
     with pytest.raises(ValueError, match=message):
         data.open_split("imagenet2012", args.pop("split"), source="jpeg_folder", **args)
+
+
+# Real folders (issue 36, item 6): names, broken files and duplicates, each refused or read
+# correctly at index time, never a traceback from inside TensorFlow or Python mid-training.
+
+
+def _jpeg(seed, size=8):
+    """A distinct tiny JPEG (random pixels from `seed`), uint8 [size, size, 3] before encoding."""
+    pixels = np.random.default_rng(seed).integers(0, 256, (size, size, 3), dtype=np.uint8)
+    return tf.io.encode_jpeg(pixels).numpy()
+
+
+def _tiny_folder(root, relatives):
+    """DATA_DIR/train/<relative> for each relative path, each a distinct 8 x 8 JPEG."""
+    for seed, relative in enumerate(relatives):
+        path = os.path.join(root, "train", relative)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "wb") as f:
+            f.write(_jpeg(seed))
+    return str(root)
+
+
+def _tool(*args):
+    return subprocess.run([sys.executable, "tools/index_jpeg_folder.py", *args],
+                          capture_output=True, text=True, check=False)
+
+
+def _assert_reads_every_file(data_dir):
+    """Each row's image is its file's pixels (8 x 8: no resize), its label its folder's rank."""
+    source = _open(data_dir, image_size=8)
+    header, relative, labels, _ = jpeg_folder.read_index(jpeg_folder.index_path(data_dir,
+                                                                                "train"))
+    images, read_labels = source.read(tf.range(source.num_examples, dtype=tf.int64))
+    for i, name in enumerate(relative):
+        with open(os.path.join(data_dir, "train", name), "rb") as f:
+            pixels = tf.io.decode_jpeg(f.read(), channels=3).numpy()
+        np.testing.assert_array_equal(images[i].numpy(), pixels, err_msg=repr(name))
+        assert header["classes"][read_labels[i]] == name.split("/")[0] == header["classes"][
+            labels[i]]
+    assert jpeg_folder.check_index(data_dir, "train") == []
+
+
+@pytest.mark.parametrize("relatives", [
+    # Before: "'ascii' codec can't encode character '\xe9'" at every open.
+    ["café/é.jpg", "日本/ü.JPEG", "b/2.jpg"],
+    # Before: "not a valid tfdp index table (invalid literal for int() ...: '2.jpg')", and
+    # the tool it points to wrote the same table again.
+    ["a/1\t2.jpg", "b\tc/3.jpg"],
+    # Before: "not a valid tfdp index table (3 rows, the header says 2)".
+    ["a/1\n2.jpg", "a/3\r4.jpg", "b/5.jpg"],
+    # Before: str.splitlines() also split rows at U+2028 and NEL (U+0085).
+    ["a/1\u20282.jpg", "a/3\x854.jpg", "b/x.jpg"],
+    ['a/"1".jpg', "a/back\\slash.jpg", "b/2.jpg"],  # the quoting round-trips its own quotes
+], ids=["non_ascii", "tab", "newline_and_cr", "line_separators", "quotes_backslashes"])
+def test_any_file_or_class_name_indexes_and_reads_back(tmp_path, relatives):
+    data_dir = _tiny_folder(tmp_path, relatives)
+    jpeg_folder.index_split(data_dir, "train")
+    _, relative, _, _ = jpeg_folder.read_index(jpeg_folder.index_path(data_dir, "train"))
+    assert sorted(relative) == sorted(relatives)
+    _assert_reads_every_file(data_dir)
+
+
+def test_the_tool_writes_a_table_that_reads_back_names_with_tabs_newlines_and_non_ascii(
+        tmp_path):
+    data_dir = _tiny_folder(tmp_path, ["café/1\t2.jpg", "café/3\n4.JPEG", "z/ü.png.jpg"])
+    done = _tool(f"--data_dir={data_dir}", "--split=train")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "3 images in 2 classes" in done.stdout
+    _assert_reads_every_file(data_dir)
+
+
+def _truncate(path):
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2)  # the header is intact, the scan is not
+
+
+def _garbage_body(path):
+    with open(path, "wb") as f:
+        f.write(b"\xff\xd8\xff\xe0" + bytes(range(256)) * 2)  # a JPEG's magic, then noise
+
+
+@pytest.mark.parametrize("spoil, message", [
+    # Before: indexed (only the magic number was checked); a training step that sampled
+    # it stopped with "jpeg::Uncompress failed. Invalid JPEG data or crop window", naming
+    # no file.
+    (_truncate, r"a/1\.jpg \(does not decode: jpeg::Uncompress failed\. Invalid JPEG data or "
+                r"crop window\)"),
+    (_garbage_body, r"a/1\.jpg \(does not decode: jpeg::Uncompress failed\. Invalid JPEG data "
+                    r"or crop window\)"),
+    # Before: "NotFoundError: .../train/a/1.jpg; No such file or directory", a traceback.
+    (lambda path: (os.remove(path), os.symlink(path + ".gone", path)),
+     r"a/1\.jpg \(a symbolic link to .*1\.jpg\.gone, which does not exist\)"),
+    # Before: "FailedPreconditionError: .../train/a/1.jpg; Is a directory", a traceback.
+    (lambda path: (os.remove(path), os.makedirs(path)), r"a/1\.jpg \(a folder, not a file\)"),
+    (lambda path: open(path, "wb").close(), r"a/1\.jpg \(empty\)"),
+], ids=["truncated", "garbage_body", "dangling_symlink", "folder_named_x_jpg", "empty"])
+def test_every_file_is_read_and_decoded_at_index_time(tmp_path, spoil, message):
+    data_dir = _tiny_folder(tmp_path, ["a/1.jpg", "a/2.jpg", "b/3.jpg"])
+    spoil(os.path.join(data_dir, "train", "a", "1.jpg"))
+    with pytest.raises(ValueError, match=rf"1 files of .*train are not readable images: "
+                                         rf"{message}\. Replace or remove them"):
+        jpeg_folder.index_split(data_dir, "train")
+    assert not os.path.exists(jpeg_folder.index_path(data_dir, "train"))
+
+
+def test_a_dangling_symlink_in_place_of_a_class_folder_is_refused(tmp_path):
+    # Before: indexed without it, so every later class's label shifted by one (b's 1 -> 0).
+    data_dir = _tiny_folder(tmp_path, ["b/1.jpg", "c/2.jpg"])
+    os.symlink("/mnt/unmounted/a", os.path.join(data_dir, "train", "a"))
+    with pytest.raises(ValueError, match=r"1 entries of .*train are symbolic links to folders "
+                                         r"that do not exist: a -> /mnt/unmounted/a\. Each "
+                                         r"would have been a class"):
+        jpeg_folder.index_split(data_dir, "train")
+
+
+def test_the_tool_names_every_bad_file_and_ends_without_a_traceback(tmp_path):
+    data_dir = _tiny_folder(tmp_path, ["a/1.jpg", "a/2.jpg", "b/3.jpg", "b/4.jpg", "b/5.jpg"])
+    _truncate(os.path.join(data_dir, "train", "a", "1.jpg"))
+    _garbage_body(os.path.join(data_dir, "train", "a", "2.jpg"))
+    os.symlink(os.path.join(data_dir, "gone.jpg"), os.path.join(data_dir, "train", "b",
+                                                                 "dangling.jpg"))
+    os.makedirs(os.path.join(data_dir, "train", "b", "x.jpg"))
+    done = _tool(f"--data_dir={data_dir}", "--split=train")
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert re.search(r"error: 4 files of .*train are not readable images: "
+                     r"a/1\.jpg \(does not decode: .*\), a/2\.jpg \(does not decode: .*\), "
+                     r"b/dangling\.jpg \(a symbolic link to .*gone\.jpg, which does not "
+                     r"exist\), b/x\.jpg \(a folder, not a file\)\. Replace or remove them, "
+                     r"then index again\.", done.stderr), done.stderr[-3000:]
+
+
+def test_a_file_changed_after_indexing_is_named_when_a_batch_reads_it(tmp_path):
+    # Before: "jpeg::Uncompress failed. Invalid JPEG data or crop window", naming no file.
+    data_dir = _tiny_folder(tmp_path, ["a/1.jpg", "b/2.jpg"])
+    jpeg_folder.index_split(data_dir, "train")
+    source = _open(data_dir, image_size=8)
+    _, relative, _, sizes = jpeg_folder.read_index(jpeg_folder.index_path(data_dir, "train"))
+    _truncate(os.path.join(data_dir, "train", relative[1]))
+    source.read(tf.constant([0], tf.int64))  # the other file still reads
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match=rf"(?s)changed after it was indexed.*train/{relative[1]}.*"
+                             rf"{sizes[1] // 2}.*the index table says.*{sizes[1]}.*--check"):
+        source.read(tf.constant([0, 1], tf.int64))
+    ds = tf.data.Dataset.from_tensors(tf.constant([1], tf.int64)).map(source.read)
+    with pytest.raises(tf.errors.InvalidArgumentError, match=re.escape(relative[1])):
+        list(ds)
+
+
+def test_a_name_that_is_not_utf8_is_refused_with_how_to_rename_it(tmp_path):
+    # Before: "UnicodeDecodeError: 'utf-8' codec can't decode byte 0xff", a traceback.
+    data_dir = _tiny_folder(tmp_path, ["a/1.jpg", "b/2.jpg"])
+    os.rename(os.path.join(data_dir, "train", "a", "1.jpg"),
+              os.path.join(os.fsencode(data_dir), b"train/a/caf\xe9.jpg"))
+    with pytest.raises(ValueError, match=r"1 files of .*train are not readable images: "
+                                         r"a/caf\\xe9\.jpg \(its name is not UTF-8: rename "
+                                         r"it in UTF-8, e\.g\. with convmv"):
+        jpeg_folder.index_split(data_dir, "train")
+
+
+def _symlinked_class(data_dir):
+    os.symlink("a", os.path.join(data_dir, "train", "c"))
+
+
+def _copied_into_b(data_dir):
+    shutil.copy(os.path.join(data_dir, "train", "a", "1.jpg"),
+                os.path.join(data_dir, "train", "b", "1.jpg"))
+
+
+def _hard_link_in_a(data_dir):
+    os.link(os.path.join(data_dir, "train", "a", "1.jpg"),
+            os.path.join(data_dir, "train", "a", "1_again.jpg"))
+
+
+@pytest.mark.parametrize("duplicate, message", [
+    # Before: indexed as 4 images in 3 classes: a/1.jpg and a/2.jpg also under label 2.
+    (_symlinked_class, r"2 images are listed more than once: a/1\.jpg and c/1\.jpg \(the "
+                       r"same file\), a/2\.jpg and c/2\.jpg \(the same file\)"),
+    (_copied_into_b, r"1 images are listed more than once: a/1\.jpg and b/1\.jpg \(identical "
+                     r"bytes\)"),
+    (_hard_link_in_a, r"1 images are listed more than once: a/1\.jpg and a/1_again\.jpg \(the "
+                      r"same file\)"),
+], ids=["symlinked_class_folder", "copied_into_another_class", "hard_link_in_one_class"])
+def test_an_image_listed_twice_is_refused_naming_both_paths(tmp_path, duplicate, message):
+    data_dir = _tiny_folder(tmp_path, ["a/1.jpg", "a/2.jpg", "b/3.jpg"])
+    duplicate(data_dir)
+    with pytest.raises(ValueError,  # a jpeg_folder.DuplicateImagesError
+                       match=rf"(?s){message}.*one person's image would count twice.*"
+                             r"Keep one copy of each.*private or not"):
+        jpeg_folder.index_split(data_dir, "train")
+    assert not os.path.exists(jpeg_folder.index_path(data_dir, "train"))
+
+
+def test_the_tool_refuses_a_symlinked_class_folder_and_lists_every_pair(tmp_path):
+    data_dir = _tiny_folder(tmp_path, ["a/1.jpg", "a/2.jpg", "b/3.jpg"])
+    _symlinked_class(data_dir)
+    done = _tool(f"--data_dir={data_dir}", "--split=train")
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert "error: 2 images are listed more than once: a/1.jpg and c/1.jpg" in done.stderr
+    assert done.stdout.splitlines()[-2:] == ["a/1.jpg\tc/1.jpg", "a/2.jpg\tc/2.jpg"]

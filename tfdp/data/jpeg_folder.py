@@ -28,12 +28,28 @@ of the sorted paths, seeded by `TABLE_ORDER_SEED`), so that a slice such as
 `train[10000:]` leaves out a uniformly random 10,000 images, not the first
 classes.
 
-The table file is a small text file: a first line `# tfdp-jpeg-index
+The table file is a small ASCII text file: a first line `# tfdp-jpeg-index
 {json header}` (format version, class names, number of examples), then one
-line per example, `relative/path<TAB>label<TAB>size in bytes`. About 40 bytes
-an example: 50 MB for ImageNet's 1.28M.
+line per example, `"relative/path"<TAB>label<TAB>size in bytes`. The path is a
+JSON string with every non-ASCII or control character escaped (`\t`, `\n`,
+`\u00e9`), so that any file or class name (a TAB, a newline, U+2028, any
+script) keeps its row on one line, and `json.loads` of the first field gives
+the name back. About 40 bytes an example: 50 MB for ImageNet's 1.28M.
+
+Indexing reads and decodes every file (about 2,000 images a second per core,
+spread over the host's cores), so that no bad file surfaces mid-training: a
+file that is empty, not a JPEG or PNG, truncated or otherwise undecodable, a
+dangling symbolic link or a folder named like an image is refused, by name.
+So is an image listed twice (the same file, e.g. through a symbolic link to a
+class folder, or identical bytes): it would be two examples of one person,
+which doubles that person's sensitivity under DP. The index refuses it for
+every run, private or not: it is written before any run and cannot know
+which kind will read it. A file changed after indexing is named by the
+batch that reads it (its size no longer matches the table's).
 """
 
+import collections
+import hashlib
 import json
 import os
 import posixpath
@@ -46,13 +62,19 @@ from tfdp.data import errors
 
 INDEX_SUFFIX = ".tfdp_index.tsv"
 INDEX_FORMAT = "tfdp-jpeg-index"
-INDEX_VERSION = 1
+# 2: paths JSON-quoted; every file decoded and duplicates refused when indexed. A version 1
+# table (unquoted paths, only magic numbers checked) is refused: index the folder again.
+INDEX_VERSION = 2
 TABLE_ORDER_SEED = 20221125  # public: the order of the table, not of any training batch
 IMAGE_EXTENSIONS = (".jpeg", ".jpg", ".png")  # case-insensitive (ImageNet: .JPEG; one PNG)
+_JPEG_MAGIC, _PNG_MAGIC = b"\xff\xd8\xff", b"\x89PNG\r\n\x1a\n"
+# Files read in one batch of the index's decode pass (only for its Python loop's overhead).
+_SCAN_BATCH = 1024
 # Images decoded concurrently inside one batch (tf.map_fn in the tf.data graph).
 DECODE_PARALLELISM = 16
 # Files whose existence and size `JPEGFolderSource` checks when it opens (a cheap
-# guard; `tools/index_jpeg_folder.py --check` checks every file).
+# guard; each read checks its files' sizes too, and `tools/index_jpeg_folder.py --check`
+# reads every file).
 _SPOT_CHECKS = 32
 _SPLIT = re.compile(r"^([A-Za-z0-9_-]+)(\[[^\]]*\])?$")
 
@@ -62,77 +84,88 @@ def index_path(data_dir, split_name):
     return _join(data_dir, split_name + INDEX_SUFFIX)
 
 
-def build_index(data_dir, split_name, *, decode=False):
+class DuplicateImagesError(ValueError):
+    """One image listed more than once in a split (the same file, or identical bytes).
+
+    Raised by `build_index`: each copy would be its own example, so one
+    person's image would count twice (under two labels when the classes
+    differ), doubling their sensitivity in a private run.
+
+    Attributes:
+      groups: list of tuples of relative paths ("class/file"), the paths of
+        one image each, sorted.
+    """
+
+    def __init__(self, message, groups):
+        super().__init__(message)
+        self.groups = groups
+
+
+def build_index(data_dir, split_name):
     """Lists DATA_DIR/split_name/<class>/* into an index table (rows in table order).
+
+    Every file named like an image (.jpeg, .jpg, .png, any case) is read and
+    decoded (`tf.io.decode_image`, 3 channels: what `JPEGFolderSource.read`
+    does), in one parallel tf.data pass: about 2,000 images a second per core.
 
     Args:
       data_dir: the folder holding `split_name/` (local or a gfile URL).
       split_name: a plain split name, e.g. "train" or "validation".
-      decode: also decode every image (slow: about 2,000 images/s per core)
-        and refuse any that does not decode; otherwise only each file's first
-        bytes are checked (a JPEG, PNG starts with its magic number).
 
     Returns:
-      `(header, rows)`: header dict (format, version, classes, num_examples),
-      rows a list of (relative path, label, size in bytes) in table order.
+      `(header, rows)`: header dict (format, version, split, classes,
+      empty_classes, num_examples), rows a list of (relative path str, label
+      int, size in bytes int) in table order.
 
     Raises:
-      ValueError: the folder is missing, holds no class folders or no image,
-        or a file is empty, not an image, or (with decode) does not decode;
-        the message names the files (up to 10).
+      ValueError: the folder is missing or holds no class folders or no
+        image; a class folder's name is not UTF-8; a file is not a readable
+        image: empty, not a JPEG or PNG (magic number), undecodable
+        (truncated, corrupt), unreadable, a dangling symbolic link, a folder
+        named like an image, or a name that is not UTF-8. The message names
+        the files (up to 10) and what is wrong with each.
+      DuplicateImagesError (a ValueError): the same image under two paths
+        (a symbolic or hard link, or a copy), whether in one class or two;
+        the message names both paths (up to 10 images), `groups` all.
     """
-    root = _join(data_dir, split_name)
-    if not tf.io.gfile.isdir(root):
-        raise ValueError(f"{root} is not a folder. A JPEG folder holds one sub-folder per "
-                         f"split ({split_name}/), each with one folder per class "
-                         f"({split_name}/<class>/*.JPEG, ImageNet's layout).")
-    classes = sorted(name.rstrip("/") for name in tf.io.gfile.listdir(root)
-                     if tf.io.gfile.isdir(_join(root, name.rstrip("/"))))
-    if not classes:
-        raise ValueError(f"{root} holds no class folders; expected {split_name}/<class>/*.JPEG.")
-    rows, empty, bad = [], [], []
-    for label, name in enumerate(classes):
-        files = sorted(f for f in tf.io.gfile.listdir(_join(root, name))
-                       if f.lower().endswith(IMAGE_EXTENSIONS))
-        if not files:
-            empty.append(name)
-        for file_name in files:
-            relative = f"{name}/{file_name}"
-            path = _join(root, relative)
-            size = tf.io.gfile.stat(path).length
-            problem = _file_problem(path, size)
-            if problem:
-                bad.append(f"{relative} ({problem})")
-            rows.append((relative, label, size))
-    if not rows:
-        raise ValueError(f"{root} holds no image ({', '.join(IMAGE_EXTENSIONS)}) in its class "
-                         "folders.")
-    if decode and not bad:
-        bad = _undecodable(root, rows)
-    if bad:
-        raise ValueError(f"{len(bad)} files of {root} are not readable images: "
-                         f"{', '.join(bad[:10])}. Replace or remove them, then index again.")
+    scan = _scan(data_dir, split_name)
+    if scan.bad:
+        raise ValueError(_bad_files(scan.bad, f"files of {scan.root}") +
+                         ". Replace or remove them, then index again.")
+    if not scan.rows:
+        raise ValueError(f"{scan.root} holds no image ({', '.join(IMAGE_EXTENSIONS)}) in its "
+                         "class folders.")
+    if scan.duplicates:
+        raise DuplicateImagesError(
+            _duplicates(scan.root, scan.duplicates) + f". Each copy in {scan.root} would be "
+            "its own example, so one person's image would count twice (under two labels when the "
+            "classes differ), and a private run's guarantee would not hold for them: their "
+            "sensitivity doubles. Keep one copy of each (a symbolic link to a class folder "
+            "lists all its images again: remove the link), then index again. The index "
+            "refuses duplicates for every run, private or not: it cannot know which kind "
+            "will read it.", scan.duplicates)
+    rows = scan.rows
     order = np.random.default_rng(TABLE_ORDER_SEED).permutation(len(rows))
     rows = [rows[i] for i in order]
     header = {"format": INDEX_FORMAT, "version": INDEX_VERSION, "split": split_name,
-              "classes": classes, "empty_classes": empty, "num_examples": len(rows)}
+              "classes": scan.classes, "empty_classes": scan.empty, "num_examples": len(rows)}
     return header, rows
 
 
-def index_split(data_dir, split_name, *, decode=False):
+def index_split(data_dir, split_name):
     """Indexes DATA_DIR/split_name into DATA_DIR/split_name.tfdp_index.tsv (what the tool runs).
 
     Args:
-      data_dir, split_name, decode: as `build_index`.
+      data_dir, split_name: as `build_index`.
 
     Returns:
       `(path, header)`: the table written and its header.
 
     Raises:
-      ValueError: as `build_index`, or class folders that differ from the
-        train split's table (then nothing is written).
+      ValueError, DuplicateImagesError: as `build_index`, or class folders
+        that differ from the train split's table (then nothing is written).
     """
-    header, rows = build_index(data_dir, split_name, decode=decode)
+    header, rows = build_index(data_dir, split_name)
     _check_same_classes(data_dir, split_name, header["classes"])
     path = index_path(data_dir, split_name)
     write_index(path, header, rows)
@@ -140,9 +173,16 @@ def index_split(data_dir, split_name, *, decode=False):
 
 
 def write_index(path, header, rows):
-    """Writes an index table (the header line, then one line per row), whole."""
+    """Writes an index table (the header line, then one line per row), whole; ASCII only.
+
+    Args:
+      path: the table's path (local or a gfile URL).
+      header: the header dict (`build_index`).
+      rows: (relative path str, label int, size int) tuples; a path may hold
+        any character (it is written as a JSON string, ASCII-escaped).
+    """
     lines = [f"# {INDEX_FORMAT} {json.dumps(header, sort_keys=True)}"]
-    lines += [f"{relative}\t{label}\t{size}" for relative, label, size in rows]
+    lines += [f"{json.dumps(relative)}\t{label}\t{size}" for relative, label, size in rows]
     with tf.io.gfile.GFile(path, "w") as f:
         f.write("\n".join(lines) + "\n")
 
@@ -152,13 +192,16 @@ def read_index(path):
 
     Returns:
       `(header, relative_paths, labels, sizes)`: the header dict; numpy
-      arrays object [N] (str), int32 [N], int64 [N].
+      arrays object [N] (str, "class/file", any characters), int32 [N],
+      int64 [N].
 
     Raises:
       errors.DatasetNotFoundError: the table is missing (the message gives the
         command that writes it).
-      ValueError: the file is not a tfdp index table, or its rows disagree
-        with its header (a truncated copy).
+      ValueError: the file is not a tfdp index table of this version (a
+        version 1 table, written before every file was decoded, must be
+        written again), or its rows disagree with its header (a truncated
+        copy).
     """
     if not tf.io.gfile.exists(path):
         data_dir, name = posixpath.split(path) if "://" in path else os.path.split(path)
@@ -177,11 +220,19 @@ def read_index(path):
         header = json.loads(first[len(prefix):])
         if header.get("version") != INDEX_VERSION:
             raise ValueError(f"version {header.get('version')}, expected {INDEX_VERSION}")
-        lines = body.splitlines()
+        lines = body.split("\n")  # not splitlines(): a table is ASCII, rows end in "\n" only
+        if lines and not lines[-1]:
+            lines.pop()
         if len(lines) != header["num_examples"]:
             raise ValueError(f"{len(lines)} rows, the header says {header['num_examples']}")
         fields = [line.split("\t") for line in lines]
-        relative = np.array([f[0] for f in fields], dtype=object)
+        if any(len(f) != 3 for f in fields):
+            raise ValueError("a row without exactly 3 TAB-separated fields")
+        # One json.loads for all paths (each a JSON string without a raw TAB or newline).
+        names = json.loads("[" + ",".join(f[0] for f in fields) + "]")
+        if len(names) != len(fields) or not all(isinstance(n, str) for n in names):
+            raise ValueError("a path that is not one JSON string")
+        relative = np.array(names, dtype=object)
         labels = np.array([int(f[1]) for f in fields], dtype=np.int32)
         sizes = np.array([int(f[2]) for f in fields], dtype=np.int64)
         if len(labels) and not 0 <= labels.min() <= labels.max() < len(header["classes"]):
@@ -193,28 +244,39 @@ def read_index(path):
     return header, relative, labels, sizes
 
 
-def check_index(data_dir, split_name, *, decode=False):
-    """Compares an index table with its folder: the same files, labels and sizes.
+def check_index(data_dir, split_name):
+    """Compares an index table with its folder: the same files, labels and sizes, all readable.
+
+    Reads and decodes every file, as `build_index` does.
 
     Returns:
-      A list of problems (strings; empty when the table matches the folder).
+      A list of problems (strings; empty when the table matches the folder):
+      files that are not readable images, images listed more than once,
+      class folders, and files missing, added or changed (label or size).
 
     Raises:
-      As `read_index` and `build_index`.
+      As `read_index`; ValueError: the split's folder is missing, or a class
+        folder's name is not UTF-8.
     """
     header, relative, labels, sizes = read_index(index_path(data_dir, split_name))
-    fresh_header, rows = build_index(data_dir, split_name, decode=decode)
+    scan = _scan(data_dir, split_name)
     problems = []
-    if fresh_header["classes"] != header["classes"]:
+    if scan.bad:
+        problems.append(_bad_files(scan.bad, "files"))
+    if scan.duplicates:
+        problems.append(_duplicates(scan.root, scan.duplicates) + "; one person's image "
+                        "would count twice: keep one copy of each")
+    if scan.classes != header["classes"]:
         problems.append("the class folders differ from the table's classes")
     listed = {r: (int(l), int(s)) for r, l, s in zip(relative, labels, sizes)}
-    found = {r: (l, s) for r, l, s in rows}
+    found = {r: (l, s) for r, l, s in scan.rows}
     missing, added = sorted(set(listed) - set(found)), sorted(set(found) - set(listed))
     changed = sorted(r for r in set(listed) & set(found) if listed[r] != found[r])
     for what, names in (("missing from the folder", missing), ("not in the table", added),
                         ("changed (label or size)", changed)):
         if names:
-            problems.append(f"{len(names)} files {what}: {', '.join(names[:5])}")
+            problems.append(f"{len(names)} files {what}: "
+                            f"{', '.join(_shown(n) for n in names[:5])}")
     return problems
 
 
@@ -250,6 +312,9 @@ class JPEGFolderSource:
         check all).
       ValueError: no data_dir or image_size; a bad split string; an empty
         slice; a table that is not valid.
+      tf.errors.InvalidArgumentError (from `read`, when a batch is read): a
+        file whose size differs from the table's (changed after indexing);
+        the message names it and the command that checks every file.
     """
 
     def __init__(self, name, split, *, data_dir, image_size):
@@ -278,13 +343,18 @@ class JPEGFolderSource:
         self.num_examples = len(relative)
         self.image_shape = (image_size, image_size, 3)
         self._root = _join(data_dir, base)
+        self._check_command = (f"python tools/index_jpeg_folder.py --data_dir={data_dir} "
+                               f"--split={base} --check")
         _check_same_classes(data_dir, base, self.classes)
         _spot_check(self._root, relative, sizes, data_dir, base)
         with tf.device("/CPU:0"):
-            self._paths = tf.Variable(relative.astype(bytes), trainable=False, dtype=tf.string,
+            # UTF-8 bytes (numpy's astype(bytes) would encode as ASCII, and refuse "café").
+            paths = np.array([r.encode("utf-8") for r in relative], dtype=object)
+            self._paths = tf.Variable(paths, trainable=False, dtype=tf.string,
                                       name="jpeg_paths")
             self._labels = tf.Variable(labels, trainable=False, dtype=tf.int32,
                                        name="jpeg_labels")
+            self._sizes = tf.Variable(sizes, trainable=False, dtype=tf.int64, name="jpeg_sizes")
 
     def __repr__(self):
         return (f"JPEGFolderSource(data_dir={self.data_dir!r}, split={self.split!r}, "
@@ -298,15 +368,27 @@ class JPEGFolderSource:
 
         Returns:
           `(images uint8 [n, S, S, 3], labels int32 [n])`, in the order of `indices`.
+
+        Raises:
+          tf.errors.InvalidArgumentError (when run): a file whose size is not
+            the table's, named in the message (it changed after indexing).
         """
         paths = tf.strings.join([self._root + "/", tf.gather(self._paths, indices)])
-        images = tf.map_fn(self._decode, paths,
+        images = tf.map_fn(self._decode, (paths, tf.gather(self._sizes, indices)),
                            fn_output_signature=tf.TensorSpec(self.image_shape, tf.uint8),
                            parallel_iterations=DECODE_PARALLELISM)
         return images, tf.gather(self._labels, indices)
 
-    def _decode(self, path):
-        image = tf.io.decode_image(tf.io.read_file(path), channels=3, expand_animations=False)
+    def _decode(self, path_and_size):
+        path, size = path_and_size
+        contents = tf.io.read_file(path)
+        found = tf.cast(tf.strings.length(contents), tf.int64)
+        same = tf.debugging.Assert(tf.equal(found, size), [
+            "A file of the JPEG folder changed after it was indexed:", path, "has", found,
+            "bytes, the index table says", size, f"bytes. Check every file with "
+            f"{self._check_command}, then restore the file or index again."])
+        with tf.control_dependencies([same]):
+            image = tf.io.decode_image(contents, channels=3, expand_animations=False)
         size = self.image_size
         already = tf.reduce_all(tf.equal(tf.shape(image)[:2], [size, size]))
         image = tf.cond(already, lambda: image, lambda: _resize_uint8(image, size))
@@ -370,10 +452,10 @@ def _spot_check(root, relative, sizes, data_dir, base):
         try:
             found = tf.io.gfile.stat(path).length
         except tf.errors.NotFoundError:
-            wrong.append(f"{relative[i]} (missing)")
+            wrong.append(f"{_shown(relative[i])} (missing)")
             continue
         if found != sizes[i]:
-            wrong.append(f"{relative[i]} ({found} bytes, the table says {sizes[i]})")
+            wrong.append(f"{_shown(relative[i])} ({found} bytes, the table says {sizes[i]})")
     if wrong:
         raise errors.DatasetNotFoundError(
             f"The JPEG folder {root} does not match its index table: {', '.join(wrong[:5])}. "
@@ -381,37 +463,225 @@ def _spot_check(root, relative, sizes, data_dir, base):
             f"tools/index_jpeg_folder.py --data_dir={data_dir} --split={base} --check")
 
 
-def _file_problem(path, size):
-    if size == 0:
-        return "empty"
-    with tf.io.gfile.GFile(path, "rb") as f:
-        magic = f.read(8)
-    if magic[:3] == b"\xff\xd8\xff" or magic == b"\x89PNG\r\n\x1a\n":
-        return None
-    return "not a JPEG or PNG"
+_Scan = collections.namedtuple("_Scan", "root classes empty rows bad duplicates")
 
 
-def _undecodable(root, rows):
-    """The rows whose file does not decode, via a parallel tf.data pass."""
-    paths = tf.constant([_join(root, r) for r, _, _ in rows])
+def _scan(data_dir, split_name):
+    """Lists, reads and decodes every image file of DATA_DIR/split_name.
 
-    def ok(path):
-        decoded = tf.io.decode_image(tf.io.read_file(path), channels=3, expand_animations=False)
-        return tf.size(decoded) > 0
+    Returns:
+      `_Scan`: root (the split's folder); classes (sorted folder names); empty
+      (those without an image file); rows [(relative, label, size)] in sorted
+      order, every regular file named like an image (bad ones included, so
+      that `check_index` sees their sizes); bad [(relative, problem)] sorted;
+      duplicates [tuple of relative paths], the paths of each image listed
+      more than once.
 
-    ds = tf.data.Dataset.from_tensor_slices(paths).map(
-        ok, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
-    ds = ds.ignore_errors(log_warning=False)  # a failing element is dropped
-    decoded = sum(1 for _ in ds)
-    if decoded == len(rows):
-        return []
-    bad = []
-    for relative, _, _ in rows:  # rare: find the culprits one by one
+    Raises:
+      ValueError: the folder is missing or holds no class folders; a class
+        folder's name is not UTF-8, or it is a dangling symbolic link (the
+        labels of the classes after it would shift).
+    """
+    root = _join(data_dir, split_name)
+    if not tf.io.gfile.isdir(root):
+        raise ValueError(f"{root} is not a folder. A JPEG folder holds one sub-folder per "
+                         f"split ({split_name}/), each with one folder per class "
+                         f"({split_name}/<class>/*.JPEG, ImageNet's layout).")
+    entries = _listdir(root)
+    dangling = sorted(name for name in entries if _dangling(_join(root, name)))
+    if dangling:
+        raise ValueError(
+            f"{len(dangling)} entries of {root} are symbolic links to folders that do not "
+            f"exist: " + ", ".join(f"{_shown(n)} -> {os.readlink(_join(root, n))}"
+                                   for n in dangling[:10]) +
+            ". Each would have been a class (labels are the sorted folder names): mount or "
+            "copy their targets, or remove the links, then index again.")
+    classes = sorted(name for name in entries if _isdir(_join(root, name)))
+    if not classes:
+        raise ValueError(f"{root} holds no class folders; expected {split_name}/<class>/*.JPEG.")
+    not_utf8 = [name for name in classes if not _is_utf8(name)]
+    if not_utf8:
+        raise ValueError(f"{len(not_utf8)} class folders of {root} have names that are not "
+                         f"UTF-8: {', '.join(_shown(n) for n in not_utf8[:10])}. Rename them "
+                         f"in UTF-8 (e.g. convmv -f latin1 -t utf8 -r --notest {root}), then "
+                         "index again.")
+    files, empty, bad = [], [], []
+    for label, name in enumerate(classes):
+        names = sorted(f for f in _listdir(_join(root, name))
+                       if f.lower().endswith(IMAGE_EXTENSIONS))
+        if not names:
+            empty.append(name)
+        for file_name in names:
+            relative = f"{name}/{file_name}"
+            if _is_utf8(file_name):
+                files.append((relative, label))
+            else:
+                bad.append((relative, "its name is not UTF-8: rename it in UTF-8, e.g. with "
+                                      "convmv -f latin1 -t utf8"))
+    read = _read_all([_join(root, relative) for relative, _ in files])
+    rows, good = [], []
+    for i, (relative, label) in enumerate(files):
+        if i in read:
+            rows.append((relative, label, read[i][0]))
+            good.append(i)
+            continue
+        path = _join(root, relative)
+        bad.append((relative, _file_problem(path) or
+                    "changed while it was being indexed"))
         try:
-            ok(tf.constant(_join(root, relative)))
-        except tf.errors.OpError as e:
-            bad.append(f"{relative} ({type(e).__name__})")
-    return bad
+            stat = tf.io.gfile.stat(path)
+        except tf.errors.OpError:
+            continue
+        if not stat.is_directory:
+            rows.append((relative, label, stat.length))
+    duplicates = _same_images(root, [files[i][0] for i in good], [read[i] for i in good])
+    return _Scan(root, classes, empty, rows, sorted(bad), duplicates)
+
+
+def _listdir(folder):
+    """The names in `folder`, without a trailing "/"; local names may hold undecodable bytes.
+
+    Local folders are listed with os.listdir, which keeps a name that is not
+    UTF-8 (as surrogate escapes) where tf.io.gfile.listdir raises
+    UnicodeDecodeError.
+    """
+    if "://" in folder:
+        return [name.rstrip("/") for name in tf.io.gfile.listdir(folder)]
+    return os.listdir(folder)
+
+
+def _dangling(path):
+    """A local symbolic link whose target does not exist (gfile URLs have no links)."""
+    return "://" not in path and os.path.islink(path) and not os.path.exists(path)
+
+
+def _isdir(path):
+    return tf.io.gfile.isdir(path) if "://" in path else os.path.isdir(path)
+
+
+def _is_utf8(name):
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:  # os.listdir's surrogate escapes of undecodable bytes
+        return False
+    return True
+
+
+def _shown(name):
+    """`name` as a message shows it: as is, or escaped if it holds a TAB, newline or the like."""
+    if not _is_utf8(name):
+        return os.fsencode(name).decode("utf-8", "backslashreplace")
+    return name if name.isprintable() else json.dumps(name, ensure_ascii=False)
+
+
+def _read_all(paths):
+    """Reads and decodes every file in one parallel tf.data pass.
+
+    Returns:
+      {position in `paths`: (size in bytes, fingerprint bytes)} for the files
+      that read, start with a JPEG or PNG magic number and decode to at least
+      one pixel; the others are left out (`_file_problem` says why).
+    """
+    if not paths:
+        return {}
+
+    def check(i, path):
+        contents = tf.io.read_file(path)
+        magic = tf.logical_or(tf.equal(tf.strings.substr(contents, 0, 3), _JPEG_MAGIC),
+                              tf.equal(tf.strings.substr(contents, 0, 8), _PNG_MAGIC))
+        image = tf.io.decode_image(contents, channels=3, expand_animations=False)
+        size = tf.cast(tf.strings.length(contents), tf.int64)
+        fingerprint = tf.fingerprint(contents[tf.newaxis])[0]  # uint8 [8], farmhash64
+        return i, size, fingerprint, tf.logical_and(magic, tf.size(image) > 0)
+
+    ds = tf.data.Dataset.from_tensor_slices((tf.range(len(paths), dtype=tf.int64),
+                                             tf.constant(paths, tf.string)))
+    ds = ds.map(check, num_parallel_calls=tf.data.AUTOTUNE, deterministic=False)
+    ds = ds.ignore_errors(log_warning=False).batch(_SCAN_BATCH)  # a failing file is dropped
+    read = {}
+    for positions, sizes, fingerprints, ok in ds.as_numpy_iterator():
+        for i, size, fingerprint, good in zip(positions, sizes, fingerprints, ok):
+            if good:
+                read[int(i)] = (int(size), fingerprint.tobytes())
+    return read
+
+
+def _file_problem(path):
+    """Why the file at `path` is not a readable image (a short phrase), or None."""
+    if _dangling(path):
+        return f"a symbolic link to {os.readlink(path)}, which does not exist"
+    try:
+        stat = tf.io.gfile.stat(path)
+        if stat.is_directory:
+            return "a folder, not a file"
+        if stat.length == 0:
+            return "empty"
+        contents = tf.io.read_file(path)
+    except tf.errors.OpError as e:
+        return f"cannot be read: {_op_message(e)}"
+    magic = contents.numpy()[:8]
+    if not (magic[:3] == _JPEG_MAGIC or magic == _PNG_MAGIC):
+        return "not a JPEG or PNG"
+    try:
+        image = tf.io.decode_image(contents, channels=3, expand_animations=False)
+    except tf.errors.OpError as e:
+        return f"does not decode: {_op_message(e)}"
+    return None if tf.size(image) > 0 else "decodes to no pixel"
+
+
+def _op_message(error):
+    """A TensorFlow error's own words, without its function-node prefix and op suffix."""
+    message = re.sub(r"\{\{[^}]*\}\}\s*", "", error.message)
+    return re.sub(r"\s*\[Op:.*", "", message, flags=re.S).strip().rstrip(".")
+
+
+def _same_images(root, relatives, reads):
+    """Groups of paths holding one image: equal (size, fingerprint), then equal bytes.
+
+    Args:
+      root: the split's folder.
+      relatives: relative paths of the files that read.
+      reads: their (size, fingerprint), as `_read_all`.
+
+    Returns:
+      A sorted list of tuples of relative paths (two or more each).
+    """
+    candidates = collections.defaultdict(list)
+    for relative, key in zip(relatives, reads):
+        candidates[key].append(relative)
+    groups = []
+    for paths in candidates.values():
+        if len(paths) < 2:
+            continue
+        by_digest = collections.defaultdict(list)  # a fingerprint collision is not a copy
+        for relative in paths:
+            with tf.io.gfile.GFile(_join(root, relative), "rb") as f:
+                by_digest[hashlib.sha256(f.read()).digest()].append(relative)
+        groups += [tuple(sorted(same)) for same in by_digest.values() if len(same) > 1]
+    return sorted(groups)
+
+
+def _duplicates(root, groups):
+    """"N images are listed more than once: a/1.jpg and c/1.jpg (the same file), ..."."""
+    shown = [_group(root, paths) for paths in groups[:10]]
+    more = f", and {len(groups) - 10} more" if len(groups) > 10 else ""
+    return f"{len(groups)} images are listed more than once: {', '.join(shown)}{more}"
+
+
+def _group(root, paths):
+    """"a/1.jpg and c/1.jpg (the same file)": a link (symbolic or hard), or a copy."""
+    names = [_shown(p) for p in paths]
+    local = [_join(root, p) for p in paths] if "://" not in root else None
+    same = local is not None and all(os.path.samefile(local[0], p) for p in local[1:])
+    return (f"{', '.join(names[:-1])} and {names[-1]} "
+            f"({'the same file' if same else 'identical bytes'})")
+
+
+def _bad_files(bad, what):
+    """"N files of ROOT are not readable images: a/1.jpg (empty), ..."."""
+    shown = [f"{_shown(relative)} ({problem})" for relative, problem in bad[:10]]
+    more = f", and {len(bad) - 10} more" if len(bad) > 10 else ""
+    return f"{len(bad)} {what} are not readable images: {', '.join(shown)}{more}"
 
 
 def _join(*parts):
