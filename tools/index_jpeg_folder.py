@@ -9,7 +9,9 @@ file: an empty, truncated or corrupt file, one that is not a JPEG or PNG, a
 dangling symbolic link, a folder named like an image, a name that is not
 UTF-8, and an image listed twice (a symbolic link to a class folder, a hard
 link, a copy: one person's image would count twice; every pair is printed to
-stdout, one per line, TAB-separated). Every split must have the train
+stdout, one per line, TAB-separated). For a non-private run only,
+--allow_duplicates writes the table anyway, listing them in its header; a
+private run refuses that table, and a non-private one warns. Every split must have the train
 split's class folders. Any other name (non-ASCII, a TAB, a newline) is fine:
 the table quotes it.
 
@@ -35,6 +37,9 @@ _SPLITS = flags.DEFINE_list("split", ["train", "validation"], "Split folders to 
                             "order (train first: the others are checked against its classes).")
 _CHECK = flags.DEFINE_bool("check", False, "Check existing tables against the folder instead "
                            "of writing them.")
+_ALLOW_DUPLICATES = flags.DEFINE_bool(
+    "allow_duplicates", False, "Write the table even if an image is listed more than once "
+    "(listing them in it): for NON-PRIVATE runs only; a private run refuses such a table.")
 _DECODE = flags.DEFINE_bool("decode", True, "Decode every image (about 2,000 a second per "
                             "core). Always on: --nodecode is refused, since a file that does "
                             "not decode would stop a training run mid-way.")
@@ -58,7 +63,8 @@ def main(argv):
                 else:
                     print(f"{path} matches its folder.")
                 continue
-            path, header = jpeg_folder.index_split(_DATA_DIR.value, split)
+            path, header = jpeg_folder.index_split(_DATA_DIR.value, split,
+                                                   allow_duplicates=_ALLOW_DUPLICATES.value)
         except jpeg_folder.DuplicateImagesError as e:
             print(f"All {len(e.groups)} images listed more than once, one per line:")
             for paths in e.groups:  # TAB-separated, each path as in the table (JSON if odd)
@@ -70,6 +76,10 @@ def main(argv):
         print(f"Wrote {path}: {header['num_examples']} images in {len(header['classes'])} "
               f"classes" + (f" ({len(empty)} empty: {', '.join(empty[:5])})" if empty else "")
               + ".")
+        if header.get("duplicates"):
+            print(f"warning: {len(header['duplicates'])} images are listed more than once "
+                  "(--allow_duplicates; the groups are in the table's header): a private run "
+                  "refuses this table.")
     sys.exit(1 if failed else 0)
 
 

@@ -360,3 +360,25 @@ def test_the_tool_refuses_a_symlinked_class_folder_and_lists_every_pair(tmp_path
     assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
     assert "error: 2 images are listed more than once: a/1.jpg and c/1.jpg" in done.stderr
     assert done.stdout.splitlines()[-2:] == ["a/1.jpg\tc/1.jpg", "a/2.jpg\tc/2.jpg"]
+
+
+def test_allowed_duplicates_are_listed_refused_by_a_private_run_and_warned_otherwise(
+        tmp_path, caplog):
+    # A non-private run may read a folder with duplicates (--allow_duplicates); a private one
+    # must not: one person's image would count twice.
+    data_dir = _tiny_folder(tmp_path, ["a/1.jpg", "a/2.jpg", "b/3.jpg"])
+    _symlinked_class(data_dir)
+    done = _tool(f"--data_dir={data_dir}", "--split=train", "--allow_duplicates")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "warning: 2 images are listed more than once" in done.stdout
+    source = _open(data_dir, image_size=8)
+    assert source.num_examples == 5
+    assert source.duplicates == [("a/1.jpg", "c/1.jpg"), ("a/2.jpg", "c/2.jpg")]
+    with pytest.raises(ValueError, match=r"lists 2 images more than once \(a/1.jpg and c/1.jpg, "
+                                         r"a/2.jpg and c/2.jpg\).*sensitivity doubles"):
+        data.check_duplicates(source, private=True)
+    data.check_duplicates(source, private=False)
+    assert "counts as its own example in this non-private run" in caplog.text
+    clean_dir = _tiny_folder(tmp_path / "clean", ["a/1.jpg", "b/2.jpg"])
+    assert _tool(f"--data_dir={clean_dir}", "--split=train").returncode == 0
+    data.check_duplicates(_open(clean_dir, image_size=8), private=True)  # nothing to refuse

@@ -22,6 +22,7 @@ from tfdp.data.fashion_mnist import prepare_fashion_mnist
 from tfdp.data.graph_sampling import index_batches_in_graph
 from tfdp.data.graph_sampling import poisson_indices_in_graph
 from tfdp.data.inputs import SOURCES
+from tfdp.data.inputs import check_duplicates
 from tfdp.data.inputs import open_split
 from tfdp.data.jpeg_folder import JPEGFolderSource
 from tfdp.data.loading import Split

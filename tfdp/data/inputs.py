@@ -69,3 +69,39 @@ def open_split(name, split, *, data_dir=None, image_size=None, source="array_rec
     # Where the arrays came from (the trainer checks a backbone's data against it).
     arrays.name, arrays.split, arrays.data_dir = name, split, data_dir
     return arrays
+
+
+def check_duplicates(source, *, private):
+    """Refuses, for a private run, a split that lists one image more than once; else warns.
+
+    A JPEG folder indexed with `allow_duplicates` lists such images in its
+    table (`JPEGFolderSource.duplicates`: a symbolic link to a class folder,
+    a hard link, a copy). Each copy is its own example, so under DP one
+    person's image would count twice, doubling their sensitivity; a
+    non-private run only gets a warning. Other sources have no duplicates
+    attribute and pass.
+
+    Args:
+      source: an opened split (`open_split`).
+      private: whether the run is private.
+
+    Raises:
+      ValueError: `private` and the source lists duplicates; the message
+        names the first ones and how to remove them.
+    """
+    groups = getattr(source, "duplicates", None) or []
+    if not groups:
+        return
+    shown = ", ".join(" and ".join(group) for group in groups[:5])
+    what = (f"The index table of {source.data_dir} ({source.split!r}) lists {len(groups)} images "
+            f"more than once ({shown}{', ...' if len(groups) > 5 else ''}): it was written with "
+            "--allow_duplicates.")
+    if private:
+        raise ValueError(
+            what + " Each copy is its own example, so one person's image would count twice and "
+            "the privacy guarantee would not hold for them (their sensitivity doubles). Keep "
+            "one copy of each, then index the folder again without --allow_duplicates "
+            "(python tools/index_jpeg_folder.py prints every group).")
+    from absl import logging  # pylint: disable=g-import-not-at-top
+
+    logging.warning("%s Each copy counts as its own example in this non-private run.", what)

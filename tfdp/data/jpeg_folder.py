@@ -101,7 +101,7 @@ class DuplicateImagesError(ValueError):
         self.groups = groups
 
 
-def build_index(data_dir, split_name):
+def build_index(data_dir, split_name, *, allow_duplicates=False):
     """Lists DATA_DIR/split_name/<class>/* into an index table (rows in table order).
 
     Every file named like an image (.jpeg, .jpg, .png, any case) is read and
@@ -111,11 +111,15 @@ def build_index(data_dir, split_name):
     Args:
       data_dir: the folder holding `split_name/` (local or a gfile URL).
       split_name: a plain split name, e.g. "train" or "validation".
+      allow_duplicates: write the table even if an image is listed twice,
+        with the groups in the header's `duplicates`, for non-private runs
+        only: a private run refuses such a table (`JPEGFolderSource.duplicates`).
 
     Returns:
       `(header, rows)`: header dict (format, version, split, classes,
-      empty_classes, num_examples), rows a list of (relative path str, label
-      int, size in bytes int) in table order.
+      empty_classes, num_examples, and `duplicates` when allowed and found),
+      rows a list of (relative path str, label int, size in bytes int) in
+      table order.
 
     Raises:
       ValueError: the folder is missing or holds no class folders or no
@@ -126,7 +130,8 @@ def build_index(data_dir, split_name):
         the files (up to 10) and what is wrong with each.
       DuplicateImagesError (a ValueError): the same image under two paths
         (a symbolic or hard link, or a copy), whether in one class or two;
-        the message names both paths (up to 10 images), `groups` all.
+        the message names both paths (up to 10 images), `groups` all. Not
+        raised with `allow_duplicates`.
     """
     scan = _scan(data_dir, split_name)
     if scan.bad:
@@ -135,28 +140,30 @@ def build_index(data_dir, split_name):
     if not scan.rows:
         raise ValueError(f"{scan.root} holds no image ({', '.join(IMAGE_EXTENSIONS)}) in its "
                          "class folders.")
-    if scan.duplicates:
+    if scan.duplicates and not allow_duplicates:
         raise DuplicateImagesError(
             _duplicates(scan.root, scan.duplicates) + f". Each copy in {scan.root} would be "
             "its own example, so one person's image would count twice (under two labels when the "
             "classes differ), and a private run's guarantee would not hold for them: their "
             "sensitivity doubles. Keep one copy of each (a symbolic link to a class folder "
-            "lists all its images again: remove the link), then index again. The index "
-            "refuses duplicates for every run, private or not: it cannot know which kind "
-            "will read it.", scan.duplicates)
+            "lists all its images again: remove the link), then index again. For a "
+            "non-private run only, --allow_duplicates writes the table anyway, listing them "
+            "in it; a private run refuses that table.", scan.duplicates)
     rows = scan.rows
     order = np.random.default_rng(TABLE_ORDER_SEED).permutation(len(rows))
     rows = [rows[i] for i in order]
     header = {"format": INDEX_FORMAT, "version": INDEX_VERSION, "split": split_name,
               "classes": scan.classes, "empty_classes": scan.empty, "num_examples": len(rows)}
+    if scan.duplicates:
+        header["duplicates"] = [list(group) for group in scan.duplicates]
     return header, rows
 
 
-def index_split(data_dir, split_name):
+def index_split(data_dir, split_name, *, allow_duplicates=False):
     """Indexes DATA_DIR/split_name into DATA_DIR/split_name.tfdp_index.tsv (what the tool runs).
 
     Args:
-      data_dir, split_name: as `build_index`.
+      data_dir, split_name, allow_duplicates: as `build_index`.
 
     Returns:
       `(path, header)`: the table written and its header.
@@ -165,7 +172,7 @@ def index_split(data_dir, split_name):
       ValueError, DuplicateImagesError: as `build_index`, or class folders
         that differ from the train split's table (then nothing is written).
     """
-    header, rows = build_index(data_dir, split_name)
+    header, rows = build_index(data_dir, split_name, allow_duplicates=allow_duplicates)
     _check_same_classes(data_dir, split_name, header["classes"])
     path = index_path(data_dir, split_name)
     write_index(path, header, rows)
@@ -291,6 +298,9 @@ class JPEGFolderSource:
       num_examples: int, examples in the split (after slicing).
       num_classes: int, class folders of the split.
       classes: the class folder names, in label order.
+      duplicates: list of tuples of relative paths, each one image listed
+        more than once in the whole table (empty unless it was indexed with
+        `allow_duplicates`); a private run refuses a source with any.
       image_shape: (image_size, image_size, 3).
       pure_tf: True: `read` is TensorFlow ops, and the trainer samples in
         the graph too.
@@ -339,6 +349,7 @@ class JPEGFolderSource:
             raise ValueError(f"Split {split!r} of {data_dir} is empty; check the slice.")
         relative, labels, sizes = relative[first:end], labels[first:end], sizes[first:end]
         self.classes = list(header["classes"])
+        self.duplicates = [tuple(group) for group in header.get("duplicates", [])]
         self.num_classes = len(self.classes)
         self.num_examples = len(relative)
         self.image_shape = (image_size, image_size, 3)
