@@ -74,6 +74,11 @@ def test_simulate_reports_the_claim_and_each_audit(capsys):
      r"sampling_prob must be in \(0, 1\] .*got 2\.0\.$"),
     (["simulate", "--noise_multiplier", "1", "--sampling_prob", "0", "--steps", "1",
       "--num_canaries", "10", "--delta", "1e-5"], r"sampling_prob must be in \(0, 1\]"),
+    # Before: 30 s of silence, then exit 0 (q = 1, one step; at q = 0.004 nothing came in
+    # 120 s): the PLD accountant's grid grows as 1 / sigma^2.
+    (["simulate", "--noise_multiplier", "0.01", "--sampling_prob", "1", "--steps", "1",
+      "--num_canaries", "10", "--delta", "1e-5"],
+     r"noise_multiplier 0\.01 is below 0\.05, .*Use the RDP accountant \(--accountant rdp"),
 ])
 def test_bad_values_exit_2_with_one_line(args, message, capsys):
     status, out, err = _main(args, capsys)

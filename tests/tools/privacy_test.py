@@ -8,8 +8,10 @@ script's main(argv) in-process to keep the suite fast.
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -325,3 +327,31 @@ def test_bad_values_return_2_with_one_line_message(capsys, args, message):
     assert len(lines) == 1
     assert lines[0].startswith(f"privacy.py {args[0]}: error: ")
     assert message in lines[0]
+
+
+TINY_NOISE = ["--num_examples", "60000", "--batch_size", "256", "--noise_multiplier", "0.01",
+              "--steps", "1000", "--delta", "1e-5"]
+
+
+def test_pld_at_tiny_noise_is_refused_at_once(tmp_path):
+    # Before: nothing printed for 120 s and more (the PLD of one Gaussian at sigma 0.01
+    # has ~10^7 privacy-loss points; sigma 0.05 already takes ~2 s a step and GBs).
+    start = time.monotonic()
+    result = subprocess.run([sys.executable, SCRIPT, "epsilon", *TINY_NOISE, "--accountant",
+                             "pld"], capture_output=True, text=True, check=False, cwd=tmp_path,
+                            timeout=30)
+    seconds = time.monotonic() - start
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("privacy.py epsilon: error: ")
+    assert re.search(r"noise_multiplier 0\.01 is below 0\.05, the smallest the PLD accountant "
+                     r"takes: .*1 / noise_multiplier\^2.*Use the RDP accountant \(--accountant "
+                     r"rdp", lines[0])
+    assert result.stdout == "" and seconds < 10
+
+
+def test_tan_at_tiny_noise_gives_rdp_and_says_why_not_pld(capsys):
+    out, text = _main_json(["tan", *TINY_NOISE], capsys)
+    assert out["epsilon_pld"] is None and out["epsilon_rdp"] > 1e6
+    assert "RDP = 5.44e+06, PLD = not computed at delta" in text
+    assert "note: PLD not computed: noise_multiplier 0.01 is below 0.05" in text
