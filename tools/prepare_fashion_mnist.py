@@ -9,7 +9,10 @@ It is written in ArrayRecord, the format TFDS reads by index: afterwards
 `tfds.data_source("fashion_mnist", data_dir=...)` and
 `tfdp.data.TFDSSource("fashion_mnist", "train", data_dir=...)` read it.
 Does nothing if the dataset is already there (a TFRecord-only copy written by
-an older tfdp is rewritten as ArrayRecord).
+an older tfdp is rewritten as ArrayRecord). A missing or damaged source file or
+dataset_info.json, a data_dir that is a file or cannot be written, and a full
+disk each exit with status 1 and one line on stderr that says what to do; a
+failed conversion leaves no partial files behind.
 """
 
 from absl import app
@@ -37,7 +40,7 @@ def main(argv):
     data_dir = fashion_mnist.prepare_fashion_mnist(
         source_dir=_SOURCE_DIR.value, data_dir=_DATA_DIR.value
     )
-  except (FileNotFoundError, ValueError) as e:
+  except (OSError, ValueError) as e:  # missing, damaged or unwritable: one line
     raise SystemExit(f"error: {e}") from None
   print(
       f"Fashion-MNIST is in {data_dir / fashion_mnist.DATASET_NAME} "

@@ -18,6 +18,7 @@ replace those with the counts in the IDX headers, which equal them for the real
 files and let the tests convert a few synthetic examples.
 """
 
+import errno
 import gzip
 import os
 import pathlib
@@ -26,6 +27,7 @@ import shutil
 import struct
 import tempfile
 import urllib.parse
+import zlib
 
 from absl import logging
 import tensorflow as tf
@@ -35,6 +37,7 @@ from tensorflow_datasets.image_classification import mnist
 DATASET_NAME = "fashion_mnist"  # the stock TFDS name, read back by tfds.data_source
 DEFAULT_SOURCE_DIR = pathlib.Path("/usr/share/datasets/fashion-mnist")
 INSTALL_COMMAND = "apt-get update && apt-get install dataset-fashion-mnist"
+REINSTALL_COMMAND = "apt-get install --reinstall dataset-fashion-mnist"
 
 # The four IDX files, named as in the Fashion-MNIST release (and the Debian
 # package); the stock builder asks for the same basenames.
@@ -64,10 +67,14 @@ def prepare_fashion_mnist(source_dir=DEFAULT_SOURCE_DIR, data_dir=None):
     written (the source files are not needed); a folder with a shard missing
     or cut short is refused (delete it and run again); a copy prepared by an older tfdp as TFRecord
     only is deleted and rewritten as ArrayRecord.
-    The write is atomic (TFDS writes to a temporary folder and renames it), so an
-    interrupted conversion leaves nothing half-written. Gunzipped copies of the
-    IDX files go to a temporary folder that is deleted afterwards. The real
-    dataset (70000 images) takes about 20 s on 2 CPU cores and 38 MB of disk.
+    Every source file is read whole before anything is written (a gzip stream cut
+    short, or fewer bytes than its header promises, is refused), and so is a
+    `data_dir` that is a file or cannot be written. The write is atomic (TFDS
+    writes to a temporary folder and renames it), so an interrupted conversion
+    leaves nothing half-written; a failed one (a full disk) also removes the
+    empty folders it created, and never what was there before. Gunzipped copies
+    of the IDX files go to a temporary folder that is deleted afterwards. The
+    real dataset (70000 images) takes about 20 s on 2 CPU cores and 38 MB of disk.
 
     Args:
       source_dir: folder holding the four gzipped IDX files
@@ -84,20 +91,33 @@ def prepare_fashion_mnist(source_dir=DEFAULT_SOURCE_DIR, data_dir=None):
 
     Raises:
       tfdp.data.DatasetNotFoundError: the folder is already there but a
-        shard is missing or corrupt; the message names it.
+        shard is missing or corrupt, or its dataset_info.json is not one; the
+        message names the file and says to delete the folder and run again.
       FileNotFoundError: a source file is missing; the message names it and says
         to run `apt-get update && apt-get install dataset-fashion-mnist` or to
         pass `--source_dir`.
       ValueError: a source file is not a valid Fashion-MNIST IDX file (wrong magic
-        number, image size other than 28x28, or image and label counts differ).
+        number, image size other than 28x28, image and label counts differ, a
+        gzip stream cut short or corrupt, or fewer bytes than its header says).
+      NotADirectoryError: `data_dir`, a folder above it or its `fashion_mnist`
+        folder is a file.
+      PermissionError: `data_dir` cannot be written (permissions, or a read-only
+        file system), found before anything is converted.
+      OSError: a write failed during the conversion (no space left, a file size
+        limit); this run's partial files are removed first.
     """
-    builder = _LocalFashionMNIST(source_dir=source_dir, data_dir=data_dir)  # as on disk
-    if builder.is_prepared() and _has_array_record(builder):
-        from tfdp.data import tfds_source  # pylint: disable=g-import-not-at-top  (a cycle)
+    from tfdp.data import tfds_source  # pylint: disable=g-import-not-at-top  (a cycle)
 
+    builder = tfds_source.open_builder(  # as on disk; a garbage dataset_info.json: refused
+        lambda: _LocalFashionMNIST(source_dir=source_dir, data_dir=data_dir), DATASET_NAME,
+        data_dir)
+    root = pathlib.Path(builder.data_dir_root)
+    dataset_dir = root / DATASET_NAME
+    _check_folders(dataset_dir)
+    if builder.is_prepared() and _has_array_record(builder):
         for split in builder.info.splits:  # a shard missing or cut short: refused, named
             tfds_source.check_split_files(builder, split)
-        return pathlib.Path(builder.data_dir_root)
+        return root
     source_dir = pathlib.Path(source_dir)
     missing = [name for name in SOURCE_FILES if not (source_dir / name).is_file()]
     if missing:
@@ -108,8 +128,8 @@ def prepare_fashion_mnist(source_dir=DEFAULT_SOURCE_DIR, data_dir=None):
             f"to a folder with the files {', '.join(SOURCE_FILES)}."
         )
     for images_name, labels_name in ((TRAIN_IMAGES, TRAIN_LABELS), (TEST_IMAGES, TEST_LABELS)):
-        num_images = _read_idx_num_examples(source_dir / images_name, _IDX_IMAGES_MAGIC)
-        num_labels = _read_idx_num_examples(source_dir / labels_name, _IDX_LABELS_MAGIC)
+        num_images = _check_idx_file(source_dir / images_name, _IDX_IMAGES_MAGIC)
+        num_labels = _check_idx_file(source_dir / labels_name, _IDX_LABELS_MAGIC)
         if num_images != num_labels:
             raise ValueError(
                 f"{source_dir / images_name} holds {num_images} images but "
@@ -117,22 +137,152 @@ def prepare_fashion_mnist(source_dir=DEFAULT_SOURCE_DIR, data_dir=None):
                 "must come from the same Fashion-MNIST split. Reinstall with "
                 f"`{INSTALL_COMMAND}`."
             )
+    _check_writable(dataset_dir)
     if builder.is_prepared():  # an older conversion, TFRecord only: rewrite it
         logging.warning("Rewriting %s as ArrayRecord (tfdp reads examples by index).",
                         builder.data_dir)
         shutil.rmtree(builder.data_dir)
     builder = _LocalFashionMNIST(source_dir=source_dir, data_dir=data_dir, file_format=FILE_FORMAT)
-    with tempfile.TemporaryDirectory(prefix="tfdp_fashion_mnist_") as download_dir:
-        builder.download_and_prepare(
-            download_dir=download_dir,
-            download_config=tfds.download.DownloadConfig(try_download_gcs=False),
-        )
-    return pathlib.Path(builder.data_dir_root)
+    created = [folder for folder in (dataset_dir, *dataset_dir.parents) if not folder.exists()]
+    before = set(os.listdir(dataset_dir)) if dataset_dir.is_dir() else set()
+    try:
+        with tempfile.TemporaryDirectory(prefix="tfdp_fashion_mnist_") as download_dir:
+            builder.download_and_prepare(
+                download_dir=download_dir,
+                download_config=tfds.download.DownloadConfig(try_download_gcs=False),
+            )
+    except Exception as e:  # pylint: disable=broad-except  (re-raised unless a write failed)
+        failure = _write_failure(e)
+        _remove_partial_files(dataset_dir, before, created)
+        if failure is None:
+            raise
+        reason, no_space = failure
+        hint = (f"Free space (the real dataset takes 38 MB there, and 55 MB of gunzipped "
+                f"copies in {tempfile.gettempdir()} while it runs), or pass --data_dir=<a "
+                "folder on a disk with room>." if no_space else
+                "Pass --data_dir=<a folder you can write>, or make it writable.")
+        raise OSError(f"Could not write Fashion-MNIST into {root}: {reason}. This run's "
+                      f"partial files were removed. {hint}") from None
+    return root
+
+
+def _check_folders(dataset_dir):
+    """Refuses a file where `dataset_dir` or a folder above it should be.
+
+    Raises:
+      NotADirectoryError: the first existing path on the way is a file; the message
+        names it.
+    """
+    for path in (dataset_dir, *dataset_dir.parents):
+        if path.exists():
+            if not path.is_dir():
+                raise NotADirectoryError(
+                    f"{path} is a file, not a folder: Fashion-MNIST goes into "
+                    f"{dataset_dir}. Pass --data_dir=<a folder> (data_dir=; it is created if "
+                    f"missing), or move {path} away.")
+            return
+
+
+def _check_writable(dataset_dir):
+    """Refuses, before any conversion, a `dataset_dir` that cannot be created or written.
+
+    Raises:
+      PermissionError: the nearest existing folder of `dataset_dir` is not writable
+        (permissions, or a read-only file system); the message says which.
+    """
+    folder = next(path for path in (dataset_dir, *dataset_dir.parents) if path.exists())
+    if os.access(folder, os.W_OK | os.X_OK):
+        return
+    try:
+        read_only = bool(os.statvfs(folder).f_flag & os.ST_RDONLY)
+    except OSError:
+        read_only = False
+    why = ("on a read-only file system" if read_only else
+           "not writable by this user (permission denied)")
+    where = "it" if folder == dataset_dir.parent else folder
+    raise PermissionError(
+        f"Cannot write Fashion-MNIST into {dataset_dir.parent}: {where} is {why}. Pass "
+        "--data_dir=<a folder you can write> (data_dir=; e.g. ~/tensorflow_datasets), or "
+        "make it writable.")
+
+
+# Errors of a write that the disk or the file system refused.
+_WRITE_ERRNOS = {errno.ENOSPC: True, errno.EFBIG: True, errno.EDQUOT: True,
+                 errno.EROFS: False, errno.EACCES: False, errno.EPERM: False}
+
+
+def _write_failure(error):
+    """(reason, no_space) if `error` is a refused write, else None.
+
+    TFDS wraps the OSError of a gunzip in an ExtractError, and ArrayRecord's C++ writer
+    raises a RuntimeError whose text holds the system's message ("write() failed: No
+    space left on device").
+    """
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, OSError) and error.errno in _WRITE_ERRNOS:
+            where = f" ({error.filename})" if error.filename else ""
+            return f"{os.strerror(error.errno)}{where}", _WRITE_ERRNOS[error.errno]
+        if isinstance(error, RuntimeError):
+            for code, no_space in _WRITE_ERRNOS.items():
+                if os.strerror(code) in str(error):
+                    return " ".join(str(error).split()), no_space
+        error = error.__cause__ or error.__context__
+    return None
+
+
+def _remove_partial_files(dataset_dir, before, created):
+    """Removes what a failed conversion left: its `incomplete.*` folders, then the empty
+    folders it created (`created`, deepest first). Nothing that was there `before` goes."""
+    if dataset_dir.is_dir():
+        for entry in dataset_dir.iterdir():
+            if entry.name not in before and entry.name.startswith("incomplete."):
+                shutil.rmtree(entry, ignore_errors=True)
+    for folder in created:
+        try:
+            folder.rmdir()  # only if empty
+        except OSError:
+            pass
 
 
 def _has_array_record(builder):
     return tfds.core.file_adapters.FileFormat.ARRAY_RECORD in (
         builder.info.available_file_formats())
+
+
+def _check_idx_file(path, magic):
+    """The example count in an IDX file's header, once the whole file is read and checked.
+
+    The real train images take about 0.3 s (26 MB gzipped, 47 MB raw).
+
+    Raises:
+      ValueError: a gzip stream cut short or corrupt, a header as in
+        `_read_idx_num_examples`, or fewer or more bytes than the header promises;
+        the message names the file and says to reinstall it.
+    """
+    path = pathlib.Path(path)
+    reinstall = f"Reinstall the files with `{REINSTALL_COMMAND}` (or copy the file again)."
+    try:
+        num_examples = _read_idx_num_examples(path, magic)
+        with open(path, "rb") as f:
+            is_gzip = f.read(2) == b"\x1f\x8b"
+        size = 0
+        with (gzip.open if is_gzip else open)(path, "rb") as f:
+            while chunk := f.read(1 << 20):
+                size += len(chunk)
+    except (EOFError, zlib.error, gzip.BadGzipFile) as e:
+        raise ValueError(f"{path} is damaged ({e}): its gzip stream is cut short or corrupt. "
+                         f"{reinstall}") from None
+    kind, example_size = (("images", _IMAGE_SIZE * _IMAGE_SIZE) if magic == _IDX_IMAGES_MAGIC
+                          else ("labels", 1))
+    body = size - 4 * (1 + (magic & 0xFF))
+    if body != num_examples * example_size:
+        raise ValueError(
+            f"{path} holds {body:,} bytes of {kind} after its header, which promises "
+            f"{num_examples:,} {kind} ({num_examples * example_size:,} bytes): the file is cut "
+            f"short or damaged. {reinstall}")
+    return num_examples
 
 
 def _read_idx_num_examples(path, magic):

@@ -98,7 +98,7 @@ class TFDSSource:
         self.image_size = image_size
         self.pure_tf = False
         try:
-            builder = tfds.builder(name, data_dir=data_dir)
+            builder = open_builder(lambda: tfds.builder(name, data_dir=data_dir), name, data_dir)
         except tfds.core.DatasetNotFoundError:
             raise ValueError(
                 f"Unknown TFDS dataset {name!r}. Use a TFDS name such as 'fashion_mnist', "
@@ -180,6 +180,67 @@ class TFDSSource:
             # An area resize to the same size is the identity, but not free (~2x the decode).
             image = tf.cond(already, lambda: image, lambda: _resize_uint8(image, size))
         return tf.ensure_shape(image, self.image_shape), tf.cast(example[self._label_key], tf.int32)
+
+
+def open_builder(make_builder, name, data_dir):
+    """`make_builder()`, or a clear error if a dataset_info.json it reads is damaged.
+
+    TFDS reads `<data_dir>/<name>/<version>/dataset_info.json` when it builds the
+    builder, and a file that is not one (cut short, overwritten, not JSON) ends in a
+    protobuf ParseError, a RuntimeError or an AssertionError that names no file.
+
+    Args:
+      make_builder: builds the TFDS builder, e.g. `lambda: tfds.builder(name, data_dir=...)`.
+      name: the dataset's TFDS name (as given; versions and configs allowed).
+      data_dir: the TFDS data directory (None: TFDS's default).
+
+    Returns:
+      The builder.
+
+    Raises:
+      tfdp.data.DatasetNotFoundError: a dataset_info.json of the dataset in
+        `data_dir` cannot be read as one; the message names it and says to delete its
+        folder and prepare the dataset again. Other errors of `make_builder` are raised
+        as they are.
+    """
+    try:
+        return make_builder()
+    except tfds.core.DatasetNotFoundError:
+        raise
+    except Exception:  # pylint: disable=broad-except  (re-raised unless a file is damaged)
+        message = _damaged_dataset_info(name, data_dir)
+        if message is None:
+            raise
+        raise errors.DatasetNotFoundError(message) from None
+
+
+def _damaged_dataset_info(name, data_dir):
+    """The message for the first dataset_info.json of `name` that is not one, or None."""
+    try:
+        dataset = dataset_identity(name)
+    except Exception:  # pylint: disable=broad-except
+        return None
+    root = os.fspath(data_dir) if data_dir is not None else tfds.core.constants.DATA_DIR
+    folder = tfds.core.Path(root) / dataset
+    for info in sorted([*folder.glob("*/dataset_info.json"),
+                        *folder.glob("*/*/dataset_info.json")]):
+        try:
+            proto = tfds.core.dataset_info.read_from_json(info)
+            reason = None if proto.version == info.parent.name else (
+                f"its version is {proto.version!r}, its folder's {info.parent.name!r}")
+        except Exception as e:  # pylint: disable=broad-except  (ParseError, UnicodeDecodeError..)
+            reason = " ".join(str(e).split()).rstrip(".") or type(e).__name__
+        if reason is None:
+            continue
+        if dataset == fashion_mnist.DATASET_NAME:
+            command = f"python tools/prepare_fashion_mnist.py --data_dir={root}"
+        elif dataset == synthetic_imagenet.DATASET_NAME:
+            command = f"python tools/make_synthetic_imagenet.py --data_dir={root}"
+        else:
+            command = f"tfds build {dataset} --data_dir={root} --file_format=array_record"
+        return (f"{info} is not a valid TFDS dataset_info.json ({reason}): the dataset in "
+                f"{info.parent} is damaged. Delete that folder and run {command} again.")
+    return None
 
 
 def _open_data_source(builder, split):
