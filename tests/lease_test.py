@@ -345,7 +345,7 @@ def test_a_run_that_ignores_sigint_stops_within_a_renewal_of_losing_its_lease(
         assert time.time() - started < 25  # not the 30 s sleep (the interpreter's start incl.)
 
 
-@pytest.mark.parametrize("expires", ["soon", None, [1], True, float("nan")])
+@pytest.mark.parametrize("expires", ["soon", None, [1], True, float("nan"), 1e300, 1e18, -5])
 def test_a_lease_with_a_non_numeric_expiry_is_refused_by_name_not_with_a_type_error(
         url, expires):
     store, lock = lease_lib.RamLeaseStore(), f"{url}/{workdir_lib.LOCK_FILE}"

@@ -168,3 +168,16 @@ def test_a_split_slice_is_part_of_the_fingerprint(dirs):
 
     assert of("train[:32]")["sha256"] != of("train[32:]")["sha256"]
     assert fingerprint.differences({"train": of("train")}, {"train": of("train")}) == []
+
+
+def test_other_digest_defaults_in_a_newer_tfdp_still_recognize_the_same_data(dirs,
+                                                                             monkeypatch):
+    # The digest's parameters are recorded with it; a resume recomputes with those.
+    source = data.TFDSSource("fashion_mnist", "train", data_dir=str(dirs["original"]))
+    saved = {"train": fingerprint.split_fingerprint(source)}
+    monkeypatch.setattr(fingerprint, "FULL_DIGEST_MAX_BYTES", 0)  # now: sampled blocks
+    monkeypatch.setattr(fingerprint, "BLOCK_BYTES", 1024)
+    assert fingerprint.split_fingerprint(source)["sha256"] != saved["train"]["sha256"]
+    assert fingerprint.compare(saved, {"train": source}) == []
+    shifted = data.TFDSSource("fashion_mnist", "train", data_dir=str(dirs["shifted"]))
+    assert fingerprint.compare(saved, {"train": shifted})[0].startswith("train split: sha256")

@@ -11,6 +11,7 @@ Two runs side by side on TFDS mock data, 2 steps each:
   FINISHED without training again.
 """
 
+import errno
 import json
 import os
 import signal
@@ -161,6 +162,34 @@ def test_replacing_or_deleting_the_lock_file_keeps_the_lock(tmp_path, how):
     with workdir_lib.locked(workdir):  # released when the holder ends
         assert json.loads(lock.read_text())["pid"] == os.getpid()
     assert not lock.exists()
+
+
+def test_the_lock_file_is_locked_too_for_network_file_systems_and_older_runs(
+        tmp_path, monkeypatch):
+    # On NFS a folder's flock is local to one host; the file's lock is what the server sees.
+    import fcntl  # pylint: disable=g-import-not-at-top
+
+    workdir = tmp_path / "wd"
+    workdir.mkdir()
+    with open(workdir / ".tfdp.lock", "w") as older:  # a run holding only the file's lock
+        fcntl.flock(older, fcntl.LOCK_EX)
+        with pytest.raises(workdir_lib.WorkdirLockedError, match="in use by another run"):
+            with workdir_lib.locked(workdir):
+                raise AssertionError("got the lock beside a holder of the lock file")
+    real_flock = fcntl.flock
+
+    def no_folder_locks(fd, operation):  # a file system that cannot flock a folder
+        if os.path.isdir(f"/proc/self/fd/{fd}"):
+            raise OSError(errno.EBADF, "Bad file descriptor")
+        return real_flock(fd, operation)
+
+    monkeypatch.setattr(workdir_lib.fcntl, "flock", no_folder_locks)
+    with workdir_lib.locked(workdir):
+        with pytest.raises(workdir_lib.WorkdirLockedError, match="in use by another run"):
+            with workdir_lib.locked(workdir):
+                raise AssertionError("a second run got the lock")
+    with workdir_lib.locked(workdir):
+        pass
 
 
 def test_the_lock_holds_across_processes(tmp_path):

@@ -408,12 +408,17 @@ def _flip_a_byte(path):
     ("flip:export/fingerprint.pb", "export/fingerprint.pb: same size, other contents"),
     ("plant:export/assets/labels.txt", "export/assets/labels.txt: not there when FINISHED"),
     ("plant:export/extra/notes.md", "export/extra/notes.md: not there when FINISHED"),
+    ("link:export/assets/more", "export/assets/more: not there when FINISHED"),
 ])
 def test_a_finished_workdir_with_changed_files_is_named_not_called_unchanged(
         copy, other_finished, finished, run_smoke, swap, named, caplog):
     assert other_finished[1]["epsilon"] != finished[1]["epsilon"]
     if swap.startswith("flip:"):
         _flip_a_byte(copy / swap[len("flip:"):])
+    elif swap.startswith("link:"):  # a symbolic link to a folder elsewhere
+        (copy.parent / "elsewhere").mkdir(exist_ok=True)
+        (copy.parent / "elsewhere" / "x.txt").write_text("planted\n")
+        os.symlink(copy.parent / "elsewhere", copy / swap[len("link:"):])
     elif swap.startswith("plant:"):
         planted = copy / swap[len("plant:"):]
         planted.parent.mkdir(exist_ok=True)

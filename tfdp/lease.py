@@ -56,6 +56,8 @@ RENEW_EVERY_SECONDS = 60.0
 CLOCK_SKEW_SECONDS = 30.0
 # The exit status of a process that lost its lease and did not stop within a renewal period.
 LOST_EXIT_STATUS = 75
+# An expiry after this (the year 5138) is not a time a run wrote: the record is unreadable.
+LATEST_EXPIRY = 1e11
 
 
 class LeaseLostError(KeyboardInterrupt):
@@ -280,6 +282,10 @@ class Lease:
         """Stops renewing and deletes the lease if it is still this run's."""
         with self._stopping:
             self._stop.set()
+            if self.lost and threading.get_ident() == self._owner:
+                # A LeaseLostError not yet raised would land after the block (or in here):
+                # cancel it; `tfdp.workdir.locked` raises for a lost lease anyway.
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self._owner), None)
         if self._thread is not None:
             self._thread.join()
         if self._generation is not None and not self.lost:
@@ -342,7 +348,9 @@ def _expiry(record):
     expires = record.get("expires")
     if isinstance(expires, bool) or not isinstance(expires, (int, float)):
         return float("inf")
-    return float(expires) if expires == expires else float("inf")  # NaN: never expires
+    if not 0 <= expires <= LATEST_EXPIRY:  # NaN, negative, or past any date a clock shows
+        return float("inf")
+    return float(expires)
 
 
 def _describe(record):

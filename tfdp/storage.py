@@ -109,11 +109,16 @@ def read_range(path, offset, length):
 
 
 def walk_files(path):
-    """Every file under the folder `path`, as `(full path, path relative to it)`, sorted."""
+    """Every file under the folder `path`, as `(full path, path relative to it)`, sorted.
+
+    Locally, a symbolic link to a folder is listed as an entry itself (it is
+    not followed: it could loop), so that nothing under `path` goes unlisted.
+    """
     if is_url(path):
         walked = ((root, files) for root, _, files in _gfile().walk(path))
     else:
-        walked = ((root, files) for root, _, files in os.walk(path))
+        walked = ((root, files + [d for d in dirs if os.path.islink(os.path.join(root, d))])
+                  for root, dirs, files in os.walk(path))
     found = []
     base = os.fspath(path).rstrip("/")
     for root, files in walked:

@@ -6,11 +6,12 @@ its workdir, and this module holds the code of each:
 1. **One run at a time** (`locked`): the chief holds an exclusive
    `fcntl.flock` on the workdir folder itself for the whole run. A second
    run in the same workdir is refused (exit 2) with the holder's pid, host
-   and start time, which the holder writes into `WORKDIR/.tfdp.lock`. The
-   lock is on the folder, not on that file: an editor that saves the file
-   again (a new file renamed over it) or an `rm` of it does not let a second
-   run in. The kernel drops the lock when its process dies, even on SIGKILL,
-   so a rerun after a kill resumes.
+   and start time, which the holder writes into `WORKDIR/.tfdp.lock` and
+   also flocks (network file systems lock a file across hosts, a folder
+   only on one). On one machine the folder's lock holds even when an editor
+   saves the file again (a new file renamed over it) or `rm` removes it.
+   The kernel drops the locks when their process dies, even on SIGKILL, so
+   a rerun after a kill resumes.
    On an object store (a gs:// workdir) the lock is a lease object
    (`tfdp.lease`): created only if absent, renewed while the run lives,
    taken over only once it has expired.
@@ -106,9 +107,10 @@ def locked(workdir, *, lease_seconds=lease_lib.LEASE_SECONDS,
 
     A local workdir is locked with `fcntl.flock` on the folder (an open file
     description of the directory), so replacing or deleting any file in it
-    does not release the lock. The file `.tfdp.lock` holds the holder's pid,
-    host and start time while it runs (for the refusal's message only), and
-    is deleted when the block ends, unless something else replaced it. If the block fails and
+    does not release the lock, and on the file `.tfdp.lock`, which holds the
+    holder's pid, host and start time, and which network file systems lock
+    across hosts (`_acquire`). The file is deleted when the block ends,
+    unless something else replaced it. If the block fails and
     the workdir was created here and holds nothing else, the workdir is
     removed again, so that a refused run leaves nothing behind. On a URL the
     lock is a lease object of the same name (`tfdp.lease`; `lease_seconds`
@@ -126,10 +128,9 @@ def locked(workdir, *, lease_seconds=lease_lib.LEASE_SECONDS,
             yield workdir
         return
     created = not os.path.isdir(workdir)
-    path = os.path.join(workdir, LOCK_FILE)
     try:
         os.makedirs(workdir, exist_ok=True)
-        fd, locks_file = _acquire(workdir)
+        folder_fd, file_fd = _acquire(workdir)
     except WorkdirLockedError:
         raise
     except OSError as e:
@@ -137,24 +138,19 @@ def locked(workdir, *, lease_seconds=lease_lib.LEASE_SECONDS,
             f"Cannot write into the workdir {workdir}: {e.strerror or e} "
             f"({type(e).__name__}). Choose a writable workdir (--workdir), or free space "
             "on its disk.") from None
-    try:
-        written = _write_holder(path, fd if locks_file else None)
-    except OSError as e:
-        os.close(fd)
-        raise WorkdirError(
-            f"Cannot write into the workdir {workdir}: {e.strerror or e} "
-            f"({type(e).__name__}). Choose a writable workdir (--workdir), or free space "
-            "on its disk.") from None
+    path = os.path.join(workdir, LOCK_FILE)
     try:
         yield workdir
     finally:
         with contextlib.suppress(OSError):
-            if os.stat(path).st_ino == written:  # not a file someone put in its place
-                os.unlink(path)
-        os.close(fd)  # releases the lock
+            if os.stat(path).st_ino == os.fstat(file_fd).st_ino:  # not a file put in its place
+                os.unlink(path)  # while still holding it: see _lock_file
         if created:
             with contextlib.suppress(OSError):
-                os.rmdir(workdir)  # only if empty: this run wrote nothing that stays
+                os.rmdir(workdir)  # only if empty; before unlocking (see _acquire)
+        os.close(file_fd)
+        if folder_fd is not None:
+            os.close(folder_fd)
 
 
 @contextlib.contextmanager
@@ -209,38 +205,64 @@ def _release(lease, workdir, created):
 
 
 def _acquire(workdir):
-    """Opens the folder `workdir` and flocks it (exclusive, non-blocking).
+    """Locks the workdir twice: its folder, and the file `.tfdp.lock` (exclusive flocks).
+
+    * The folder's lock (an open file description of the directory) holds
+      whatever happens to the files in it: an editor that saves `.tfdp.lock`
+      again (a new file renamed over it) or an `rm` of it does not release it.
+      After locking, the path must still name the locked folder (a run that
+      removed the folder it created, or a workdir moved aside, is retried).
+    * The file's lock is the one NFS (and other network file systems) pass to
+      the server, so it holds across hosts: a folder's flock there is local
+      to one machine. It also excludes runs of an older tfdp, which locked
+      only the file.
+
+    Both are dropped by the kernel when the process dies, even on SIGKILL.
 
     Returns:
-      `(fd, locks_file)`: the locked fd, and whether it is the lock file's
-      (`_acquire_file`, where the file system cannot flock a folder).
+      `(folder_fd, file_fd)`: folder_fd None where the file system cannot
+      flock a folder.
 
     Raises:
-      WorkdirLockedError: another open file description holds the lock (another
-        run); the message names the holder from its `.tfdp.lock`.
-      OSError: the folder cannot be opened or locked.
+      WorkdirLockedError: another run holds either lock; the message names
+        the holder from its `.tfdp.lock`.
+      OSError: the folder or the file cannot be opened or written.
     """
-    fd = os.open(workdir, os.O_RDONLY | os.O_DIRECTORY)
+    while True:
+        folder_fd = os.open(workdir, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            fcntl.flock(folder_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            os.close(folder_fd)
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise _in_use(workdir) from None
+            folder_fd = None  # no flock of a folder here: the file's lock alone
+            break
+        try:
+            here = os.stat(workdir)
+        except FileNotFoundError:
+            here = None
+        mine = os.fstat(folder_fd)
+        if here is not None and (here.st_dev, here.st_ino) == (mine.st_dev, mine.st_ino):
+            break
+        os.close(folder_fd)  # the folder was removed or replaced meanwhile: lock the new one
+        os.makedirs(workdir, exist_ok=True)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as e:
-        os.close(fd)
-        if e.errno in (errno.EBADF, errno.ENOLCK, errno.EINVAL, errno.EOPNOTSUPP):
-            return _acquire_file(workdir), True  # NFS: no exclusive flock of a folder
-        if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-            raise
-        raise _in_use(workdir) from None
-    return fd, False
+        file_fd = _lock_file(os.path.join(workdir, LOCK_FILE), workdir)
+    except BaseException:
+        if folder_fd is not None:
+            os.close(folder_fd)
+        raise
+    return folder_fd, file_fd
 
 
-def _acquire_file(workdir):
-    """`_acquire` where a folder cannot be flocked (NFS): flocks the file `.tfdp.lock`.
+def _lock_file(path, workdir):
+    """Opens and flocks `path`; writes the holder into it; returns the fd.
 
-    Weaker than the folder's lock: a lock file replaced by another file (an
-    editor's save) or deleted while the run holds it lets a second run in.
-    Said in a warning.
+    The holder deletes the lock file before it closes it, so a process that
+    opened the old file and got its lock after the holder closed it sees that
+    the path now names another file (or none) and tries again.
     """
-    path = os.path.join(workdir, LOCK_FILE)
     while True:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
@@ -251,45 +273,30 @@ def _acquire_file(workdir):
                 raise
             raise _in_use(workdir) from None
         try:
-            if os.fstat(fd).st_ino == os.stat(path).st_ino:
-                break
+            same = os.fstat(fd).st_ino == os.stat(path).st_ino
         except FileNotFoundError:
-            pass
-        os.close(fd)  # replaced meanwhile: lock the file the path names now
-    _warn(f"The file system of {workdir} cannot lock a folder, so this run locks the file "
-          f"{LOCK_FILE} instead: do not replace or delete it while the run lives, or a "
-          "second run could start in this workdir.")
+            same = False
+        if same:
+            break
+        os.close(fd)
+    holder = {"pid": os.getpid(), "host": socket.gethostname(),
+              "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds")}
+    try:
+        os.ftruncate(fd, 0)
+        os.write(fd, json.dumps(holder).encode())
+        os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        raise
     return fd
 
 
 def _in_use(workdir):
     return WorkdirLockedError(
-            f"The workdir {workdir} is in use by another run "
-            f"({_holder(os.path.join(workdir, LOCK_FILE))}). One workdir holds one run: wait "
-            "for that run to end, or use another workdir. (The lock is released when that "
-            "process ends, even if it is killed.)")
-
-
-def _write_holder(path, locked_fd=None):
-    """Writes the holder's pid, host and start time to `path`; returns the file's inode.
-
-    Written whole (a temporary file renamed over `path`), or, when the lock
-    is on the file itself (`locked_fd`), into that file.
-    """
-    holder = {"pid": os.getpid(), "host": socket.gethostname(),
-              "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds")}
-    if locked_fd is not None:
-        os.ftruncate(locked_fd, 0)
-        os.write(locked_fd, json.dumps(holder).encode())
-        os.fsync(locked_fd)
-        return os.fstat(locked_fd).st_ino
-    temporary = f"{path}.tmp-{os.getpid()}"
-    with open(temporary, "w") as f:
-        json.dump(holder, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(temporary, path)
-    return os.stat(path).st_ino
+        f"The workdir {workdir} is in use by another run "
+        f"({_holder(os.path.join(workdir, LOCK_FILE))}). One workdir holds one run: wait "
+        "for that run to end, or use another workdir. (The lock is released when that "
+        "process ends, even if it is killed.)")
 
 
 def _holder(path):
@@ -620,8 +627,7 @@ def remove_stale_temporaries(workdir):
 
     Called under the lock, so no other process is writing them.
     """
-    for pattern in (".export.tmp-*", ".export.old-*", ".report.tmp-*", FINISHED_FILE + ".tmp-*",
-                    LOCK_FILE + ".tmp-*"):
+    for pattern in (".export.tmp-*", ".export.old-*", ".report.tmp-*", FINISHED_FILE + ".tmp-*"):
         for path in storage.glob(workdir, pattern):
             storage.remove_any(path)
 
