@@ -397,8 +397,9 @@ def train_and_evaluate(
     with contextlib.ExitStack() as run:
         if chief:
             run.enter_context(workdir_lib.locked(workdir))
-        latest, finished = _check_workdir(workdir, mechanism, data_fingerprint, audit=audit,
-                                          sampling_seed=sampling_seed, noise_seed=noise_seed)
+        latest, finished = _check_workdir(workdir, mechanism, {"train": train, "test": test},
+                                          audit=audit, sampling_seed=sampling_seed,
+                                          noise_seed=noise_seed)
         if finished is not None:
             return finished
         out_dir = distribute.output_dir(workdir, dist)  # workdir, or a temp dir off the chief
@@ -699,7 +700,7 @@ def _test_examples(eval_examples, test):
     return min(eval_examples, test.num_examples)
 
 
-def _check_workdir(workdir, mechanism, data_fingerprint, *, audit, sampling_seed, noise_seed):
+def _check_workdir(workdir, mechanism, splits, *, audit, sampling_seed, noise_seed):
     """Stage 3: what the workdir allows this run to do; read only (the chief holds the lock).
 
     A workdir without a checkpoint to resume must hold no output of an
@@ -721,8 +722,9 @@ def _check_workdir(workdir, mechanism, data_fingerprint, *, audit, sampling_seed
     checkpoint is never resumed by a non-private run (`mechanism` a
     `NonPrivatePlan`), nor the other way round (`check_non_private_ledger`,
     `check_privacy_ledger`). Nor is it resumed, or its finished report
-    returned, on other data: `data_fingerprint` (`{"train": ..., "test": ...}`,
-    `tfdp.data.fingerprint`) must equal the one its ledger recorded.
+    returned, on other data: the fingerprints of `splits` (`{"train": ...,
+    "test": ...}`, the opened splits; `tfdp.data.fingerprint`) must equal the
+    ones its ledger recorded.
 
     Returns:
       `(latest, report)`: the checkpoint to resume (or None), and the
@@ -750,10 +752,10 @@ def _check_workdir(workdir, mechanism, data_fingerprint, *, audit, sampling_seed
             latest, mechanism, sampling_seed=sampling_seed, noise_seed=noise_seed)
     else:  # refuses a private run's checkpoint
         steps, saved_config = callbacks_lib.check_non_private_ledger(latest, mechanism.num_steps)
-    _check_same_data(workdir, latest, steps, data_fingerprint,
-                     resuming=steps < mechanism.num_steps)
     changes = resume_rule.changed_settings(saved_config, gin.config_str())
     refused = [change for change in changes if not change.resumable]
+    if not refused:  # (a changed split, dataset or source is refused below, by its name)
+        _check_same_data(workdir, latest, steps, splits, resuming=steps < mechanism.num_steps)
     harmless = "\n  ".join(line for change in changes if change.resumable
                            for line in change.lines())
     finished = workdir_lib.finished(workdir)
@@ -811,7 +813,7 @@ def _what_was_checked(record):
             "not covered)")
 
 
-def _check_same_data(workdir, latest, steps, data_fingerprint, *, resuming):
+def _check_same_data(workdir, latest, steps, splits, *, resuming):
     """Refuses a workdir whose checkpoint was trained on other data than this run reads.
 
     A checkpoint without fingerprints (an older tfdp) cannot be checked: its
@@ -831,7 +833,7 @@ def _check_same_data(workdir, latest, steps, data_fingerprint, *, resuming):
         logging.warning("%s: its checkpoint does not record which data it was trained on (an "
                         "older tfdp); its data cannot be compared with this run's.", workdir)
         return
-    changed = fingerprint.differences(saved, data_fingerprint)
+    changed = fingerprint.compare(saved, splits)
     if changed:
         raise ValueError(
             f"{workdir} holds a run of {steps} steps trained on other data than this command "
@@ -839,7 +841,9 @@ def _check_same_data(workdir, latest, steps, data_fingerprint, *, resuming):
             + "\nA resume must train on the examples its first steps were taken on: the "
             "accountant composes every step on one dataset, and the report's metrics are of "
             "one test set. Nothing was changed. Point data_dir (or $TFDS_DATA_DIR) at the data "
-            "the run started on, or use a new workdir for this data.")
+            "the run started on, or use a new workdir for this data. (The same dataset "
+            "prepared again by another TFDS or array_record version can differ in its bytes: "
+            "then too, use the files the run started on.)")
 
 
 @contextlib.contextmanager
