@@ -385,6 +385,7 @@ def train_and_evaluate(
     train, test = _load_data(dataset, train_split, test_split, data_dir=data_dir,
                              image_size=image_size, num_examples=mechanism.num_examples,
                              prepare_train=audit and audit.prepare_train)
+    data.check_duplicates(train, private=isinstance(mechanism, accounting.DPMechanism))
     image_shape = train.image_shape
     test_examples = _test_examples(eval_examples, test)
     data_fingerprint = {"train": fingerprint.split_fingerprint(train),
