@@ -382,3 +382,25 @@ def test_allowed_duplicates_are_listed_refused_by_a_private_run_and_warned_other
     clean_dir = _tiny_folder(tmp_path / "clean", ["a/1.jpg", "b/2.jpg"])
     assert _tool(f"--data_dir={clean_dir}", "--split=train").returncode == 0
     data.check_duplicates(_open(clean_dir, image_size=8), private=True)  # nothing to refuse
+
+
+def test_a_private_run_on_a_table_with_duplicates_is_refused_before_it_trains(tmp_path,
+                                                                              run_smoke):
+    data_dir = _tiny_folder(tmp_path, ["a/1.jpg", "a/2.jpg", "b/3.jpg"])
+    _symlinked_class(data_dir)
+    for relative in ("a/4.jpg", "b/5.jpg", "c/6.jpg"):
+        path = os.path.join(data_dir, "validation", relative)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "wb") as f:
+            f.write(_jpeg(len(relative) + ord(relative[0])))
+    for split in ("train", "validation"):
+        jpeg_folder.index_split(data_dir, split, allow_duplicates=True)
+    workdir = tmp_path / "wd"
+    with pytest.raises(ValueError, match=r"lists 2 images more than once .*--allow_duplicates.*"
+                                         r"sensitivity doubles"):
+        run_smoke(workdir, ["imagenet.gin"], [
+            "tfdp.train_and_evaluate.dataset = 'imagenet2012'", "BATCH_SIZE = 4",
+            "IMAGE_SIZE = 8", "NUM_EXAMPLES = 5", f"DATA_DIR = '{data_dir}'",
+            "tfdp.train_and_evaluate.train_split = 'train'",
+            "tfdp.data.open_split.source = 'jpeg_folder'"], mock=False)
+    assert not workdir.exists()  # refused before the workdir was touched
