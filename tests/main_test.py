@@ -202,7 +202,9 @@ def test_a_binding_of_a_function_the_run_never_calls_is_refused(binding, called)
     # The functions the run does call may be bound, by their short names too,
     # including those train_and_evaluate calls itself (the shipped configs bind
     # open_split.source: their CI run failed when it was not counted as called).
+    # (make_strategy's devices with the strategy that reads them: tests/unread_arguments_test.py.)
     assert _parse(["fashion_mnist.gin"], ["build_optimizer.momentum = 0.5",
+                                          "tfdp.train_and_evaluate.strategy = 'mirrored'",
                                           "tfdp.training.make_strategy.devices = None",
                                           "open_split.source = 'in_memory'"]) == 1172
 

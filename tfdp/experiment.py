@@ -32,6 +32,7 @@ from absl import logging
 from tfdp import accounting
 from tfdp import augment
 from tfdp import data
+from tfdp import gin_bindings
 from tfdp import host
 from tfdp import models
 from tfdp import storage
@@ -342,7 +343,7 @@ def train_and_evaluate(
 
     # 1. The mechanism and every other setting, before any I/O.
     checkpoint_every_steps = _checkpoint_interval(checkpoint_every_steps, eval_every_steps)
-    _check_augmentation(features, augmentation, augmult, augtest)
+    _check_augmentation(features, augmentation, augmentation_kwargs, augmult, augtest)
     if clipping not in CLIPPING_PATHS or not isinstance(jit_compile, bool):
         raise ValueError(
             f"clipping={clipping!r} and jit_compile={jit_compile!r}: clipping must be one of "
@@ -646,8 +647,8 @@ def _non_private_truncation(static_batch_size, plan, strategy, accumulation_step
                                  num_replicas=num_replicas, truncation_probability=eta)
 
 
-def _check_augmentation(features, augmentation, augmult, augtest):
-    """Refuses augmentation settings that would be silently wrong."""
+def _check_augmentation(features, augmentation, augmentation_kwargs, augmult, augtest):
+    """Refuses augmentation settings that would be silently wrong, before any I/O."""
     if features is not None and (augmult > 0 or augmentation is not None):
         raise ValueError(
             f"features={features!r} are computed once from the un-augmented images, so "
@@ -656,6 +657,26 @@ def _check_augmentation(features, augmentation, augmult, augtest):
         )
     if augtest and augmult < 1:
         raise ValueError("augtest needs an augmentation and augmult >= 1 (the K views).")
+    if augmentation_kwargs and augmentation in (None, "none"):
+        raise ValueError(
+            f"augmentation_kwargs={augmentation_kwargs!r} with augmentation={augmentation!r}: "
+            "no augmentation reads them (augmult's views are then the images themselves), so "
+            "the run would drop them. Set an augmentation (tfdp.train_and_evaluate."
+            f"augmentation, one of {sorted(set(augment.AUGMENTATIONS) - {'none'})}), or remove "
+            "them.")
+    if augmult > 0 or augmentation is not None:  # the keywords, checked as stage 7 uses them
+        augment.get_augmentation(augmentation or "none", **(augmentation_kwargs or {}))
+
+
+# From gin, a bound augmentation_kwargs that the run's augmentation would not read is
+# refused before the run starts (`tfdp.main`): every augmentation that takes keywords reads it.
+gin_bindings.declare_branches(
+    "tfdp.train_and_evaluate", setting=("tfdp.train_and_evaluate", "augmentation"),
+    what="augmentation", reads={
+        name: ("augmentation_kwargs",) if any(
+            p.kind is inspect.Parameter.KEYWORD_ONLY
+            for p in inspect.signature(fn).parameters.values()) else ()
+        for name, fn in augment.AUGMENTATIONS.items()})
 
 
 def _load_data(dataset, train_split, test_split, *, data_dir, image_size, num_examples,

@@ -117,6 +117,7 @@ def parse_config(gin_files, gin_params):
         raise ConfigError(f"Could not parse the gin config {paths} {gin_params}: {e}") from e
     _check_macros_are_used(files_config, gin_params)
     _check_bindings_are_called()
+    _check_arguments_are_read(files_config)
     return paths
 
 
@@ -310,6 +311,35 @@ def _check_bindings_are_called():
             f"{', '.join(sorted(called))}. Remove the binding, or make the run call that "
             "function (e.g. tfdp.train_and_evaluate.model_fn = @tfdp.models.build_wide_resnet "
             "to train a WRN).")
+
+
+def _check_arguments_are_read(files_config=""):
+    """Refuses a bound argument that the run's branch of its function would not read.
+
+    `build_optimizer.beta_1` is read only by Adam, `momentum` only by the "momentum"
+    optimizer, `make_strategy.tpu` only under the TPU strategy, `augmentation_kwargs` only
+    with an augmentation (`tfdp.gin_bindings.declare_branches`); gin would pass such a
+    value, the run would drop it, and operative_config.gin would list it. A value of the
+    gin files that a --gin_param made unread by choosing another branch (gin cannot unbind
+    it) is accepted, with a warning that names it.
+
+    Raises:
+      ConfigError: naming each binding, the branch that reads it, the run's branch, and
+        the fix.
+    """
+    import gin  # pylint: disable=g-import-not-at-top
+
+    from tfdp import gin_bindings  # pylint: disable=g-import-not-at-top
+
+    refused, switched = gin_bindings.unread_arguments(gin.config_str(max_line_length=100_000),
+                                                      files_config or None)
+    for text in switched:
+        logging.warning("%s. The run ignores it.", text)
+    if refused:
+        raise ConfigError(
+            f"Gin binding(s) of an argument this run would not read: {'; '.join(refused)}. "
+            "Gin would pass the value, the run would drop it, and operative_config.gin would "
+            "still list it.")
 
 
 def error_message(error: BaseException) -> str:

@@ -80,7 +80,23 @@ import gin
 import tensorflow as tf
 from absl import logging
 
+from tfdp import gin_bindings
+
 STRATEGIES = ("default", "mirrored", "multi_worker_mirrored", "tpu")
+
+# The arguments of `make_strategy` that each strategy reads (the run's strategy is
+# `tfdp.train_and_evaluate.strategy`). A bound argument that it does not read (`tpu` or
+# `devices` under "default") is refused before the run starts (`tfdp.main`).
+READS = {
+    "default": (),
+    "mirrored": ("devices",),
+    "multi_worker_mirrored": ("worker_timeout_s", "wait_log_every_s"),
+    "tpu": ("tpu",),
+}
+gin_bindings.declare_branches("tfdp.training.make_strategy",
+                              setting=("tfdp.train_and_evaluate", "strategy"),
+                              what="strategy", reads=READS)
+
 
 
 # How long a multi_worker_mirrored worker waits for the others to start, and how often it

@@ -8,7 +8,19 @@ costs no privacy (Abadi et al. 2016; De et al. 2022, App. C.3).
 import gin
 import keras
 
+from tfdp import gin_bindings
+
 OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")
+
+# The arguments of `build_optimizer` that each optimizer reads. A bound argument that the
+# chosen optimizer does not read (`beta_1` for "momentum", `momentum` for "sgd", a
+# `weight_decay` for "adam") is refused before the run starts (`tfdp.main`).
+READS = {
+    "sgd": ("learning_rate", "weight_decay"),
+    "momentum": ("learning_rate", "momentum", "weight_decay"),
+    "adam": ("learning_rate", "beta_1", "beta_2", "epsilon"),
+    "adamw": ("learning_rate", "weight_decay", "beta_1", "beta_2", "epsilon"),
+}
 
 
 @gin.configurable(module="tfdp.training")
@@ -21,7 +33,7 @@ def build_optimizer(name="sgd", *, learning_rate=gin.REQUIRED, momentum=0.9,
         2022, App. C.3 and TAN), "momentum" (SGD with `momentum`, as in Tramer
         & Boneh 2021, App. C.5), "adam" or "adamw" (with `weight_decay`).
       learning_rate: the constant step size (per optimizer update).
-      momentum: for "momentum" only.
+      momentum: for "momentum" only ("sgd" has none).
       weight_decay: lambda >= 0. For "sgd" and "momentum", L2 regularization
         added to the (noisy, clipped) gradient before momentum, g + lambda w,
         as in De et al. 2022's code (jax_privacy; Sec. 4.1 and App. C: 5e-5
@@ -36,6 +48,9 @@ def build_optimizer(name="sgd", *, learning_rate=gin.REQUIRED, momentum=0.9,
     Raises:
       ValueError: for an unknown name (the message lists OPTIMIZERS), a
         negative weight_decay, or a weight_decay that `name` would not apply.
+        (`READS` lists the arguments each name reads; from gin, a bound
+        argument that `name` does not read is refused before the run,
+        `tfdp.main`.)
     """
     if not weight_decay >= 0:
         raise ValueError(f"weight_decay must be >= 0, got {weight_decay!r}.")
@@ -53,6 +68,11 @@ def build_optimizer(name="sgd", *, learning_rate=gin.REQUIRED, momentum=0.9,
         return keras.optimizers.AdamW(learning_rate, weight_decay=weight_decay,
                                       beta_1=beta_1, beta_2=beta_2, epsilon=epsilon)
     raise ValueError(f"Unknown optimizer {name!r}; choose one of {', '.join(OPTIMIZERS)}.")
+
+
+gin_bindings.declare_branches("tfdp.training.build_optimizer",
+                              setting=("tfdp.training.build_optimizer", "name"),
+                              what="optimizer", reads=READS)
 
 
 @keras.saving.register_keras_serializable(package="tfdp")
