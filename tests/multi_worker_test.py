@@ -14,6 +14,8 @@ import re
 import socket
 import subprocess
 import sys
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -377,4 +379,75 @@ def test_a_worker_that_never_starts_stops_the_run_with_its_name(tmp_path):
                      rf"{ports[1]}\) of TF_CONFIG to start, and it has not\..*worker_timeout_s "
                      r"\(now 4 s\)", proc.stderr), proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "workdir").exists()
+
+
+# -- Issue 36, Sec. 5: a busy port is not a worker; two tasks on one address --------------
+
+
+def _worker0_command(tmp_path, cluster, *params):
+    wrapper = tmp_path / "run_tfdp.py"
+    wrapper.write_text(_WRAPPER)
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "TFDP_TEST_SEED_FILE": str(tmp_path / "s"),
+           "TF_CONFIG": json.dumps({"cluster": cluster,
+                                    "task": {"type": "worker", "index": 0}})}
+    command = [
+        sys.executable, str(wrapper), f"--workdir={tmp_path / 'workdir'}",
+        "--gin_file=fashion_mnist.gin", "--gin_file=smoke.gin",
+        *[f"--gin_param={p}" for p in (
+            "NUM_EXAMPLES = 64", "BATCH_SIZE = 16",
+            "tfdp.train_and_evaluate.strategy = 'multi_worker_mirrored'", *params)]]
+    return command, env
+
+
+def test_two_tasks_with_the_same_address_are_refused_at_start(tmp_path):
+    # Before: worker 0 probed worker 1's address, reached its own listener, and then waited
+    # in TensorFlow's cluster setup forever, printing nothing (killed here after 120 s).
+    (port,) = _free_ports(1)
+    command, env = _worker0_command(
+        tmp_path, {"worker": [f"127.0.0.1:{port}", f"127.0.0.1:{port}"]})
+    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert (f"tfdp: error: TF_CONFIG gives worker 0 and worker 1 the same address "
+            f"127.0.0.1:{port}: every task needs its own host:port") in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "workdir").exists()
+
+
+@pytest.mark.slow  # a whole CLI start and a 4 s wait (about 20 s); distribute_test has the unit
+def test_a_port_held_by_a_stale_process_is_not_taken_for_the_worker(tmp_path):
+    # Before: the stale listener answered on worker 1's port, worker 0 took it for worker 1,
+    # and waited in TensorFlow's cluster setup forever with no output (killed here at 120 s).
+    (mine,) = _free_ports(1)
+    with socket.socket() as stale:
+        stale.bind(("127.0.0.1", 0))
+        stale.listen()
+        theirs = stale.getsockname()[1]
+        command, env = _worker0_command(
+            tmp_path, {"worker": [f"127.0.0.1:{mine}", f"127.0.0.1:{theirs}"]},
+            "tfdp.training.make_strategy.worker_timeout_s = 4",
+            "tfdp.training.make_strategy.wait_log_every_s = 1")
+        proc = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, text=True)
+        lines = []  # (when, line), as the worker writes them
+        reader = threading.Thread(target=lambda: lines.extend(
+            (time.monotonic(), line) for line in proc.stderr))
+        reader.start()
+        try:
+            proc.wait(timeout=120)
+            ended = time.monotonic()
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            reader.join(timeout=10)
+    first_wait = min((when for when, line in lines if "is waiting for" in line), default=None)
+    stderr = "".join(line for _, line in lines)
+    assert proc.returncode == 2, stderr[-3000:]
+    assert first_wait is not None and ended - first_wait < 4 + 6, (ended - first_wait, stderr)
+    assert (f"waiting for 1 of the 1 other workers of TF_CONFIG to start: worker 1 (127.0.0.1:"
+            f"{theirs}: something answers there, but not as a tfdp worker: a stale process or "
+            "another service?)") in stderr
+    assert re.search(rf"tfdp: error: worker 0 waited \d+ s for worker 1 \(127.0.0.1:{theirs}: "
+                     r"something answers there, but not as a tfdp worker", stderr), stderr[-3000:]
+    assert "Traceback" not in stderr
     assert not (tmp_path / "workdir").exists()

@@ -15,6 +15,7 @@ import fcntl
 import json
 import logging
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -503,3 +504,116 @@ def test_workers_that_start_are_found_and_see_each_other():
     for server in servers:
         server.close()
     assert not first.is_alive() and errors == [] and len(servers) == 2
+
+
+# -- Issue 36, Sec. 5: only a real worker counts as started; two tasks on one address --
+
+
+def test_two_tasks_with_the_same_address_are_refused_at_once(monkeypatch):
+    # Before: worker 0 listened on the address, probed "worker 1" there, reached itself,
+    # and MultiWorkerMirroredStrategy() then waited for worker 1 forever, silently.
+    port = _free_port()
+    config = {"cluster": {"worker": [f"127.0.0.1:{port}", f"127.0.0.1:{port}"]},
+              "task": {"type": "worker", "index": 0}}
+    start = time.monotonic()
+    with pytest.raises(ValueError, match=rf"TF_CONFIG gives worker 0 and worker 1 the same "
+                       rf"address 127.0.0.1:{port}: every task needs its own host:port"):
+        distribute.wait_for_workers(config, timeout_s=30, log_every_s=10)
+    assert time.monotonic() - start < 5
+    monkeypatch.setenv("TF_CONFIG", json.dumps({
+        "cluster": {"chief": ["host0:2222"], "worker": ["HOST0:2222", "host1:2222"]},
+        "task": {"type": "worker", "index": 1}}))
+    with pytest.raises(ValueError, match=r"TF_CONFIG gives chief 0 and worker 0 the same "
+                       r"address host0:2222"):
+        distribute.make_strategy("multi_worker_mirrored")
+
+
+def test_a_port_held_by_another_process_is_not_a_worker_and_the_wait_ends(caplog):
+    # Before: anything that accepted a connection on worker 1's port (a stale process,
+    # another service) counted as worker 1, and TensorFlow's cluster setup then waited forever.
+    mine = _free_port()
+    with socket.socket() as stale:
+        stale.bind(("127.0.0.1", 0))
+        stale.listen()  # accepts connections (the kernel's backlog), says nothing
+        theirs = stale.getsockname()[1]
+        config = {"cluster": {"worker": [f"127.0.0.1:{mine}", f"127.0.0.1:{theirs}"]},
+                  "task": {"type": "worker", "index": 0}}
+        start = time.monotonic()
+        with caplog.at_level(logging.WARNING):
+            with pytest.raises(ValueError, match=rf"worker 0 waited \d+ s for worker 1 "
+                               rf"\(127.0.0.1:{theirs}: something answers there, but not as a "
+                               r"tfdp worker: a stale process or another service\?\) of "
+                               r"TF_CONFIG to start.*worker_timeout_s \(now 2 s\)"):
+                distribute.wait_for_workers(config, timeout_s=2, log_every_s=0.5)
+        assert 2 <= time.monotonic() - start < 8
+    waits = [r.getMessage() for r in caplog.records if "is waiting for" in r.getMessage()]
+    assert waits and "not as a tfdp worker" in waits[0], waits
+
+
+def test_a_worker_that_answers_as_another_task_is_not_taken_for_it():
+    # Worker 1's address reaches a tfdp worker that is task 0 of its TF_CONFIG (e.g. a
+    # TF_CONFIG copied to both hosts without changing the index).
+    ports = [_free_port(), _free_port()]
+    cluster = {"worker": [f"127.0.0.1:{port}" for port in ports]}
+    errors = []
+
+    def impostor():  # listens on worker 1's port, but as worker 0 of another cluster
+        try:
+            distribute.wait_for_workers(
+                {"cluster": {"worker": [f"127.0.0.1:{ports[1]}", "127.0.0.1:1"]},
+                 "task": {"type": "worker", "index": 0}}, timeout_s=3, log_every_s=10)
+        except ValueError as e:
+            errors.append(e)
+
+    thread = threading.Thread(target=impostor)
+    thread.start()
+    time.sleep(0.5)
+    with pytest.raises(ValueError, match=rf"worker 1 \(127.0.0.1:{ports[1]}: a tfdp worker "
+                       r"answers there as worker 0 of another TF_CONFIG cluster\)"):
+        distribute.wait_for_workers({"cluster": cluster, "task": {"type": "worker", "index": 0}},
+                                    timeout_s=2, log_every_s=10)
+    thread.join(timeout=10)
+    assert not thread.is_alive() and len(errors) == 1
+
+
+_JOIN_SCRIPT = r'''
+import json, os, sys, threading
+from absl import logging
+from tfdp.training import distribute
+logging.use_absl_handler()
+logging.set_verbosity(logging.INFO)
+ports = [int(p) for p in sys.argv[1:3]]
+cluster = {"worker": [f"127.0.0.1:{port}" for port in ports]}
+os.environ["TF_CONFIG"] = json.dumps({"cluster": cluster,
+                                      "task": {"type": "worker", "index": 0}})
+# Worker 1 passes tfdp's start check (in this process), then never starts TensorFlow: as a
+# worker that stops between the two.
+peer = threading.Thread(target=distribute.wait_for_workers, daemon=True, args=(
+    {"cluster": cluster, "task": {"type": "worker", "index": 1}},), kwargs={"timeout_s": 30})
+peer.start()
+distribute.make_strategy("multi_worker_mirrored", worker_timeout_s=float(sys.argv[3]))
+print("the strategy was built")
+'''
+
+
+def test_the_wait_for_tensorflow_s_cluster_is_bounded_too(tmp_path):
+    # Before: MultiWorkerMirroredStrategy() waited for worker 1 forever, with no output,
+    # holding the interpreter (no Python thread or signal handler ran) and catching SIGTERM.
+    script = tmp_path / "join.py"
+    script.write_text(_JOIN_SCRIPT)
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.Popen([sys.executable, str(script), str(_free_port()), str(_free_port()),
+                             "3"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode != 0 and "the strategy was built" not in out, err[-3000:]
+    assert re.search(r"worker 0 is joining TensorFlow's cluster of TF_CONFIG \(2 workers; at "
+                     r"most 3 s, tfdp.training.make_strategy.worker_timeout_s\)", err), err[-3000:]
+    assert re.search(r"tfdp: error: worker 0: TensorFlow's cluster of TF_CONFIG did not form "
+                     r"within 3 s.*worker 1 \(127.0.0.1:\d+\)", err), err[-3000:]
+    assert "Traceback" not in err
