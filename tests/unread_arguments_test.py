@@ -192,3 +192,19 @@ def test_augmentation_kwargs_that_the_augmentation_refuses_stop_the_run_before_t
             "tfdp.train_and_evaluate.augmult = 1",
             "tfdp.train_and_evaluate.augmentation_kwargs = {'pading': 4}"])
     assert not (tmp_path / "wd").exists()
+
+
+def test_operative_config_says_which_file_binding_the_switch_left_unread(tmp_path, run_smoke):
+    # gin still lists the file's momentum = 0.9 among build_optimizer's values; the file the
+    # run writes says, first, that the run did not read it.
+    run_smoke(tmp_path / "wd", ["fashion_mnist.gin"], [
+        "TARGET_EPSILON = None", "NOISE_MULTIPLIER = 1.0",
+        "tfdp.training.build_optimizer.name = 'adam'",
+        "tfdp.training.build_optimizer.learning_rate = 0.001"])
+    text = (tmp_path / "wd" / "operative_config.gin").read_text()
+    assert text.startswith("# NOT READ by this run: A --gin_param chose the optimizer 'adam' "
+                           "(tfdp.training.build_optimizer.name), so the config's "
+                           "tfdp.training.build_optimizer.momentum = 0.9 is not read"), text[:400]
+    run_smoke(tmp_path / "plain", ["fashion_mnist.gin"],
+              ["TARGET_EPSILON = None", "NOISE_MULTIPLIER = 1.0"])
+    assert "NOT READ" not in (tmp_path / "plain" / "operative_config.gin").read_text()

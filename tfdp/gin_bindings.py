@@ -215,6 +215,11 @@ def _branch_value(setting, scope, bindings):
     return default_value(setting), False
 
 
+# The bindings of the gin files that this run's --gin_param made unread (set by
+# `tfdp.main`); operative_config.gin lists them as not read.
+NOT_READ = []
+
+
 def unread_arguments(config_text: str, files_text: str = None):
     """The bound arguments that their configurable's branch would not read.
 

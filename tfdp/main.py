@@ -333,6 +333,7 @@ def _check_arguments_are_read(files_config=""):
 
     refused, switched = gin_bindings.unread_arguments(gin.config_str(max_line_length=100_000),
                                                       files_config or None)
+    gin_bindings.NOT_READ[:] = switched  # operative_config.gin says so, at its top
     for text in switched:
         logging.warning("%s. The run ignores it.", text)
     if refused:

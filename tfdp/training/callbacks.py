@@ -194,7 +194,12 @@ def _duration(seconds):
 
 
 class OperativeConfigSaver(keras.callbacks.Callback):
-    """Writes `gin.operative_config_str()` after the first training step."""
+    """Writes `gin.operative_config_str()` after the first training step.
+
+    Bindings that gin passes but the run does not read (a config file's
+    `momentum` after a --gin_param chose Adam: `tfdp.gin_bindings.NOT_READ`)
+    are listed first, under a comment that says so.
+    """
 
     def __init__(self, path):
         super().__init__()
@@ -203,7 +208,12 @@ class OperativeConfigSaver(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch, logs=None):
         if not self._done:
-            storage.write_whole(self.path, gin.operative_config_str())
+            from tfdp import gin_bindings  # pylint: disable=g-import-not-at-top
+
+            header = "".join(f"# NOT READ by this run: {text}\n"
+                             for text in gin_bindings.NOT_READ)
+            storage.write_whole(self.path, header + ("\n" if header else "")
+                                + gin.operative_config_str())
             self._done = True
 
 
