@@ -356,21 +356,11 @@ def test_the_pure_tf_input_reads_each_worker_s_share_and_matches_one_worker(tmp_
 @pytest.mark.slow  # a whole CLI start (about 30 s); the waiting is tested in distribute_test
 def test_a_worker_that_never_starts_stops_the_run_with_its_name(tmp_path):
     # Before: worker 0 printed nothing, for as long as one waited (and ignored SIGTERM).
-    wrapper = tmp_path / "run_tfdp.py"
-    wrapper.write_text(_WRAPPER)
     ports = _free_ports(2)
-    cluster = {"worker": [f"127.0.0.1:{port}" for port in ports]}
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "TFDP_TEST_SEED_FILE": str(tmp_path / "s"),
-           "TF_CONFIG": json.dumps({"cluster": cluster,
-                                    "task": {"type": "worker", "index": 0}})}
-    command = [
-        sys.executable, str(wrapper), f"--workdir={tmp_path / 'workdir'}",
-        "--gin_file=fashion_mnist.gin", "--gin_file=smoke.gin",
-        *[f"--gin_param={p}" for p in (
-            "NUM_EXAMPLES = 64", "BATCH_SIZE = 16",
-            "tfdp.train_and_evaluate.strategy = 'multi_worker_mirrored'",
-            "tfdp.training.make_strategy.worker_timeout_s = 4",
-            "tfdp.training.make_strategy.wait_log_every_s = 1")]]
+    command, env = _worker0_command(
+        tmp_path, {"worker": [f"127.0.0.1:{port}" for port in ports]},
+        "tfdp.training.make_strategy.worker_timeout_s = 4",
+        "tfdp.training.make_strategy.wait_log_every_s = 1")
     proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert f"waiting for 1 of the 1 other workers of TF_CONFIG to start: worker 1 " \

@@ -203,7 +203,7 @@ def test_the_lock_holds_across_processes(tmp_path):
         assert holder.stdout.readline().strip() == "held"
         os.replace(workdir / ".tfdp.lock", tmp_path / "gone")
         with pytest.raises(workdir_lib.WorkdirLockedError,
-                           match=rf"is in use by another run \(a process whose .tfdp.lock is "
+                           match=r"is in use by another run \(a process whose .tfdp.lock is "
                                  r"not yet written, or was replaced or deleted since\)"):
             with workdir_lib.locked(workdir):
                 pass
