@@ -234,3 +234,23 @@ def test_a_corrupt_record_of_a_large_split_is_named_when_read(synthetic_imagenet
                      str(source.read_error)), str(source.read_error)
     with pytest.raises(data.DatasetNotFoundError, match=shard.name):
         data.raise_read_error(source)
+
+
+def test_the_data_readers_and_preparers_do_not_import_each_other():
+    # fashion_mnist imported tfds_source (check_split_files) and tfds_source imported
+    # fashion_mnist (DATASET_NAME): a cycle, broken by a function-level import. The names and
+    # commands both need now live in tfdp.data.preparation.
+    import ast  # pylint: disable=g-import-not-at-top
+    import pathlib  # pylint: disable=g-import-not-at-top
+
+    import tfdp  # pylint: disable=g-import-not-at-top
+
+    def imports(module):
+        tree = ast.parse((pathlib.Path(tfdp.__file__).parent / "data" / f"{module}.py")
+                         .read_text())
+        return {alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+                and node.module == "tfdp.data" for alias in node.names}
+
+    assert "fashion_mnist" not in imports("tfds_source")
+    assert "tfds_source" in imports("fashion_mnist")
+    assert not {"fashion_mnist", "tfds_source"} & imports("preparation")

@@ -34,10 +34,13 @@ import tensorflow as tf
 import tensorflow_datasets as tfds
 from tensorflow_datasets.image_classification import mnist
 
-DATASET_NAME = "fashion_mnist"  # the stock TFDS name, read back by tfds.data_source
+from tfdp.data import preparation
+from tfdp.data import tfds_source
+
+DATASET_NAME = preparation.FASHION_MNIST
 DEFAULT_SOURCE_DIR = pathlib.Path("/usr/share/datasets/fashion-mnist")
-INSTALL_COMMAND = "apt-get update && apt-get install dataset-fashion-mnist"
-REINSTALL_COMMAND = "apt-get install --reinstall dataset-fashion-mnist"
+INSTALL_COMMAND = preparation.INSTALL_COMMAND
+REINSTALL_COMMAND = preparation.REINSTALL_COMMAND
 
 # The four IDX files, named as in the Fashion-MNIST release (and the Debian
 # package); the stock builder asks for the same basenames.
@@ -106,7 +109,6 @@ def prepare_fashion_mnist(source_dir=DEFAULT_SOURCE_DIR, data_dir=None):
       OSError: a write failed during the conversion (no space left, a file size
         limit); this run's partial files are removed first.
     """
-    from tfdp.data import tfds_source  # pylint: disable=g-import-not-at-top  (a cycle)
 
     builder = tfds_source.open_builder(  # as on disk; a garbage dataset_info.json: refused
         lambda: _LocalFashionMNIST(source_dir=source_dir, data_dir=data_dir), DATASET_NAME,

@@ -28,7 +28,9 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_datasets as tfds
 
-DATASET_NAME = "synthetic_imagenet"
+from tfdp.data import preparation
+
+DATASET_NAME = preparation.SYNTHETIC_IMAGENET
 NUM_CLASSES = 1000  # as imagenet2012
 JPEG_QUALITY = 90
 _NOISE_STD = 14.0  # pixel noise on top of the smooth field; sets the JPEG size (~22 KB)

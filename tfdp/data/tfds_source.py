@@ -30,8 +30,8 @@ import tensorflow as tf
 import tensorflow_datasets as tfds
 
 from tfdp.data import errors
-from tfdp.data import fashion_mnist
-from tfdp.data import synthetic_imagenet
+from tfdp.data import preparation
+from tfdp.data import synthetic_imagenet  # noqa: F401  (registers its TFDS builder)
 
 # TFDS 4.9's `tfds` command line imports apache_beam and mlcroissant at start-up but does
 # not declare them.
@@ -232,12 +232,7 @@ def _damaged_dataset_info(name, data_dir):
             reason = " ".join(str(e).split()).rstrip(".") or type(e).__name__
         if reason is None:
             continue
-        if dataset == fashion_mnist.DATASET_NAME:
-            command = f"python tools/prepare_fashion_mnist.py --data_dir={root}"
-        elif dataset == synthetic_imagenet.DATASET_NAME:
-            command = f"python tools/make_synthetic_imagenet.py --data_dir={root}"
-        else:
-            command = f"tfds build {dataset} --data_dir={root} --file_format=array_record"
+        command = preparation.prepare_command(dataset, root)
         return (f"{info} is not a valid TFDS dataset_info.json ({reason}): the dataset in "
                 f"{info.parent} is damaged. Delete that folder and run {command} again.")
     return None
@@ -436,13 +431,13 @@ def _not_prepared_message(builder):
         f"in {data_dir} (looked for {builder.data_dir}). tfdp never downloads "
         "(TFDS downloads are off)."
     )
-    if builder.name == fashion_mnist.DATASET_NAME:
+    if builder.name == preparation.FASHION_MNIST:
         return (
             f"{header} Convert the local Fashion-MNIST files once:\n"
-            f"  {fashion_mnist.INSTALL_COMMAND}\n"
+            f"  {preparation.INSTALL_COMMAND}\n"
             f"  python tools/prepare_fashion_mnist.py --data_dir={data_dir}"
         )
-    if builder.name == synthetic_imagenet.DATASET_NAME:
+    if builder.name == preparation.SYNTHETIC_IMAGENET:
         return (
             f"{header} Generate it once, e.g.:\n"
             f"  python tools/make_synthetic_imagenet.py --data_dir={data_dir} "
