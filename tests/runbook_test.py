@@ -1,6 +1,6 @@
-"""BUILD.md's v4-32 pod runbook command, run here up to the TPU itself.
+"""docs/runbooks.md's v4-32 pod runbook command, run here up to the TPU itself.
 
-The command is read from BUILD.md (so the documented command is what is
+The command is read from docs/runbooks.md (so the documented command is what is
 tested), with ram:// (TensorFlow's in-memory file system) standing in for
 gs:// (the data: a synthetic ImageNet-shaped JPEG folder written there and
 indexed; the workdir: locked by a lease object), the default strategy
@@ -21,11 +21,11 @@ from tests.imagenet_local_test import SMOKE_PARAMS
 from tfdp import workdir as workdir_lib
 from tfdp.data import synthetic_imagenet
 
-BUILD_MD = os.path.join(os.path.dirname(__file__), os.pardir, "BUILD.md")
+RUNBOOKS_MD = os.path.join(os.path.dirname(__file__), os.pardir, "docs", "runbooks.md")
 
 
 def _runbook_command():
-    text = open(BUILD_MD).read()
+    text = open(RUNBOOKS_MD, encoding="utf-8").read()
     block = text.split("<!-- runbook:v4-32 -->", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
     args = shlex.split(block.replace("\\\n", " "))
     assert args[:3] == ["python", "-m", "tfdp.main"], args
