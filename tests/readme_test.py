@@ -78,3 +78,84 @@ def test_a_tf_data_dataset_of_pairs_is_accepted():
     with pytest.raises(ValueError, match="single .* pairs, not batches"):
         tfdp.make_private(model, dataset.batch(5), noise_multiplier=1.0, target_delta=1e-5,
                           batch_size=10, num_steps=2, l2_clip_norm=1.0, optimizer="sgd")
+
+
+# The docs: README is the entry, each topic's detail is a page under docs/ linked from it.
+
+ROOT = os.path.join(os.path.dirname(__file__), "..")
+DOCS = os.path.join(ROOT, "docs")
+
+
+def _pages():
+    return sorted(name for name in os.listdir(DOCS) if name.endswith(".md"))
+
+
+def _read(path):
+    return open(path, encoding="utf-8").read()
+
+
+def _prose(text):
+    """The text outside fenced code blocks."""
+    return re.sub(r"^ *```.*?^ *```", "", text, flags=re.S | re.M)
+
+
+def _anchors(text):
+    """GitHub's heading anchors: lower case, punctuation dropped, spaces to hyphens."""
+    seen, anchors = {}, set()
+    for heading in re.findall(r"^#{1,6} (.+)$", _prose(text), flags=re.M):
+        slug = re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+        count = seen.get(slug, 0)
+        seen[slug] = count + 1
+        anchors.add(slug if count == 0 else f"{slug}-{count}")
+    return anchors
+
+
+def _links(text):
+    return re.findall(r"\]\(([^)\s]+)\)", _prose(text))
+
+
+def test_readme_is_the_entry_and_links_every_page():
+    text = _read(README)
+    assert len(text.splitlines()) <= 220, "README is the entry: move detail into a docs/ page"
+    linked = {os.path.normpath(link.split("#")[0]) for link in _links(text)}
+    for page in _pages():
+        assert os.path.join("docs", page) in linked, f"README does not link docs/{page}"
+
+
+def test_every_relative_link_in_the_docs_resolves():
+    files = [README, os.path.join(ROOT, "BUILD.md")] + [os.path.join(DOCS, p) for p in _pages()]
+    for path in files:
+        for link in _links(_read(path)):
+            if re.match(r"[a-z]+:", link):
+                continue  # https:, mailto:
+            target, _, anchor = link.partition("#")
+            target = os.path.normpath(os.path.join(os.path.dirname(path), target)) if target \
+                else path
+            assert os.path.exists(target), f"{os.path.basename(path)}: {link} is missing"
+            if anchor and target.endswith(".md"):
+                assert anchor in _anchors(_read(target)), \
+                    f"{os.path.basename(path)}: {link}: no such heading"
+
+
+def test_user_docs_name_no_issue_numbers():
+    for path in [README] + [os.path.join(DOCS, p) for p in _pages()]:
+        text = re.sub(r"\]\([^)]*\)", "]", _read(path))  # a link's address may name one
+        found = re.findall(r".{0,30}\bissues? \d+.{0,30}", text, flags=re.I)
+        assert not found, f"{os.path.basename(path)}: {found}"
+
+
+def test_each_page_says_what_it_covers_and_links_back():
+    for page in _pages():
+        lines = _read(os.path.join(DOCS, page)).splitlines()
+        assert lines[0].startswith("# "), page
+        first_paragraph = " ".join(lines[2:lines.index("", 2)])
+        assert "](../README.md)" in first_paragraph, page
+
+
+def test_readme_keeps_the_two_commands_and_ci_runs_command_2():
+    text = _read(README)
+    section = text.split("## Two commands for a fresh machine", 1)[1].split("\n## ", 1)[0]
+    command_1, command_2 = re.findall(r"```bash\n(.*?)\n```", section, re.S)
+    assert "python -m tfdp.main --gin_file=fashion_mnist.gin" in command_1
+    ci = _read(os.path.join(ROOT, ".ci", "run")).splitlines()
+    assert command_2 in ci, "`.ci/run` runs README's command 2 verbatim"
