@@ -14,12 +14,12 @@
 # for CLIPPED gradients (per-example norm <= C = 0.1, times 1/C with normalize_update), and
 # without clipping they diverge (fashion_mnist.gin's momentum LR 4.0 reached a test loss of
 # 16 after 2 steps). Every ceiling uses Adam at 1e-3 instead (set OPTIMIZER below to tune).
-# What the other privacy settings mean without privacy (README, "Non-private training"):
+# What the other privacy settings mean without privacy (docs/non_private.md):
 # accumulation_steps keeps its chunks of one update; normalize_update, num_microbatches,
 # C, sigma, epsilon, delta and the accountant are not used, and each run's log and
 # NOT_PRIVATE.json list them.
-# Measured 2026-11-25 on the shared 2-core AVX-512 host (oneDNN on): see README,
-# "Non-private training", for the time of a short run of each; the full runs are not
+# Measured 2026-11-25 on the shared 2-core AVX-512 host (oneDNN on): see
+# docs/non_private.md for the time of a short run of each; the full runs are not
 # measured here.
 set -euo pipefail
 out=${1:-workdirs}

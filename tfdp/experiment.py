@@ -161,7 +161,7 @@ def train_and_evaluate(
     steps, `tfdp.training.NonPrivateModel`), on the same data, sampler,
     model, augmentation, optimizer, EMA, evaluation, checkpoints and workdir
     protocol, and writes `NOT_PRIVATE.{json,md}` where the privacy report
-    would be (README, "Non-private training").
+    would be (docs/non_private.md).
 
     Privacy-coupled values (num_examples, batch_size, num_steps,
     noise_multiplier, target_epsilon, target_delta, l2_clip_norm) come from gin
@@ -195,7 +195,7 @@ def train_and_evaluate(
        `tfdp.workdir.WorkdirError`, keeping the checkpoints saved so far.
 
     Args:
-      workdir: output directory (see README: operative_config.gin, metrics.jsonl,
+      workdir: output directory (see docs/workdir.md: operative_config.gin, metrics.jsonl,
         tensorboard/, checkpoints/, privacy_report.{json,md}, export/, and
         FINISHED last). A local path; one run at a time (locked).
       dataset: TFDS name, e.g. "fashion_mnist".
