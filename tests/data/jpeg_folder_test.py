@@ -348,7 +348,9 @@ def test_an_image_listed_twice_is_refused_naming_both_paths(tmp_path, duplicate,
     duplicate(data_dir)
     with pytest.raises(ValueError,  # a jpeg_folder.DuplicateImagesError
                        match=rf"(?s){message}.*one person's image would count twice.*"
-                             r"Keep one copy of each.*private or not"):
+                             r"Keep one copy of each.*For a non-private run only, "
+                             r"--allow_duplicates writes the table anyway.*a private run "
+                             r"refuses that table"):
         jpeg_folder.index_split(data_dir, "train")
     assert not os.path.exists(jpeg_folder.index_path(data_dir, "train"))
 
