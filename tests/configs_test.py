@@ -206,6 +206,11 @@ def _smoke_param(config):
     # a synthetic JPEG folder); both ImageNet configs' mock-data runs are slow-only.
     if config in ("imagenet.gin", "imagenet_tan.gin"):
         return _param(config, pytest.mark.slow)
+    # The ScatterNet CNNs (15-29 s) and the CIFAR-10 ScatterNet + linear (13 s): their
+    # builders run in fashion_mnist_scatternet_linear.gin and tests/models; slow-only.
+    if config in ("fashion_mnist_scatternet_cnn.gin", "cifar10_scatternet_cnn.gin",
+                  "cifar10_scatternet_linear.gin"):
+        return _param(config, pytest.mark.slow)
     return _param(config)
 
 

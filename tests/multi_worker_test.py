@@ -53,6 +53,8 @@ def _free_ports(count):
     return ports
 
 
+@pytest.mark.slow  # end to end (tests/run_slow.sh); the default suite has the per-host
+# input (tests/data/inputs_test.py) and the start checks (distribute_test)
 def test_two_workers_on_loopback_train_and_the_chief_writes_once(tmp_path):
     wrapper = tmp_path / "run_tfdp.py"
     wrapper.write_text(_WRAPPER)
@@ -207,6 +209,7 @@ def _checkpoint_floats(workdir):
             if dtypes[name].is_floating and "ledger" not in name}
 
 
+@pytest.mark.slow
 def test_each_worker_reads_its_share_and_matches_one_worker_with_four_replicas(tmp_path):
     # Both jobs together: 2 workers x 2 replicas, and 1 worker x 4 replicas.
     two, two_procs = _run_cluster(tmp_path, "two_workers", workers=2, local_devices=2)
@@ -311,6 +314,7 @@ def _printed_reads(path):
             if line.strip("[]").strip()]
 
 
+@pytest.mark.slow
 def test_the_pure_tf_input_reads_each_worker_s_share_and_matches_one_worker(tmp_path):
     params = ["tfdp.data.open_split.source = 'in_memory'"]
     roots = []

@@ -10,6 +10,7 @@ import glob
 import os
 
 import numpy as np
+import pytest
 import tensorflow as tf
 
 IN_MEMORY = "tfdp.data.open_split.source = 'in_memory'"
@@ -29,6 +30,8 @@ def _floats(workdir):
             if dtypes[name].is_floating and "ledger" not in name}
 
 
+@pytest.mark.slow  # end to end (tests/run_slow.sh); the default suite has the in-graph
+# sampler's resume (tests/data/graph_sampling_test.py)
 def test_a_resumed_pure_tf_run_continues_the_secret_stream_and_keeps_the_seed_secret(
         tmp_path, run_smoke):
     # Run A: 2 steps with a secret sampling seed, then the same command with 4 steps (resume).

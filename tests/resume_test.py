@@ -129,6 +129,8 @@ def _report(workdir):
     return json.loads((workdir / "privacy_report.json").read_text())
 
 
+@pytest.mark.slow  # end to end (tests/run_slow.sh); the default suite has the resume of
+# the streams (tests/data/stream_resume_test.py, sampling_test, views_test)
 def test_two_deterministic_runs_give_identical_weights(runs):
     root, _ = runs
     path_a, a = _checkpoint(root / "a")
@@ -142,6 +144,7 @@ def test_two_deterministic_runs_give_identical_weights(runs):
         np.testing.assert_array_equal(a[name], b[name], err_msg=name)
 
 
+@pytest.mark.slow
 def test_killed_run_resumes_to_the_uninterrupted_result(runs):
     root, interrupted = runs
     assert interrupted["returncode"] == -signal.SIGKILL
@@ -204,6 +207,7 @@ def test_checkpoint_holds_the_ema_and_a_restore_brings_it_back(tmp_path):
         np.testing.assert_array_equal(e.numpy(), value)
 
 
+@pytest.mark.slow
 def test_secret_coins_survive_a_kill_before_the_first_interval(runs):
     root, interrupted = runs
     path, before = interrupted["secret"]

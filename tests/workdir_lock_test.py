@@ -122,6 +122,7 @@ def runs(tmp_path_factory):
     return root, result
 
 
+@pytest.mark.slow  # real processes (tests/run_slow.sh); the unit tests below run by default
 def test_a_second_run_in_a_locked_workdir_exits_2_and_names_the_holder(runs):
     # Before: both runs trained and exported, and metrics.jsonl mixed them.
     root, result = runs
@@ -133,6 +134,7 @@ def test_a_second_run_in_a_locked_workdir_exits_2_and_names_the_holder(runs):
     assert result["unchanged_by_second"]
 
 
+@pytest.mark.slow  # real processes (tests/run_slow.sh); the unit tests below run by default
 def test_a_run_after_the_lock_file_was_saved_again_is_refused_too(runs):
     # Before: flock locked the old file's inode, so the third run locked the new file, and
     # both trained steps 2.. and exported into one workdir.
@@ -214,6 +216,7 @@ def test_the_lock_holds_across_processes(tmp_path):
         pass
 
 
+@pytest.mark.slow  # real processes (tests/run_slow.sh); the unit tests below run by default
 def test_a_killed_holder_leaves_no_lock_and_the_same_command_resumes(runs):
     root, _ = runs
     report = json.loads((root / "a" / "privacy_report.json").read_text())
@@ -225,6 +228,7 @@ def test_a_killed_holder_leaves_no_lock_and_the_same_command_resumes(runs):
     assert steps == [2]  # one run, not two mixed
 
 
+@pytest.mark.slow  # real processes (tests/run_slow.sh); the unit tests below run by default
 def test_a_kill_while_exporting_leaves_an_unfinished_workdir_that_the_rerun_finishes(runs):
     # Before: the report was written before the SavedModel, so the killed workdir had
     # privacy_report.json without export/, and every rerun said "unchanged".

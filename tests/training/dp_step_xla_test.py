@@ -68,7 +68,10 @@ FAST = {
 }
 
 
-@pytest.mark.parametrize("family", sorted(FAST))
+@pytest.mark.parametrize("family", [
+    # The WRN (63 s) under -m slow (tests/run_slow.sh), like the other families.
+    pytest.param(family, marks=[pytest.mark.slow] if family == "wrn_gn_ws" else [])
+    for family in sorted(FAST)])
 def test_the_compiled_dp_step_has_no_float64_and_no_host_callback(family):
     builder, shape, scale = FAST[family]
     keras.utils.set_random_seed(0)

@@ -76,7 +76,10 @@ def _check(results, group, onednn):
 
 
 @pytest.mark.parametrize("group, onednn", [
-    ("shipped", "1"), ("sequence", "1"),
+    # End to end in processes of their own (78-89 s each): under -m slow (tests/run_slow.sh);
+    # the default suite has host_test's ghost-norm equality under the other oneDNN setting.
+    pytest.param("shipped", "1", marks=pytest.mark.slow),
+    pytest.param("sequence", "1", marks=pytest.mark.slow),
     # The control (the guard leaves the vectorized path with oneDNN off): slow-only, 52 s.
     pytest.param("sequence", "0", marks=pytest.mark.slow)])
 def test_clipped_sum_equals_float64_in_a_process_of_its_own(group, onednn):
