@@ -25,7 +25,10 @@ time and an expiry time.
   `tfdp.workdir.locked` turns it into a WorkdirLockedError. If that thread
   has not let go of the lease within `renew_every_seconds` (stuck in a long
   native call), the process exits at once with status `LOST_EXIT_STATUS`.
-  A run never writes on after it has lost its lease.
+  A run stops at the first renewal after its lease was taken over; what it
+  wrote between the takeover and that renewal (a host paused for minutes
+  resumes before its renewal thread wakes) is bounded by one renewal period,
+  not prevented.
 - **Released** at the end: the object is deleted (precondition: our
   generation).
 
