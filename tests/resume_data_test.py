@@ -181,3 +181,13 @@ def test_other_digest_defaults_in_a_newer_tfdp_still_recognize_the_same_data(dir
     assert fingerprint.compare(saved, {"train": source}) == []
     shifted = data.TFDSSource("fashion_mnist", "train", data_dir=str(dirs["shifted"]))
     assert fingerprint.compare(saved, {"train": shifted})[0].startswith("train split: sha256")
+
+
+def test_a_resume_reads_the_split_once_when_the_method_is_the_same(dirs, monkeypatch):
+    source = data.TFDSSource("fashion_mnist", "train", data_dir=str(dirs["original"]))
+    current = {"train": fingerprint.split_fingerprint(source)}
+    reads = []
+    monkeypatch.setattr(fingerprint, "_tfds_digest",
+                        lambda *args: reads.append(args) or {})
+    assert fingerprint.compare(current, {"train": source}, current) == []
+    assert reads == []  # the fingerprint computed at start is reused

@@ -400,8 +400,8 @@ def train_and_evaluate(
         if chief:
             run.enter_context(workdir_lib.locked(workdir))
         latest, finished = _check_workdir(workdir, mechanism, {"train": train, "test": test},
-                                          audit=audit, sampling_seed=sampling_seed,
-                                          noise_seed=noise_seed)
+                                          data_fingerprint, audit=audit,
+                                          sampling_seed=sampling_seed, noise_seed=noise_seed)
         if finished is not None:
             return finished
         out_dir = distribute.output_dir(workdir, dist)  # workdir, or a temp dir off the chief
@@ -722,7 +722,8 @@ def _test_examples(eval_examples, test):
     return min(eval_examples, test.num_examples)
 
 
-def _check_workdir(workdir, mechanism, splits, *, audit, sampling_seed, noise_seed):
+def _check_workdir(workdir, mechanism, splits, data_fingerprint, *, audit, sampling_seed,
+                   noise_seed):
     """Stage 3: what the workdir allows this run to do; read only (the chief holds the lock).
 
     A workdir without a checkpoint to resume must hold no output of an
@@ -745,8 +746,8 @@ def _check_workdir(workdir, mechanism, splits, *, audit, sampling_seed, noise_se
     `NonPrivatePlan`), nor the other way round (`check_non_private_ledger`,
     `check_privacy_ledger`). Nor is it resumed, or its finished report
     returned, on other data: the fingerprints of `splits` (`{"train": ...,
-    "test": ...}`, the opened splits; `tfdp.data.fingerprint`) must equal the
-    ones its ledger recorded.
+    "test": ...}`, the opened splits, whose `data_fingerprint` this run has
+    computed; `tfdp.data.fingerprint`) must equal the ones its ledger recorded.
 
     Returns:
       `(latest, report)`: the checkpoint to resume (or None), and the
@@ -777,7 +778,8 @@ def _check_workdir(workdir, mechanism, splits, *, audit, sampling_seed, noise_se
     changes = resume_rule.changed_settings(saved_config, gin.config_str())
     refused = [change for change in changes if not change.resumable]
     if not refused:  # (a changed split, dataset or source is refused below, by its name)
-        _check_same_data(workdir, latest, steps, splits, resuming=steps < mechanism.num_steps)
+        _check_same_data(workdir, latest, steps, splits, data_fingerprint,
+                         resuming=steps < mechanism.num_steps)
     harmless = "\n  ".join(line for change in changes if change.resumable
                            for line in change.lines())
     finished = workdir_lib.finished(workdir)
@@ -835,7 +837,7 @@ def _what_was_checked(record):
             "not covered)")
 
 
-def _check_same_data(workdir, latest, steps, splits, *, resuming):
+def _check_same_data(workdir, latest, steps, splits, data_fingerprint, *, resuming):
     """Refuses a workdir whose checkpoint was trained on other data than this run reads.
 
     A checkpoint without fingerprints (an older tfdp) cannot be checked: its
@@ -855,7 +857,7 @@ def _check_same_data(workdir, latest, steps, splits, *, resuming):
         logging.warning("%s: its checkpoint does not record which data it was trained on (an "
                         "older tfdp); its data cannot be compared with this run's.", workdir)
         return
-    changed = fingerprint.compare(saved, splits)
+    changed = fingerprint.compare(saved, splits, data_fingerprint)
     if changed:
         raise ValueError(
             f"{workdir} holds a run of {steps} steps trained on other data than this command "

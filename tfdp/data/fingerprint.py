@@ -175,23 +175,30 @@ def _sample_offsets(size, count, block):
     return sorted({last * k // (count - 1) for k in range(count)})
 
 
-def compare(saved: Dict[str, Dict[str, Any]], sources: Dict[str, Any]) -> List[str]:
+def compare(saved: Dict[str, Dict[str, Any]], sources: Dict[str, Any],
+            current: Dict[str, Dict[str, Any]] = None) -> List[str]:
     """What differs between a checkpoint's fingerprints and the splits this run opened.
 
-    Each split is fingerprinted again with the method its saved fingerprint
-    recorded, so that other defaults in a newer tfdp are not taken for other
-    data.
+    A split whose saved fingerprint recorded another method than its
+    `current` one (other defaults in a newer tfdp) is fingerprinted again
+    with the saved method, so that the change of method is not taken for
+    other data; the others are compared as they are (no second read).
 
     Args:
       saved: the checkpoint's `{role: split_fingerprint}`, e.g. roles
         "train" and "test".
       sources: this run's `{role: opened split}`.
+      current: this run's `{role: split_fingerprint}` of `sources`, if already
+        computed (None: computed here).
 
     Returns:
       The lines of `differences` (empty: the same data).
     """
-    current = {role: split_fingerprint(source, method=(saved.get(role) or {}).get("method"))
-               for role, source in sources.items()}
+    current = dict(current or {})
+    for role, source in sources.items():
+        method = (saved.get(role) or {}).get("method")
+        if role not in current or current[role].get("method") != method:
+            current[role] = split_fingerprint(source, method=method)
     return differences(saved, current)
 
 
