@@ -98,54 +98,11 @@ def build_privacy_report(
       (`accountant_delta` is the accountant's own delta).
     """
     epsilon, delta = mechanism.guarantee(steps_completed)
-    poisson = mechanism.sampling == "poisson"
-    if poisson:
-        sampling = {
-            "scheme": "poisson",
-            "sampling_prob": mechanism.sampling_prob,
-            "accountant_assumes": "Poisson sampling with probability sampling_prob "
-                                  "(amplification by subsampling)",
-            "assumption_holds": True,
-        }
-    else:
-        sampling = {
-            "scheme": "shuffle",
-            "sampling_prob": mechanism.sampling_prob,
-            "accountant_assumes": (
-                "fixed-size shuffled batches, no amplification: each example is in at most "
-                f"one batch per epoch, so in at most {mechanism.participations(steps_completed)} "
-                f"of the {steps_completed} steps (epochs touched = ceil(T / floor(N / B)))"),
-            "assumption_holds": True,
-            "epsilon_assuming_poisson": mechanism.epsilon_assuming_poisson(steps_completed),
-            "note": (
-                "epsilon_assuming_poisson is what papers often quote for shuffled batches; it "
-                "is NOT a guarantee of this run (How to DP-fy ML, Sec. 5.3.1)."),
-        }
-    unit = "1" if mechanism.normalize_update else "l2_clip_norm"
-    doubled = mechanism.sensitivity() != (1.0 if mechanism.normalize_update
-                                          else mechanism.l2_clip_norm)
-    why = []
-    if mechanism.num_microbatches:
-        why.append("microbatch means are clipped")
-    if not poisson:
-        why.append("replace-one adjacency")
-    covered = "this training run only; hyper-parameter tuning runs are not covered"
-    if study:
-        covered = ("this training run; the tuning runs in the study ledger are composed in "
-                   "study.epsilon")
-    extra = []
-    if mechanism.data_normalization is not None:
-        extra.append({
-            "mechanism": "private data normalization (Tramer & Boneh 2021, App. B)",
-            "dp_event": "two Gaussian mechanisms, released once before training",
-            **dataclasses.asdict(mechanism.data_normalization),
-        })
-    coins = {
-        name: ("fixed by the user: the guarantee assumes this seed stays secret"
-               if name in mechanism.fixed_seeds else
-               "secret: drawn from OS entropy, kept only in the checkpoint")
-        for name in ("sampling_seed", "noise_seed")
-    }
+    sampling = _sampling_record(mechanism, steps_completed)
+    sensitivity_formula = _sensitivity_formula(mechanism)
+    covered = _covered_accesses(study)
+    extra = _extra_mechanisms(mechanism)
+    coins = _coin_statements(mechanism)
     report = {
         "epsilon": float(epsilon),
         "delta": float(delta),
@@ -155,7 +112,7 @@ def build_privacy_report(
         "noise_stddev": mechanism.noise_stddev(),
         "l2_clip_norm": mechanism.l2_clip_norm,
         "sensitivity": mechanism.sensitivity(),
-        "sensitivity_formula": (f"2 * {unit} ({', '.join(why)})" if doubled else unit),
+        "sensitivity_formula": sensitivity_formula,
         "clipping_unit": mechanism.clipping_unit,
         "normalize_update": mechanism.normalize_update,
         "batch_size": mechanism.batch_size,
@@ -197,6 +154,85 @@ def build_privacy_report(
         "hyperparameters": dict(hyperparameters or {}),
         "software": software_versions(),
     }
+    _add_optional_sections(report, mechanism, delta, clip_margin=clip_margin,
+                           simulation=simulation, study=study)
+    return report
+
+
+def _sampling_record(mechanism, steps_completed) -> dict:
+    """The report's `sampling` entry: the scheme used and what the accountant assumes of it."""
+    if mechanism.sampling == "poisson":
+        return {
+            "scheme": "poisson",
+            "sampling_prob": mechanism.sampling_prob,
+            "accountant_assumes": "Poisson sampling with probability sampling_prob "
+                                  "(amplification by subsampling)",
+            "assumption_holds": True,
+        }
+    return {
+        "scheme": "shuffle",
+        "sampling_prob": mechanism.sampling_prob,
+        "accountant_assumes": (
+            "fixed-size shuffled batches, no amplification: each example is in at most "
+            f"one batch per epoch, so in at most {mechanism.participations(steps_completed)} "
+            f"of the {steps_completed} steps (epochs touched = ceil(T / floor(N / B)))"),
+        "assumption_holds": True,
+        "epsilon_assuming_poisson": mechanism.epsilon_assuming_poisson(steps_completed),
+        "note": (
+            "epsilon_assuming_poisson is what papers often quote for shuffled batches; it "
+            "is NOT a guarantee of this run (How to DP-fy ML, Sec. 5.3.1)."),
+    }
+
+
+def _sensitivity_formula(mechanism) -> str:
+    """How the mechanism's sensitivity is made: its unit, doubled (and why) or not."""
+    unit = "1" if mechanism.normalize_update else "l2_clip_norm"
+    doubled = mechanism.sensitivity() != (1.0 if mechanism.normalize_update
+                                          else mechanism.l2_clip_norm)
+    why = []
+    if mechanism.num_microbatches:
+        why.append("microbatch means are clipped")
+    if mechanism.sampling != "poisson":
+        why.append("replace-one adjacency")
+    return f"2 * {unit} ({', '.join(why)})" if doubled else unit
+
+
+def _covered_accesses(study) -> str:
+    """The data accesses the guarantee covers: this run, and the study's runs if any."""
+    covered = "this training run only; hyper-parameter tuning runs are not covered"
+    if study:
+        covered = ("this training run; the tuning runs in the study ledger are composed in "
+                   "study.epsilon")
+    return covered
+
+
+def _extra_mechanisms(mechanism) -> list:
+    """The mechanisms composed besides DP-SGD (private data normalization), as dicts."""
+    extra = []
+    if mechanism.data_normalization is not None:
+        extra.append({
+            "mechanism": "private data normalization (Tramer & Boneh 2021, App. B)",
+            "dp_event": "two Gaussian mechanisms, released once before training",
+            **dataclasses.asdict(mechanism.data_normalization),
+        })
+    return extra
+
+
+def _coin_statements(mechanism) -> dict:
+    """What the guarantee assumes of each secret coin: drawn from OS entropy, or fixed."""
+    return {
+        name: ("fixed by the user: the guarantee assumes this seed stays secret"
+               if name in mechanism.fixed_seeds else
+               "secret: drawn from OS entropy, kept only in the checkpoint")
+        for name in ("sampling_seed", "noise_seed")
+    }
+
+
+def _add_optional_sections(report, mechanism, delta, *, clip_margin, simulation, study):
+    """Appends, in this order, the report's optional entries that apply to the run.
+
+    They are `clip_margin`, `simulation`, `study` and (static batches) `truncation`.
+    """
     if clip_margin:
         report["clip_margin"] = dict(clip_margin)
     if simulation:
@@ -207,7 +243,6 @@ def build_privacy_report(
         report["truncation"] = dataclasses.asdict(mechanism.truncation) | {
             "per_chunk_batch_size": mechanism.truncation.per_chunk_batch_size,
             "delta_with_truncation": float(delta)}
-    return report
 
 
 def render_markdown(report: dict) -> str:
