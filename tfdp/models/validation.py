@@ -506,6 +506,94 @@ def _gradient_moved(model, base, scale, rng, training, weights):
     return False
 
 
+def _first_probe(model, shape, rng, weights, training):
+    """`(base, scale, _call(model, base, ...))` on the first probe range the model accepts.
+
+    `base` is a random batch of `shape` in [0, scale), scale tried in the order
+    of `_PROBE_SCALES`.
+
+    Raises:
+      ExampleMixingError: if the model fails on every probe range.
+    """
+    errors = []
+    for scale in _PROBE_SCALES:
+        base = (rng.random(shape) * scale).astype(np.float32)
+        try:
+            reference = _call(model, base, weights, training)
+        except Exception as error:  # noqa: BLE001 (the model rejects this range; try the next)
+            errors.append(f"{type(error).__name__}: {str(error).splitlines()[0][:200]}")
+            continue
+        return base, scale, reference
+    raise ExampleMixingError(
+        f"Cannot check that {model.name} keeps examples apart: it fails on a probe batch "
+        f"of shape {list(shape)} ({'; '.join(errors)}). Build the model with a fixed "
+        "input shape (keras.Input(shape=(H, W, C))) that takes float32 images.")
+
+
+def _refuse_stored_statistics(model, assigned):
+    """Raises if a call assigned a variable other than a `keras.random.SeedGenerator`'s state."""
+    seeds = _seed_states(model)
+    stored = [v.path for v in assigned if id(v) not in seeds]
+    if stored:
+        raise ExampleMixingError(
+            f"In training mode, {model.name} assigns the non-trainable variables {stored} from "
+            "its batch (a running statistic, as BatchNormalization's moving mean): a statistic "
+            "of the private data, kept in the model and exported without noise, and shared by "
+            "the examples of later batches. Compute it per example, or from public data, or "
+            "freeze the layer so that it does not update (trainable = False).")
+
+
+def _refuse_mixed_outputs(model, base, outputs, scale, rng, weights, training):
+    """Raises if replacing one example of `base` moves another example's `outputs`.
+
+    Each example in turn is replaced by a random one in [0, scale); if the
+    others' outputs move, the model is refused as not repeatable (two calls
+    on `base` differ) or as mixing examples (naming the first mixing layer).
+    """
+    rows = base.shape[0]
+    for changed in range(rows):
+        other = base.copy()
+        other[changed] = (rng.random(base.shape[1:]) * scale).astype(np.float32)
+        if not _others_moved(outputs, _call(model, other, weights, training)[0], changed, rows):
+            continue
+        if _others_moved(outputs, _call(model, base, weights, training)[0], -1, rows):
+            raise ExampleMixingError(
+                f"{model.name} gives different outputs in two training-mode calls on the same "
+                "batch: it draws random numbers that Keras' seed generators do not control "
+                "(e.g. tf.random.* in a custom layer), or a kernel gives different results on "
+                "the same input, so tfdp cannot check that it keeps examples apart. Draw them "
+                "with keras.random.* and a keras.random.SeedGenerator, as Keras' Dropout does.")
+        layer = _first_mixing_layer(model, base, other, changed, model.name, training,
+                                    weights)
+        raise ExampleMixingError(
+            f"In {'training' if training else 'inference'} mode, the output of {model.name} for "
+            "one example (or its gradient) "
+            f"changes when another example of the batch changes: layer {layer} mixes "
+            "examples across the batch (e.g. a batch mean, a normalization over axis 0), so "
+            "one example could move the clipped gradient sum by more than l2_clip_norm and the "
+            "reported epsilon would not hold. " + _FIX_HINT)
+
+
+def _refuse_batch_size_dependence(model, base, outputs, weights, training):
+    """Raises if removing the last example of `base` moves the others' `outputs` beyond 1e-4.
+
+    The tolerance is relative to the largest output: a different batch size
+    may change the kernels' blocking.
+    """
+    rows = base.shape[0]
+    fewer = _call(model, base[:-1], weights, training)[0]
+    largest = max((float(np.max(np.abs(r))) for r in outputs if r.size), default=0.0)
+    for full, part in zip(outputs, fewer):
+        if full.ndim and full.shape[0] == rows and part.shape == (rows - 1, *full.shape[1:]):
+            if not np.allclose(full[:-1], part, rtol=0.0, atol=1e-4 * max(largest, 1e-30),
+                               equal_nan=True):
+                raise ExampleMixingError(
+                    f"In training mode, the outputs of {model.name} change when an example "
+                    "is removed from the batch: some layer depends on the batch size (e.g. "
+                    "divides by it), so adding or removing one example moves the others' "
+                    "gradients and the clip no longer bounds its effect. " + _FIX_HINT)
+
+
 def refuse_example_mixing(model, example_shape=None, *, training=True):
     """Raises if one example can move another example's output, gradient or the model's state.
 
@@ -574,65 +662,11 @@ def refuse_example_mixing(model, example_shape=None, *, training=True):
     _refuse_buggy_matmuls(model, nodes)
     rng = np.random.default_rng(0)
     weights = _perturbed_weights(model, rng)
-    errors = []
-    for scale in _PROBE_SCALES:
-        base = (rng.random(shape) * scale).astype(np.float32)
-        try:
-            reference = _call(model, base, weights, training)
-        except Exception as error:  # noqa: BLE001 (the model rejects this range; try the next)
-            errors.append(f"{type(error).__name__}: {str(error).splitlines()[0][:200]}")
-            continue
-        break
-    else:
-        raise ExampleMixingError(
-            f"Cannot check that {model.name} keeps examples apart: it fails on a probe batch "
-            f"of shape {list(shape)} ({'; '.join(errors)}). Build the model with a fixed "
-            "input shape (keras.Input(shape=(H, W, C))) that takes float32 images.")
-    seeds = _seed_states(model)
-    stored = [v.path for v in reference[1] if id(v) not in seeds]
-    if stored:
-        raise ExampleMixingError(
-            f"In training mode, {model.name} assigns the non-trainable variables {stored} from "
-            "its batch (a running statistic, as BatchNormalization's moving mean): a statistic "
-            "of the private data, kept in the model and exported without noise, and shared by "
-            "the examples of later batches. Compute it per example, or from public data, or "
-            "freeze the layer so that it does not update (trainable = False).")
-    outputs = reference[0]
-    for changed in range(shape[0]):
-        other = base.copy()
-        other[changed] = (rng.random(shape[1:]) * scale).astype(np.float32)
-        if not _others_moved(outputs, _call(model, other, weights, training)[0], changed,
-                             shape[0]):
-            continue
-        if _others_moved(outputs, _call(model, base, weights, training)[0], -1, shape[0]):
-            raise ExampleMixingError(
-                f"{model.name} gives different outputs in two training-mode calls on the same "
-                "batch: it draws random numbers that Keras' seed generators do not control "
-                "(e.g. tf.random.* in a custom layer), or a kernel gives different results on "
-                "the same input, so tfdp cannot check that it keeps examples apart. Draw them "
-                "with keras.random.* and a keras.random.SeedGenerator, as Keras' Dropout does.")
-        layer = _first_mixing_layer(model, base, other, changed, model.name, training,
-                                    weights)
-        raise ExampleMixingError(
-            f"In {'training' if training else 'inference'} mode, the output of {model.name} for one "
-            "example (or its gradient) "
-            f"changes when another example of the batch changes: layer {layer} mixes "
-            "examples across the batch (e.g. a batch mean, a normalization over axis 0), so "
-            "one example could move the clipped gradient sum by more than l2_clip_norm and the "
-            "reported epsilon would not hold. " + _FIX_HINT)
+    base, scale, (outputs, assigned) = _first_probe(model, shape, rng, weights, training)
+    _refuse_stored_statistics(model, assigned)
+    _refuse_mixed_outputs(model, base, outputs, scale, rng, weights, training)
     if not fixed_batch:
-        fewer = _call(model, base[:-1], weights, training)[0]
-        largest = max((float(np.max(np.abs(r))) for r in outputs if r.size), default=0.0)
-        for full, part in zip(outputs, fewer):
-            if full.ndim and full.shape[0] == shape[0] and part.shape == (shape[0] - 1,
-                                                                         *full.shape[1:]):
-                if not np.allclose(full[:-1], part, rtol=0.0, atol=1e-4 * max(largest, 1e-30),
-                                   equal_nan=True):
-                    raise ExampleMixingError(
-                        f"In training mode, the outputs of {model.name} change when an example "
-                        "is removed from the batch: some layer depends on the batch size (e.g. "
-                        "divides by it), so adding or removing one example moves the others' "
-                        "gradients and the clip no longer bounds its effect. " + _FIX_HINT)
+        _refuse_batch_size_dependence(model, base, outputs, weights, training)
     custom = _custom_gradient_ops(model, nodes)
     if custom and _gradient_moved(model, base, scale, rng, training, weights):
         raise ExampleMixingError(
