@@ -77,6 +77,37 @@ def build_wide_resnet(
       Zagoruyko & Komodakis 2016, "Wide Residual Networks"; De et al. 2022,
       App. C.1; Sander et al. 2023, Sec. 4.4.
     """
+    _check_arguments(depth, width, num_classes, groups, norm_order)
+    blocks_per_stage = (depth - 4) // 6
+
+    inputs = keras.Input(shape=tuple(input_shape), name="images")
+    x = rescale_pixels_layer()(inputs)
+    x = _conv(16, 3, 1, "stem")(x)
+    in_channels = 16
+    for stage, (filters, stage_stride) in enumerate(
+        zip((16 * width, 32 * width, 64 * width), (1, 2, 2)), start=1
+    ):
+        for block in range(blocks_per_stage):
+            x = _basic_block(
+                x,
+                in_channels,
+                filters,
+                stage_stride if block == 0 else 1,
+                f"stage{stage}_block{block}",
+                groups=groups,
+                norm_order=norm_order,
+            )
+            in_channels = filters
+    x = _norm_act(x, "final", groups, norm_order)
+    x = keras.layers.GlobalAveragePooling2D(name="pool")(x)
+    logits = keras.layers.Dense(
+        num_classes, kernel_initializer=fan_in_gaussian_initializer(), name="logits"
+    )(x)
+    return keras.Model(inputs, logits, name=name or f"wrn_{depth}_{width}")
+
+
+def _check_arguments(depth, width, num_classes, groups, norm_order):
+    """Raises the ValueError that `build_wide_resnet` documents for an invalid argument."""
     if not isinstance(depth, int) or depth < 10 or (depth - 4) % 6 != 0:
         raise ValueError(
             f"build_wide_resnet: depth={depth!r} must be 6n + 4 with n >= 1 "
@@ -96,45 +127,37 @@ def build_wide_resnet(
             "count) and so every stage's channel count; De et al. use 16."
         )
 
-    blocks_per_stage = (depth - 4) // 6
 
-    def norm_act(x, prefix):
-        norm = keras.layers.GroupNormalization(
-            groups=groups, epsilon=_GROUP_NORM_EPSILON, name=f"{prefix}_gn"
-        )
-        relu = keras.layers.ReLU(name=f"{prefix}_relu")
-        if norm_order == "conv_gn_relu":
-            return relu(norm(x))
-        return norm(relu(x))
+def _norm_act(x, prefix, groups, norm_order):
+    """GroupNorm and ReLU (layers `{prefix}_gn`, `{prefix}_relu`) in `norm_order`'s order."""
+    norm = keras.layers.GroupNormalization(
+        groups=groups, epsilon=_GROUP_NORM_EPSILON, name=f"{prefix}_gn"
+    )
+    relu = keras.layers.ReLU(name=f"{prefix}_relu")
+    if norm_order == "conv_gn_relu":
+        return relu(norm(x))
+    return norm(relu(x))
 
-    def conv(filters, kernel_size, strides, prefix):
-        return WSConv2D(
-            filters, kernel_size, strides=strides, padding="same", name=f"{prefix}_conv"
-        )
 
-    inputs = keras.Input(shape=tuple(input_shape), name="images")
-    x = rescale_pixels_layer()(inputs)
-    x = conv(16, 3, 1, "stem")(x)
-    in_channels = 16
-    for stage, (filters, stage_stride) in enumerate(
-        zip((16 * width, 32 * width, 64 * width), (1, 2, 2)), start=1
-    ):
-        for block in range(blocks_per_stage):
-            prefix = f"stage{stage}_block{block}"
-            strides = stage_stride if block == 0 else 1
-            o = norm_act(x, f"{prefix}_pre")
-            y = conv(filters, 3, strides, f"{prefix}_a")(o)
-            y = norm_act(y, f"{prefix}_mid")
-            y = conv(filters, 3, 1, f"{prefix}_b")(y)
-            if in_channels != filters or strides != 1:
-                shortcut = conv(filters, 1, strides, f"{prefix}_shortcut")(o)
-            else:
-                shortcut = x
-            x = keras.layers.Add(name=f"{prefix}_add")([shortcut, y])
-            in_channels = filters
-    x = norm_act(x, "final")
-    x = keras.layers.GlobalAveragePooling2D(name="pool")(x)
-    logits = keras.layers.Dense(
-        num_classes, kernel_initializer=fan_in_gaussian_initializer(), name="logits"
-    )(x)
-    return keras.Model(inputs, logits, name=name or f"wrn_{depth}_{width}")
+def _conv(filters, kernel_size, strides, prefix):
+    """A bias-free, "same"-padded `WSConv2D` named `{prefix}_conv`."""
+    return WSConv2D(
+        filters, kernel_size, strides=strides, padding="same", name=f"{prefix}_conv"
+    )
+
+
+def _basic_block(x, in_channels, filters, strides, prefix, *, groups, norm_order):
+    """One pre-activation basic block (layers named `{prefix}_...`); returns its output.
+
+    o = norm_act(x); out = conv3x3(norm_act(conv3x3(o, strides))) + shortcut, the
+    shortcut being conv1x1(o, strides) if channels or resolution change, else x.
+    """
+    o = _norm_act(x, f"{prefix}_pre", groups, norm_order)
+    y = _conv(filters, 3, strides, f"{prefix}_a")(o)
+    y = _norm_act(y, f"{prefix}_mid", groups, norm_order)
+    y = _conv(filters, 3, 1, f"{prefix}_b")(y)
+    if in_channels != filters or strides != 1:
+        shortcut = _conv(filters, 1, strides, f"{prefix}_shortcut")(o)
+    else:
+        shortcut = x
+    return keras.layers.Add(name=f"{prefix}_add")([shortcut, y])
