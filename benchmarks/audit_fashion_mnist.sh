@@ -17,7 +17,7 @@ wanted=" $* "
 python -c "import sys; sys.path.insert(0, sys.argv[1]); from tfdp import host; print(host.describe_host())" \
   "$(dirname "$0")/.." | tee "$out/host.txt"
 data=()
-if [ -n "${DATA_DIR:-}" ]; then data=("--gin_param=tfdp.train_and_evaluate.data_dir='$DATA_DIR'"); fi
+if [ -n "${DATA_DIR:-}" ]; then data=("--gin_param=tfdp.DataConfig.data_dir='$DATA_DIR'"); fi
 
 run() {
   local name=$1 kind=$2

@@ -37,22 +37,22 @@ run scatternet_cnn --gin_file=fashion_mnist_scatternet_cnn.gin
 # augmult K x EMA (both evaluated in every run), 4 accumulation chunks.
 run recipe --gin_file=fashion_mnist_recipe.gin
 # One more seed of the recipe and of its no-recipe twin, for their run-to-run noise.
-run recipe_seed1 --gin_file=fashion_mnist_recipe.gin --gin_param=tfdp.train_and_evaluate.seed=1
+run recipe_seed1 --gin_file=fashion_mnist_recipe.gin --gin_param=tfdp.RuntimeConfig.seed=1
 run scatternet_linear_seed1 --gin_file=fashion_mnist_scatternet_linear.gin \
-  --gin_param=tfdp.train_and_evaluate.seed=1
+  --gin_param=tfdp.RuntimeConfig.seed=1
 run recipe_k0 --gin_file=fashion_mnist_recipe_cnn.gin --gin_param=AUGMULT=0 \
-  --gin_param=tfdp.train_and_evaluate.augtest=False
+  --gin_param=tfdp.AugmentationConfig.augtest=False
 run recipe_k0_accum4 --gin_file=fashion_mnist_recipe_cnn.gin --gin_param=AUGMULT=0 \
-  --gin_param=tfdp.train_and_evaluate.augtest=False \
-  --gin_param=tfdp.train_and_evaluate.accumulation_steps=4
+  --gin_param=tfdp.AugmentationConfig.augtest=False \
+  --gin_param=tfdp.OptimizationConfig.accumulation_steps=4
 # Run-to-run noise of the two K = 0 runs above: two more seeds each (sampling, init and
 # a fresh noise draw), so "4 chunks matches 1 step" is judged against their spread.
 for seed in 1 2; do
   run recipe_k0_seed$seed --gin_file=fashion_mnist_recipe_cnn.gin --gin_param=AUGMULT=0 \
-    --gin_param=tfdp.train_and_evaluate.augtest=False --gin_param=tfdp.train_and_evaluate.seed=$seed
+    --gin_param=tfdp.AugmentationConfig.augtest=False --gin_param=tfdp.RuntimeConfig.seed=$seed
   run recipe_k0_accum4_seed$seed --gin_file=fashion_mnist_recipe_cnn.gin --gin_param=AUGMULT=0 \
-    --gin_param=tfdp.train_and_evaluate.augtest=False --gin_param=tfdp.train_and_evaluate.seed=$seed \
-    --gin_param=tfdp.train_and_evaluate.accumulation_steps=4
+    --gin_param=tfdp.AugmentationConfig.augtest=False --gin_param=tfdp.RuntimeConfig.seed=$seed \
+    --gin_param=tfdp.OptimizationConfig.accumulation_steps=4
 done
 run recipe_k4 --gin_file=fashion_mnist_recipe_cnn.gin --gin_param=AUGMULT=4
 run recipe_k8 --gin_file=fashion_mnist_recipe_cnn.gin --gin_param=AUGMULT=8
@@ -77,9 +77,9 @@ for mode in all head; do
     name=finetune_$mode$([ $seed = 0 ] || echo _seed$seed)
     run "$name" --gin_file=fashion_mnist_finetune.gin \
       --gin_param="PRETRAINED_BACKBONE='$out/public_pretrain'" --gin_param="TRAINABLE='$mode'" \
-      --gin_param=tfdp.train_and_evaluate.seed=$seed
+      --gin_param=tfdp.RuntimeConfig.seed=$seed
   done
 done
 for seed in 1 2; do
-  run main_seed$seed --gin_file=fashion_mnist.gin --gin_param=tfdp.train_and_evaluate.seed=$seed
+  run main_seed$seed --gin_file=fashion_mnist.gin --gin_param=tfdp.RuntimeConfig.seed=$seed
 done

@@ -8,7 +8,7 @@ set size (ru_maxrss), its RSS right after the imports, and the views it made
 per CPU-second (user + sys of the process: per-core throughput, which other
 jobs on a shared machine do not change the way they change wall time).
 Pipelines:
-  chunks   the trainer's (`tfdp.experiment._train_dataset`, `tfdp.data.train_chunks`):
+  chunks   the trainer's (`tfdp.inputs.train_dataset`, `tfdp.data.train_chunks`):
            R = 8 replicas x a chunks x n = 72 slots, a = B / 512, so S = 1.125 B
            and every element is one chunk of 72 slots, whatever B;
   batches  the previous one: one element per logical batch (`train_batches`,
@@ -73,7 +73,7 @@ def _measure(pipeline, batch_size, num_steps):
     from tfdp import accounting  # pylint: disable=g-import-not-at-top
     from tfdp import augment  # pylint: disable=g-import-not-at-top
     from tfdp import data  # pylint: disable=g-import-not-at-top
-    from tfdp import experiment  # pylint: disable=g-import-not-at-top
+    from tfdp import inputs  # pylint: disable=g-import-not-at-top
 
     rss_after_import = _rss_mb()
     if pipeline == "jpeg":
@@ -91,7 +91,7 @@ def _measure(pipeline, batch_size, num_steps):
     augment_fn = augment.get_augmentation("imagenet_resize_crop", image_size=_IMAGE_SIZE)
     cpu, start = _cpu_seconds(), time.perf_counter()
     if pipeline in ("chunks", "jpeg"):
-        ds = experiment._train_dataset(  # pylint: disable=protected-access
+        ds = inputs.train_dataset(
             source, mechanism, seed=_SEED, start_step=0, augment_fn=augment_fn,
             augment_seed=[_SEED, 1], augmult=_AUGMULT.value, static_batch_size=static,
             num_replicas=_REPLICAS, accumulation_steps=chunks_per_replica)(range(_REPLICAS))

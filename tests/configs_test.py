@@ -1,10 +1,12 @@
 """Every shipped gin config: its epsilon matches the paper, and it runs 2 steps on mock data."""
 
+import dataclasses
 import os
 
 import gin
 import pytest
 
+from tfdp import configs
 from tfdp import data
 from tfdp import experiment
 from tfdp import gin_bindings
@@ -94,8 +96,9 @@ def _macro(name):
 
 
 def _binding(name, default=None):
+    """The config's binding of setting `name` in its home (`tfdp.configs.MOVED`), or default."""
     try:
-        return gin.query_parameter(f"tfdp.train_and_evaluate.{name}")
+        return gin.query_parameter(configs.MOVED.get(name, f"tfdp.train_and_evaluate.{name}"))
     except ValueError:
         return default
 
@@ -145,8 +148,8 @@ def test_non_private_config_says_so_and_sets_no_privacy_value(config):
         main.parse_config([config], _required_params(config))
         assert gin.query_parameter("tfdp.train_and_evaluate.privacy") is None
         # A DP value in a non-private config would be ignored, or read as a guarantee.
-        for name in experiment.PRIVACY_SETTINGS:
-            assert _binding(name, "unset") == "unset", name
+        for field in dataclasses.fields(configs.PrivacyConfig):
+            assert _binding(field.name, "unset") == "unset", field.name
         for name in ("NOISE_MULTIPLIER", "TARGET_EPSILON", "TARGET_DELTA", "L2_CLIP_NORM"):
             assert _macro(name) is None, name
     finally:
@@ -164,7 +167,7 @@ def test_config_dataset_is_a_tfds_dataset(config):
     gin.clear_config()
     try:
         main.parse_config([config], _required_params(config))
-        dataset = gin.query_parameter("tfdp.train_and_evaluate.dataset")
+        dataset = gin.query_parameter("tfdp.DataConfig.dataset")
     finally:
         gin.clear_config()
     name, _, builder_config = dataset.partition("/")
@@ -240,7 +243,7 @@ def test_config_runs_two_steps_on_mock_data(config, tmp_path, tensorflow_warning
         models.build_tramer_cnn(10).save(str(tmp_path / "backbone.keras"))
         params.append(f'PRETRAINED_BACKBONE = "{tmp_path / "backbone.keras"}"')
     if train_split != "train":
-        params.append("tfdp.train_and_evaluate.train_split = 'train'")  # mock: one split
+        params.append("tfdp.DataConfig.train_split = 'train'")  # mock: one split
     if config.startswith("cifar10_wrn"):
         params += ["DEPTH = 10", "tfdp.models.build_wide_resnet.width = 1"]  # same blocks, fewer
     if config in NOT_PRIVATE and "wrn" in config:  # (a binding of an uncalled builder

@@ -69,23 +69,23 @@ def test_num_examples_must_match_the_data(tmp_path, run_smoke):
 def test_augmenting_precomputed_features_is_refused_before_any_output(tmp_path, run_smoke):
     with pytest.raises(ValueError, match="Set augmult = 0 and augmentation = None"):
         run_smoke(tmp_path, ["fashion_mnist_scatternet_linear.gin"], [
-            "tfdp.train_and_evaluate.augmentation = 'mnist_crop'",
-            "tfdp.train_and_evaluate.augmult = 4"])
+            "tfdp.AugmentationConfig.augmentation = 'mnist_crop'",
+            "tfdp.AugmentationConfig.augmult = 4"])
     assert not os.listdir(tmp_path)
 
 
 def test_recipe_smoke_run_reports_ema_and_augtest_and_the_same_epsilon(tmp_path, run_smoke):
     # augmult changes nothing in the accounting: same epsilon as one view.
     base = run_smoke(tmp_path / "k1", ["fashion_mnist.gin"], [
-        "tfdp.train_and_evaluate.augmentation = 'mnist_crop'",
-        "tfdp.train_and_evaluate.augmult = 1"])
+        "tfdp.AugmentationConfig.augmentation = 'mnist_crop'",
+        "tfdp.AugmentationConfig.augmult = 1"])
     recipe = run_smoke(tmp_path / "k8", ["fashion_mnist.gin"], [
-        "tfdp.train_and_evaluate.augmentation = 'mnist_crop'",
-        "tfdp.train_and_evaluate.augmult = 8",
-        "tfdp.train_and_evaluate.accumulation_steps = 2",
-        "tfdp.train_and_evaluate.ema_decay = 0.999",
-        "tfdp.train_and_evaluate.augtest = True",
-        "tfdp.train_and_evaluate.normalize_update = True"])
+        "tfdp.AugmentationConfig.augmentation = 'mnist_crop'",
+        "tfdp.AugmentationConfig.augmult = 8",
+        "tfdp.OptimizationConfig.accumulation_steps = 2",
+        "tfdp.OptimizationConfig.ema_decay = 0.999",
+        "tfdp.AugmentationConfig.augtest = True",
+        "tfdp.PrivacyConfig.normalize_update = True"])
     assert recipe["epsilon"] == base["epsilon"]
     assert recipe["steps"] == base["steps"] == 2
     assert recipe["exported_parameters"] == "ema"
@@ -96,7 +96,7 @@ def test_recipe_smoke_run_reports_ema_and_augtest_and_the_same_epsilon(tmp_path,
 
 def test_microbatched_run_states_it_in_the_report(tmp_path, run_smoke):
     report = run_smoke(tmp_path, ["fashion_mnist.gin"], [
-        "tfdp.train_and_evaluate.num_microbatches = 4"])
+        "tfdp.PrivacyConfig.num_microbatches = 4"])
     # fashion_mnist.gin's C = 0.1: the clipped microbatch means give sensitivity 2C.
     assert report["microbatching"] == {"num_microbatches": 4, "sensitivity": pytest.approx(0.2)}
     assert report["noise_stddev"] == pytest.approx(0.2 * report["noise_multiplier"])
@@ -107,7 +107,7 @@ def test_simulation_is_labelled_in_metrics_and_report(tmp_path, run_smoke):
                   "reference_noise_multiplier": 1.93, "reference_epsilon": 3.0}
     report = run_smoke(tmp_path, ["fashion_mnist.gin"], [
         "TARGET_EPSILON = None", "NOISE_MULTIPLIER = 0.5",
-        f"tfdp.train_and_evaluate.simulation = {simulation!r}"])
+        f"tfdp.PrivacyConfig.simulation = {simulation!r}"])
     assert report["simulation"] == simulation
     card = (tmp_path / "privacy_report.md").read_text()
     assert "SIMULATION, NOT A PRIVATE RUN AT THE REFERENCE EPSILON" in card
@@ -122,7 +122,7 @@ def test_runs_of_a_study_compose_in_the_ledger(tmp_path, run_smoke):
     reports = [
         run_smoke(tmp_path / name, ["fashion_mnist.gin"], [
             "TARGET_EPSILON = None", f"NOISE_MULTIPLIER = {sigma}",
-            f"tfdp.train_and_evaluate.study_dir = '{study}'"])
+            f"tfdp.PrivacyConfig.study_dir = '{study}'"])
         for name, sigma in (("run_a", 1.0), ("run_b", 2.0))
     ]
     events = [accounting.dp_sgd_event(noise_multiplier=s, sampling_prob=16 / MOCK_EXAMPLES,
@@ -138,7 +138,7 @@ def test_runs_of_a_study_compose_in_the_ledger(tmp_path, run_smoke):
 def test_private_normalization_is_released_once_and_reused_on_restart(tmp_path, run_smoke):
     pytest.importorskip("kymatio")
     params = ["tfdp.models.build_scatternet_linear.groups = None",
-              "tfdp.train_and_evaluate.data_normalization = {'l2_clip_norm_mean': 1.0, "
+              "tfdp.PrivacyConfig.data_normalization = {'l2_clip_norm_mean': 1.0, "
               "'l2_clip_norm_square': 1.5, 'noise_multiplier': 8.0, 'threshold': 1e-4}"]
     first = run_smoke(tmp_path, ["fashion_mnist_scatternet_linear.gin"], params)
     released = (tmp_path / "data_normalization.json").read_text()
@@ -156,7 +156,7 @@ def _checkpoint_tensor(workdir, name):
 def test_sampling_coins_are_secret_by_default(tmp_path, run_smoke):
     # The same config twice, the noise fixed: the batches differ, because the sampling
     # seed comes from OS entropy (before, seed = 0 made them public and identical).
-    fixed_noise = ["tfdp.train_and_evaluate.noise_seed = 11"]
+    fixed_noise = ["tfdp.PrivacyConfig.noise_seed = 11"]
     reports = [run_smoke(tmp_path / name, ["fashion_mnist.gin"], fixed_noise)
                for name in ("a", "b")]
     seeds = [int(_checkpoint_tensor(tmp_path / name, "sampling_seed")) for name in ("a", "b")]
@@ -177,7 +177,7 @@ def test_sampling_coins_are_secret_by_default(tmp_path, run_smoke):
 
 
 def test_a_fixed_sampling_seed_reproduces_the_batches_and_is_reported(tmp_path, run_smoke):
-    fixed = ["tfdp.train_and_evaluate.noise_seed = 11", "tfdp.train_and_evaluate.sampling_seed = 5"]
+    fixed = ["tfdp.PrivacyConfig.noise_seed = 11", "tfdp.PrivacyConfig.sampling_seed = 5"]
     reports = [run_smoke(tmp_path / name, ["fashion_mnist.gin"], fixed) for name in ("a", "b")]
     kernel = "optimizer/_trainable_variables/0/.ATTRIBUTES/VARIABLE_VALUE"
     a, b = (tf.train.load_checkpoint(tf.train.latest_checkpoint(
@@ -188,10 +188,10 @@ def test_a_fixed_sampling_seed_reproduces_the_batches_and_is_reported(tmp_path, 
 
 
 @pytest.mark.parametrize("change, field", [
-    ("tfdp.train_and_evaluate.accountant = 'pld'", "accountant"),
-    ("tfdp.train_and_evaluate.normalize_update = True", "normalize_update"),
-    ("tfdp.train_and_evaluate.num_microbatches = 4", "num_microbatches"),
-    ("tfdp.train_and_evaluate.sampling_seed = 3", "fixed_seeds"),
+    ("tfdp.PrivacyConfig.accountant = 'pld'", "accountant"),
+    ("tfdp.PrivacyConfig.normalize_update = True", "normalize_update"),
+    ("tfdp.PrivacyConfig.num_microbatches = 4", "num_microbatches"),
+    ("tfdp.PrivacyConfig.sampling_seed = 3", "fixed_seeds"),
 ])
 def test_resuming_under_another_mechanism_is_refused_naming_the_field(tmp_path, run_smoke,
                                                                       change, field):
@@ -208,7 +208,7 @@ def test_resuming_under_another_mechanism_is_refused_naming_the_field(tmp_path, 
 
 def test_a_normalization_released_under_other_settings_is_refused(tmp_path, run_smoke):
     pytest.importorskip("kymatio")
-    norm = ("tfdp.train_and_evaluate.data_normalization = {'l2_clip_norm_mean': 1.0, "
+    norm = ("tfdp.PrivacyConfig.data_normalization = {'l2_clip_norm_mean': 1.0, "
             "'l2_clip_norm_square': 1.5, 'noise_multiplier': %s, 'threshold': 1e-4}")
     params = ["tfdp.models.build_scatternet_linear.groups = None", "NUM_STEPS = 1"]
     run_smoke(tmp_path, ["fashion_mnist_scatternet_linear.gin"], [*params, norm % 8.0])

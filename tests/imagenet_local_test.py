@@ -17,9 +17,9 @@ import pytest
 from tfdp import data
 
 SMOKE_PARAMS = [
-    "tfdp.train_and_evaluate.dataset = 'synthetic_imagenet'",
-    "tfdp.train_and_evaluate.train_split = 'train'",
-    "tfdp.train_and_evaluate.test_split = 'validation'",
+    "tfdp.DataConfig.dataset = 'synthetic_imagenet'",
+    "tfdp.DataConfig.train_split = 'train'",
+    "tfdp.DataConfig.test_split = 'validation'",
     "BATCH_SIZE = 8",
     "IMAGE_SIZE = 32",
     "AUGMULT = 2",
@@ -113,10 +113,10 @@ def test_a_corrupt_record_met_in_training_is_named_with_the_command(
     assert shard.stat().st_size == size
     with pytest.raises(data.DatasetNotFoundError) as error:
         run_smoke(tmp_path / "wd", ["fashion_mnist.gin"], [
-            "tfdp.train_and_evaluate.dataset = 'synthetic_imagenet'",
-            "tfdp.train_and_evaluate.test_split = 'validation'",
-            f"tfdp.train_and_evaluate.data_dir = '{copy}'",
-            "tfdp.train_and_evaluate.image_size = 32", "NUM_EXAMPLES = 40", "BATCH_SIZE = 8",
+            "tfdp.DataConfig.dataset = 'synthetic_imagenet'",
+            "tfdp.DataConfig.test_split = 'validation'",
+            f"tfdp.DataConfig.data_dir = '{copy}'",
+            "tfdp.DataConfig.image_size = 32", "NUM_EXAMPLES = 40", "BATCH_SIZE = 8",
             "TARGET_EPSILON = None", "NOISE_MULTIPLIER = 1.0"], mock=False)
     message = str(error.value)
     assert f"corrupt shard of split 'train': {shard.name}" in message, message

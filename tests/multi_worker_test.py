@@ -66,10 +66,10 @@ def test_two_workers_on_loopback_train_and_the_chief_writes_once(tmp_path):
         *[f"--gin_param={p}" for p in (
             "NUM_EXAMPLES = 64", "BATCH_SIZE = 16", f"NUM_STEPS = {NUM_STEPS}",
             "TARGET_EPSILON = None", "NOISE_MULTIPLIER = 1.0",
-            "tfdp.train_and_evaluate.eval_every_steps = 2",
-            "tfdp.train_and_evaluate.strategy = 'multi_worker_mirrored'",
-            "tfdp.train_and_evaluate.static_batch_size = 'auto'",
-            "tfdp.train_and_evaluate.noise_seed = 3",
+            "tfdp.EvaluationConfig.eval_every_steps = 2",
+            "tfdp.RuntimeConfig.strategy = 'multi_worker_mirrored'",
+            "tfdp.RuntimeConfig.static_batch_size = 'auto'",
+            "tfdp.PrivacyConfig.noise_seed = 3",
         )],
     ]
     temp_dirs = [tmp_path / f"tmp{index}" for index in range(2)]
@@ -164,15 +164,15 @@ def _run_cluster(tmp_path, name, workers, local_devices, wrapper=None, extra_par
         *[f"--gin_param={p}" for p in (
             "NUM_EXAMPLES = 64", f"BATCH_SIZE = {SHARE_BATCH}", f"NUM_STEPS = {SHARE_STEPS}",
             "TARGET_EPSILON = None", "NOISE_MULTIPLIER = 1.0",
-            f"tfdp.train_and_evaluate.eval_every_steps = {SHARE_STEPS}",
-            "tfdp.train_and_evaluate.strategy = 'multi_worker_mirrored'",
-            "tfdp.train_and_evaluate.static_batch_size = 'auto'",
-            f"tfdp.train_and_evaluate.accumulation_steps = {ACCUMULATION}",
-            "tfdp.train_and_evaluate.augmentation = 'mnist_crop'",
-            "tfdp.train_and_evaluate.augmult = 2",
-            "tfdp.train_and_evaluate.deterministic = True",
-            "tfdp.train_and_evaluate.noise_seed = 3",
-            f"tfdp.train_and_evaluate.sampling_seed = {SAMPLING_SEED}",
+            f"tfdp.EvaluationConfig.eval_every_steps = {SHARE_STEPS}",
+            "tfdp.RuntimeConfig.strategy = 'multi_worker_mirrored'",
+            "tfdp.RuntimeConfig.static_batch_size = 'auto'",
+            f"tfdp.OptimizationConfig.accumulation_steps = {ACCUMULATION}",
+            "tfdp.AugmentationConfig.augmentation = 'mnist_crop'",
+            "tfdp.AugmentationConfig.augmult = 2",
+            "tfdp.RuntimeConfig.deterministic = True",
+            "tfdp.PrivacyConfig.noise_seed = 3",
+            f"tfdp.PrivacyConfig.sampling_seed = {SAMPLING_SEED}",
             *extra_params,
         )],
     ]
@@ -390,7 +390,7 @@ def _worker0_command(tmp_path, cluster, *params):
         "--gin_file=fashion_mnist.gin", "--gin_file=smoke.gin",
         *[f"--gin_param={p}" for p in (
             "NUM_EXAMPLES = 64", "BATCH_SIZE = 16",
-            "tfdp.train_and_evaluate.strategy = 'multi_worker_mirrored'", *params)]]
+            "tfdp.RuntimeConfig.strategy = 'multi_worker_mirrored'", *params)]]
     return command, env
 
 

@@ -20,8 +20,8 @@ def non_private_run(tmp_path_factory, run_smoke_module):
     workdir = tmp_path_factory.mktemp("non_private")
     with _absl_warnings() as warnings:
         report = run_smoke_module(workdir, ["fashion_mnist.gin"], [
-            *NOT_PRIVATE, "tfdp.train_and_evaluate.num_microbatches = 4",
-            "tfdp.train_and_evaluate.normalize_update = True"])
+            *NOT_PRIVATE, "tfdp.PrivacyConfig.num_microbatches = 4",
+            "tfdp.PrivacyConfig.normalize_update = True"])
     return workdir, report, warnings
 
 
@@ -94,7 +94,7 @@ def test_settings_without_a_non_private_meaning_are_refused(tmp_path, run_smoke,
     value = value.replace("STUDY", str(tmp_path / "study"))
     with pytest.raises(ValueError, match=f"privacy=None .NOT PRIVATE. does not take {name}"):
         run_smoke(tmp_path / "w", ["fashion_mnist_scatternet_linear.gin"],
-                  [*NOT_PRIVATE, f"tfdp.train_and_evaluate.{name} = {value}"])
+                  [*NOT_PRIVATE, f"tfdp.PrivacyConfig.{name} = {value}"])
     assert not os.listdir(tmp_path)
 
 
@@ -128,7 +128,7 @@ def test_a_non_private_run_resumes_and_a_finished_one_is_returned(tmp_path, run_
     again = run_smoke(tmp_path, ["fashion_mnist.gin"], NOT_PRIVATE)  # finished: untouched
     assert again == json.loads((tmp_path / "NOT_PRIVATE.json").read_text())
     more = run_smoke(tmp_path, ["fashion_mnist.gin"], [*NOT_PRIVATE, "NUM_STEPS = 4",
-                                                       "tfdp.train_and_evaluate.eval_every_steps = 4"])
+                                                       "tfdp.EvaluationConfig.eval_every_steps = 4"])
     assert more["steps"] == 4 and more["privacy"] == "NOT PRIVATE"
 
 
@@ -139,7 +139,7 @@ def test_a_private_run_keeps_the_dp_model_and_its_report(tmp_path, run_smoke, mo
                         lambda self, total, _update=DPModel._update_from_total: (
                             built.append(self), _update(self, total))[1])
     report = run_smoke(tmp_path, ["fashion_mnist.gin"],
-                       ["tfdp.train_and_evaluate.train_split = 'train[:64]'"])
+                       ["tfdp.DataConfig.train_split = 'train[:64]'"])
     assert built and all(type(m) is DPModel for m in built)  # not NonPrivateModel
     assert 0 < report["epsilon"] <= 3.0 and "privacy" not in report
     assert report["hyperparameters"]["train_split"] == "train[:64]"
@@ -152,7 +152,7 @@ def test_a_private_run_keeps_the_dp_model_and_its_report(tmp_path, run_smoke, mo
 
 
 def test_a_private_run_still_needs_a_clip_norm(tmp_path, run_smoke):
-    with pytest.raises(ValueError, match="needs l2_clip_norm: set tfdp.train_and_evaluate"):
+    with pytest.raises(ValueError, match="needs l2_clip_norm: set tfdp.PrivacyConfig.l2_clip_norm"):
         run_smoke(tmp_path / "w", ["fashion_mnist.gin"], ["L2_CLIP_NORM = None"])
 
 
@@ -175,7 +175,7 @@ def test_the_report_of_a_whole_split_has_no_slice_sentence():
 def test_every_fashion_mnist_config_runs_without_privacy(tmp_path, run_smoke, config):
     params = [*NOT_PRIVATE]
     if config == "fashion_mnist_public_pretrain.gin":
-        params.append("tfdp.train_and_evaluate.train_split = 'train'")  # the mock has 64
+        params.append("tfdp.DataConfig.train_split = 'train'")  # the mock has 64
     report = run_smoke(tmp_path, [config], params)
     assert report["privacy"] == "NOT PRIVATE" and report["steps"] == 2
     assert set(os.listdir(tmp_path / "export" / "assets")) == NOT_PRIVATE_FILES
@@ -195,8 +195,8 @@ def test_the_model_is_checkpointed_where_a_private_run_keeps_it(non_private_run,
 
 def test_static_batches_and_the_progress_bar_work_without_privacy(tmp_path, run_smoke, capsys):
     report = run_smoke(tmp_path, ["fashion_mnist.gin"], [
-        *NOT_PRIVATE, "tfdp.train_and_evaluate.static_batch_size = 'auto'",
-        "tfdp.train_and_evaluate.progress_bar = True"])
+        *NOT_PRIVATE, "tfdp.RuntimeConfig.static_batch_size = 'auto'",
+        "tfdp.RuntimeConfig.progress_bar = True"])
     # N = 64, B = 16, 2 steps: the smallest S with truncation probability <= 1e-6.
     truncation = report["truncation"]
     assert 16 < truncation["static_batch_size"] <= 64

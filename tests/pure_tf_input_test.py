@@ -14,8 +14,8 @@ import pytest
 import tensorflow as tf
 
 IN_MEMORY = "tfdp.data.open_split.source = 'in_memory'"
-FIXED_NOISE = ["tfdp.train_and_evaluate.noise_seed = 11",
-               "tfdp.train_and_evaluate.deterministic = True",
+FIXED_NOISE = ["tfdp.PrivacyConfig.noise_seed = 11",
+               "tfdp.RuntimeConfig.deterministic = True",
                "TARGET_EPSILON = None", "NOISE_MULTIPLIER = 1.0"]
 
 
@@ -44,7 +44,7 @@ def test_a_resumed_pure_tf_run_continues_the_secret_stream_and_keeps_the_seed_se
     straight = tmp_path / "straight"
     run_smoke(straight, ["fashion_mnist.gin"], [
         IN_MEMORY, *FIXED_NOISE, "NUM_STEPS = 4",
-        f"tfdp.train_and_evaluate.sampling_seed = {seed}"])
+        f"tfdp.PrivacyConfig.sampling_seed = {seed}"])
     mine, reference = _floats(resumed), _floats(straight)
     assert mine.keys() == reference.keys() and len(mine) > 3
     for name in mine:

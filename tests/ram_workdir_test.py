@@ -17,7 +17,7 @@ from tfdp import workdir as workdir_lib
 from tfdp.export import saved_model
 
 PARAMS = ["TARGET_EPSILON = None", "NOISE_MULTIPLIER = 1.0",
-          "tfdp.train_and_evaluate.noise_seed = 3"]
+          "tfdp.PrivacyConfig.noise_seed = 3"]
 gfile = tf.io.gfile
 
 

@@ -27,7 +27,7 @@ PARAMS = ["TARGET_EPSILON = None", "NOISE_MULTIPLIER = 1.0", f"NUM_EXAMPLES = {N
 
 
 def _data_dir(path):
-    return f"tfdp.train_and_evaluate.data_dir = '{path}'"
+    return f"tfdp.DataConfig.data_dir = '{path}'"
 
 
 def _prepare(tmp_path_factory, name, shift_labels=0):

@@ -49,15 +49,15 @@ with data.mock_data(num_examples=64):
 _PARAMS = [
     "NUM_EXAMPLES = 64", "BATCH_SIZE = 16", f"NUM_STEPS = {NUM_STEPS}",
     "TARGET_EPSILON = None", "NOISE_MULTIPLIER = 1.0",  # no calibration: faster
-    "tfdp.train_and_evaluate.eval_every_steps = 4",
-    "tfdp.train_and_evaluate.checkpoint_every_steps = 2",
-    "tfdp.train_and_evaluate.static_batch_size = 'auto'",
-    "tfdp.train_and_evaluate.deterministic = True",
-    "tfdp.train_and_evaluate.noise_seed = 7",
-    "tfdp.train_and_evaluate.sampling_seed = 5",
-    "tfdp.train_and_evaluate.ema_decay = 0.9",
-    "tfdp.train_and_evaluate.augmentation = 'mnist_crop'",
-    "tfdp.train_and_evaluate.augmult = 2",
+    "tfdp.EvaluationConfig.eval_every_steps = 4",
+    "tfdp.RuntimeConfig.checkpoint_every_steps = 2",
+    "tfdp.RuntimeConfig.static_batch_size = 'auto'",
+    "tfdp.RuntimeConfig.deterministic = True",
+    "tfdp.PrivacyConfig.noise_seed = 7",
+    "tfdp.PrivacyConfig.sampling_seed = 5",
+    "tfdp.OptimizationConfig.ema_decay = 0.9",
+    "tfdp.AugmentationConfig.augmentation = 'mnist_crop'",
+    "tfdp.AugmentationConfig.augmult = 2",
 ]
 
 

@@ -51,7 +51,7 @@ def test_the_pod_runbook_command_runs_up_to_the_tpu(run_smoke, monkeypatch):
     files, params, workdir = _runbook_command()
     assert files == ["imagenet.gin"] and workdir.startswith("gs://BUCKET/")
     assert "tfdp.data.open_split.source='jpeg_folder'" in params
-    assert "tfdp.train_and_evaluate.strategy='tpu'" in params
+    assert "tfdp.RuntimeConfig.strategy='tpu'" in params
     bucket = f"ram://runbook-{uuid.uuid4().hex}"
     data_dir = synthetic_imagenet.write_jpeg_folder(f"{bucket}/imagenet", **SYNTHETIC_IMAGENET)
     # What stands in for what: ram:// for gs://, no TPU (the default strategy), smoke sizes.
@@ -62,7 +62,7 @@ def test_the_pod_runbook_command_runs_up_to_the_tpu(run_smoke, monkeypatch):
     assert f"DATA_DIR='{data_dir}'" in local
     url = workdir.replace("gs://BUCKET", bucket)
     report = run_smoke(url, files, [
-        *local, *SMOKE_PARAMS, "tfdp.train_and_evaluate.train_split = 'train'",
+        *local, *SMOKE_PARAMS, "tfdp.DataConfig.train_split = 'train'",
         f"NUM_EXAMPLES = {SYNTHETIC_IMAGENET['num_train']}"], mock=False)
     assert report["steps"] == 2 and report["truncation"]["static_batch_size"] > 0
     record = workdir_lib.finished(url)

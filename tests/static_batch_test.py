@@ -18,8 +18,8 @@ def _run(run_smoke, workdir, *params):
 
 
 def test_static_batches_state_the_cap_and_the_truncation_bound(tmp_path, run_smoke):
-    report = _run(run_smoke, tmp_path, "tfdp.train_and_evaluate.static_batch_size = 36",
-                  "tfdp.train_and_evaluate.accumulation_steps = 2")
+    report = _run(run_smoke, tmp_path, "tfdp.RuntimeConfig.static_batch_size = 36",
+                  "tfdp.OptimizationConfig.accumulation_steps = 2")
     truncation = report["truncation"]
     # eta = 2 steps * P(Binomial(65, 16/64) > 36); delta' = delta + (1 + e^eps) eta.
     eta = data.truncation_probability(MOCK_EXAMPLES, 16 / MOCK_EXAMPLES, 36, 2)
@@ -38,24 +38,24 @@ def test_static_batches_state_the_cap_and_the_truncation_bound(tmp_path, run_smo
 def test_a_cap_that_truncates_too_often_is_refused_with_the_auto_value(tmp_path, run_smoke):
     # 20 slots for an expected batch of 16: truncation is likely, delta would explode.
     with pytest.raises(ValueError, match=r"truncates Poisson batches .*='auto' \(\d+ here\)"):
-        _run(run_smoke, tmp_path, "tfdp.train_and_evaluate.static_batch_size = 20")
+        _run(run_smoke, tmp_path, "tfdp.RuntimeConfig.static_batch_size = 20")
 
 
 def test_a_cap_that_does_not_split_into_accumulation_chunks_is_refused(tmp_path, run_smoke):
     with pytest.raises(ValueError, match="must be a multiple of 4"):
-        _run(run_smoke, tmp_path, "tfdp.train_and_evaluate.static_batch_size = 38",
-             "tfdp.train_and_evaluate.accumulation_steps = 4")
+        _run(run_smoke, tmp_path, "tfdp.RuntimeConfig.static_batch_size = 38",
+             "tfdp.OptimizationConfig.accumulation_steps = 4")
 
 
 def test_checkpoint_interval_must_divide_the_evaluation_interval(tmp_path, run_smoke):
     with pytest.raises(ValueError, match="must be >= 1 and divide eval_every_steps=2"):
-        _run(run_smoke, tmp_path, "tfdp.train_and_evaluate.checkpoint_every_steps = 3")
+        _run(run_smoke, tmp_path, "tfdp.RuntimeConfig.checkpoint_every_steps = 3")
 
 
 def test_checkpoints_every_step_evaluate_every_two(tmp_path, run_smoke):
     report = _run(run_smoke, tmp_path, "NUM_STEPS = 4",
-                  "tfdp.train_and_evaluate.checkpoint_every_steps = 1",
-                  "tfdp.train_and_evaluate.eval_every_steps = 2")
+                  "tfdp.RuntimeConfig.checkpoint_every_steps = 1",
+                  "tfdp.EvaluationConfig.eval_every_steps = 2")
     assert report["steps"] == 4
     steps = [json.loads(line)["step"]
              for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]

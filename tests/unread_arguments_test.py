@@ -52,7 +52,7 @@ def test_cli_refuses_every_unread_argument_by_name_before_the_workdir(tmp_path):
              "tfdp.training.build_optimizer.beta_1 = 0.5",
              "tfdp.training.make_strategy.tpu = 'my-tpu'",
              "tfdp.training.make_strategy.devices = ['/cpu:0']",
-             "tfdp.train_and_evaluate.augmentation_kwargs = {'padding': 4}")]],
+             "tfdp.AugmentationConfig.augmentation_kwargs = {'padding': 4}")]],
         capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
@@ -65,11 +65,11 @@ def test_cli_refuses_every_unread_argument_by_name_before_the_workdir(tmp_path):
             "tfdp.training.build_optimizer.beta_1 = 0.5: beta_1 is read only by the optimizer "
             "'adam' or 'adamw'",
             "tfdp.training.make_strategy.tpu = 'my-tpu': tpu is read only by the strategy "
-            "'tpu', and this run's strategy is 'default' (tfdp.train_and_evaluate.strategy, "
+            "'tpu', and this run's strategy is 'default' (tfdp.RuntimeConfig.strategy, "
             "not bound: its default)",
             "tfdp.training.make_strategy.devices = ['/cpu:0']: devices is read only by the "
             "strategy 'mirrored'",
-            "tfdp.train_and_evaluate.augmentation_kwargs = {'padding': 4}: augmentation_kwargs "
+            "tfdp.AugmentationConfig.augmentation_kwargs = {'padding': 4}: augmentation_kwargs "
             "is read only by the augmentation "):
         assert expected in error[0], error[0]
     assert not (tmp_path / "wd").exists()
@@ -92,7 +92,7 @@ def test_cli_refuses_every_unread_argument_by_name_before_the_workdir(tmp_path):
      "devices is read only by the strategy 'mirrored', and this run's strategy is 'default'"),
     (["fashion_mnist.gin"], "tfdp.training.make_strategy.worker_timeout_s = 60",
      "worker_timeout_s is read only by the strategy 'multi_worker_mirrored'"),
-    (["fashion_mnist.gin"], "tfdp.train_and_evaluate.augmentation_kwargs = {'padding': 4}",
+    (["fashion_mnist.gin"], "tfdp.AugmentationConfig.augmentation_kwargs = {'padding': 4}",
      "augmentation_kwargs is read only by the augmentation 'cifar_crop_flip', "),
 ])
 def test_an_argument_the_branch_does_not_read_is_refused(files, param, expected):
@@ -109,10 +109,10 @@ def test_augmentation_kwargs_without_an_augmentation_is_refused_also_with_augmul
     # checkpoint had been written.
     with pytest.raises(main.ConfigError, match=r"augmentation_kwargs = \{'padding': 4\}: "
                        r"augmentation_kwargs is read only by the augmentation .*and this "
-                       r"run's augmentation is None \(tfdp.train_and_evaluate.augmentation, "
+                       r"run's augmentation is None \(tfdp.AugmentationConfig.augmentation, "
                        r"not bound: its default\)"):
-        _parse(["fashion_mnist.gin"], ["tfdp.train_and_evaluate.augmult = 2",
-                                       "tfdp.train_and_evaluate.augmentation_kwargs = "
+        _parse(["fashion_mnist.gin"], ["tfdp.AugmentationConfig.augmult = 2",
+                                       "tfdp.AugmentationConfig.augmentation_kwargs = "
                                        "{'padding': 4}"])
 
 
@@ -133,14 +133,14 @@ def test_a_config_file_that_binds_an_argument_its_branch_does_not_read_is_refuse
     (["cifar10_wrn16_4_eps1.gin"], ["tfdp.training.build_optimizer.name = 'adamw'",
                                     "tfdp.training.build_optimizer.beta_2 = 0.99",
                                     "tfdp.training.build_optimizer.weight_decay = 1e-4"]),
-    (["fashion_mnist.gin"], ["tfdp.train_and_evaluate.strategy = 'mirrored'",
+    (["fashion_mnist.gin"], ["tfdp.RuntimeConfig.strategy = 'mirrored'",
                              "tfdp.training.make_strategy.devices = ['/cpu:0']"]),
-    (["fashion_mnist.gin"], ["tfdp.train_and_evaluate.strategy = 'tpu'",
+    (["fashion_mnist.gin"], ["tfdp.RuntimeConfig.strategy = 'tpu'",
                              "tfdp.training.make_strategy.tpu = 'my-tpu'"]),
-    (["fashion_mnist.gin"], ["tfdp.train_and_evaluate.strategy = 'multi_worker_mirrored'",
+    (["fashion_mnist.gin"], ["tfdp.RuntimeConfig.strategy = 'multi_worker_mirrored'",
                              "tfdp.training.make_strategy.worker_timeout_s = 60"]),
-    (["fashion_mnist.gin"], ["tfdp.train_and_evaluate.augmentation = 'mnist_crop'",
-                             "tfdp.train_and_evaluate.augmentation_kwargs = {'padding': 4}"]),
+    (["fashion_mnist.gin"], ["tfdp.AugmentationConfig.augmentation = 'mnist_crop'",
+                             "tfdp.AugmentationConfig.augmentation_kwargs = {'padding': 4}"]),
     (["imagenet_tan.gin"], []),  # binds augmentation_kwargs with its augmentation
 ])
 def test_an_argument_its_branch_reads_is_accepted(files, params):
@@ -170,7 +170,7 @@ def test_train_and_evaluate_refuses_augmentation_kwargs_without_an_augmentation(
     gin.parse_config_files_and_bindings(
         [main.resolve_gin_file("fashion_mnist.gin"), main.resolve_gin_file("smoke.gin")],
         ["NUM_EXAMPLES = 64", "BATCH_SIZE = 16",
-         "tfdp.train_and_evaluate.augmentation_kwargs = {'padding': 4}"])
+         "tfdp.AugmentationConfig.augmentation_kwargs = {'padding': 4}"])
     try:
         with data.mock_data(num_examples=64):
             with pytest.raises(ValueError, match=r"augmentation_kwargs=\{'padding': 4\} with "
@@ -188,9 +188,9 @@ def test_augmentation_kwargs_that_the_augmentation_refuses_stop_the_run_before_t
     with pytest.raises(ValueError, match=r"Augmentation 'mnist_crop' got unexpected keyword "
                        r"argument\(s\) \['pading'\]; it accepts \['flip', 'padding'\]"):
         run_smoke(tmp_path / "wd", ["fashion_mnist.gin"], [
-            "tfdp.train_and_evaluate.augmentation = 'mnist_crop'",
-            "tfdp.train_and_evaluate.augmult = 1",
-            "tfdp.train_and_evaluate.augmentation_kwargs = {'pading': 4}"])
+            "tfdp.AugmentationConfig.augmentation = 'mnist_crop'",
+            "tfdp.AugmentationConfig.augmult = 1",
+            "tfdp.AugmentationConfig.augmentation_kwargs = {'pading': 4}"])
     assert not (tmp_path / "wd").exists()
 
 

@@ -36,7 +36,7 @@ def copy(finished, tmp_path):
     # Before: the removal of finished outputs ran before these checks, and deleted
     # privacy_report.{json,md} and export/.
     (["NUM_STEPS = 1"], "This workdir already holds 2 steps"),
-    (["tfdp.train_and_evaluate.sampling = 'possion'"], "Unknown sampling scheme"),
+    (["tfdp.OptimizationConfig.sampling = 'possion'"], "Unknown sampling scheme"),
     # Before: "Done" with the old report, although the settings were not the ones used.
     (["tfdp.training.build_optimizer.learning_rate = 0.5"],
      r"finished run of 2 steps with other settings.*\n.*- \S*build_optimizer"
@@ -287,7 +287,7 @@ def test_a_url_workdir_is_refused_rather_than_run_without_a_lock(run_smoke):
     ("tfdp.training.build_optimizer.learning_rate = 0.01", "learning_rate"),
     # Before: Keras's raw "incompatible tensor with shape" once the optimizer restored.
     ("tfdp.training.build_optimizer.name = 'adam'", "name"),
-    ("tfdp.train_and_evaluate.ema_decay = 0.9", "ema_decay"),
+    ("tfdp.OptimizationConfig.ema_decay = 0.9", "ema_decay"),
     ("L2_CLIP_NORM = 0.5", None),  # the privacy ledger's own check names it
 ])
 def test_a_resume_that_would_change_training_is_refused_by_name(copy, run_smoke, param,
@@ -300,7 +300,7 @@ def test_a_resume_that_would_change_training_is_refused_by_name(copy, run_smoke,
         assert re.search(rf"stopped at step 2, trained with other values of {named} than "
                          r"this command's", message), message
         assert f"+ tfdp.training.build_optimizer.{named} =" in message or (
-            f"+ tfdp.train_and_evaluate.{named} =" in message), message
+            f"+ tfdp.OptimizationConfig.{named} =" in message), message
         assert "would be printed but not used" in message and "Nothing was changed" in message
         # num_steps may grow on resume: it is not among the refused settings.
         assert "num_steps" not in message.split("A resume may change only")[0], message
@@ -313,7 +313,7 @@ def test_a_resume_may_change_what_does_not_change_training_and_the_rerun_is_unch
         copy, run_smoke, caplog):
     # Before: the extended run kept the first run's settings in its checkpoint, so the same
     # command again was refused as a "finished run ... with other settings".
-    params = [*PARAMS, "NUM_STEPS = 4", "tfdp.train_and_evaluate.eval_batch_size = 50"]
+    params = [*PARAMS, "NUM_STEPS = 4", "tfdp.EvaluationConfig.eval_batch_size = 50"]
     report = run_smoke(copy, ["fashion_mnist.gin"], params)
     assert report["steps"] == 4
     assert re.search(r"Resuming .* at step 2 with changed settings that change neither the "
@@ -331,20 +331,20 @@ def test_settings_are_compared_as_values_not_as_text():
     from tfdp import resume_rule  # pylint: disable=g-import-not-at-top
 
     saved = ("LR = 4.0\nbuild_optimizer.learning_rate = %LR\n"
-             "tfdp.train_and_evaluate.num_steps = 6\n")
+             "tfdp.OptimizationConfig.num_steps = 6\n")
     # The same value through another name and no macro: no change at all.
     assert resume_rule.changed_settings(
         saved, "tfdp.training.build_optimizer.learning_rate = 4.0\n"
-               "train_and_evaluate.num_steps = 6\n") == []
+               "tfdp.OptimizationConfig.num_steps = 6\n") == []
     # A macro's new value is a change of the binding that uses it.
     changes = resume_rule.changed_settings(saved, saved.replace("LR = 4.0", "LR = 0.5"))
     assert [(c.name, c.before, c.after, c.resumable) for c in changes] == [
         ("tfdp.training.build_optimizer.learning_rate", "4.0", "0.5", False)]
     # Binding an argument to its default is no change; more steps are resumable.
     changes = resume_rule.changed_settings(
-        saved, saved.replace("= 6", "= 8") + "tfdp.train_and_evaluate.ema_decay = None\n")
+        saved, saved.replace("= 6", "= 8") + "tfdp.OptimizationConfig.ema_decay = None\n")
     assert [(c.name, c.resumable) for c in changes] == [
-        ("tfdp.train_and_evaluate.num_steps", True)]
+        ("tfdp.OptimizationConfig.num_steps", True)]
 
 
 @pytest.mark.parametrize("now, same", [

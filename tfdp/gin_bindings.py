@@ -3,7 +3,7 @@
 Gin prints a config (`gin.config_str()`, `gin.operative_config_str()`, the
 text a checkpoint keeps) with the shortest unambiguous names
 (`build_optimizer.learning_rate`) and macros unresolved
-(`train_and_evaluate.num_steps = %NUM_STEPS`). Two texts that set the same
+(`tfdp.OptimizationConfig.num_steps = %NUM_STEPS`). Two texts that set the same
 values can therefore differ line by line, and two that differ only in a
 macro's value can look alike. This module parses such a text with gin's own
 parser and returns one value per setting, keyed by the configurable's full

@@ -104,6 +104,7 @@ def parse_config(gin_files, gin_params):
             f"Could not parse the gin config: {_unclosed(paths, gin_params)}: {e.args[0]} "
             "(an unclosed '(', '[', '{' or string?).") from None
     except (ValueError, KeyError, SyntaxError, ImportError, OSError) as e:
+        _refuse_old_bindings(paths, gin_params, e)
         unset = re.findall(r"No bindings specified for '([A-Za-z_][A-Za-z0-9_]*)/gin\.macro'",
                            str(e))
         if unset:
@@ -119,6 +120,35 @@ def parse_config(gin_files, gin_params):
     _check_bindings_are_called()
     _check_arguments_are_read(files_config)
     return paths
+
+
+def _refuse_old_bindings(paths, gin_params, error):
+    """Raises ConfigError naming the new home of each old-style setting, if the error is one.
+
+    Older tfdp versions bound every setting as an argument of the trainer
+    (`tfdp.train_and_evaluate.batch_size`); they now live in config objects
+    (`tfdp.configs.MOVED`), and gin refuses the old name as an unknown
+    parameter. Files and --gin_params are read for old bindings; an included
+    file's is found from gin's message.
+    """
+    from tfdp import configs  # pylint: disable=g-import-not-at-top
+
+    found = []
+    for path in paths:
+        with open(path, encoding="utf-8") as f:
+            found += [(old, new, path) for old, new in configs.old_bindings(f.read())]
+    for param in gin_params:
+        found += [(old, new, f"--gin_param={param!r}")
+                  for old, new in configs.old_bindings(param)]
+    named = re.findall(r"Configurable '(?:[\w.]*\.)?train_and_evaluate' doesn't have a parameter "
+                       r"named '(\w+)'", str(error))
+    if not found and named and named[0] in configs.MOVED:
+        found = [(f"tfdp.train_and_evaluate.{named[0]}", configs.MOVED[named[0]],
+                  "an included gin file")]
+    if found:
+        where = ", ".join(dict.fromkeys(w for _, _, w in found))
+        raise ConfigError(configs.old_binding_error([(o, n) for o, n, _ in found],
+                                                    where)) from None
 
 
 def _unclosed(paths, gin_params):
@@ -176,7 +206,7 @@ def _check_macros_are_used(files_config="", gin_params=()):
     uses are read from the parsed config (`gin.config_str`, `gin.parse_value`).
 
     A macro of the files that a `--gin_param` binding made unused is not a
-    typo: `--gin_param=tfdp.train_and_evaluate.num_steps=3` replaces the
+    typo: `--gin_param=tfdp.OptimizationConfig.num_steps=3` replaces the
     config's `num_steps = %NUM_STEPS`. It is accepted, and a warning says
     which binding overrides which macro (the value the trainer, the sampler
     and the accountant all read is the binding's).
@@ -263,7 +293,12 @@ def _overridden_macros(unused, files_config, gin_params):
 
 
 # Configurables that train_and_evaluate calls itself, not through a binding's `@reference`.
-_CALLED_BY = {"tfdp.train_and_evaluate": ("tfdp.training.make_strategy", "tfdp.data.open_split")}
+# The config objects (`tfdp.configs`) are built by the trainer from their bindings; a
+# non-private run's tfdp.PrivacyConfig bindings are listed as not used (`tfdp.modes`).
+_CALLED_BY = {"tfdp.train_and_evaluate": (
+    "tfdp.training.make_strategy", "tfdp.data.open_split", "tfdp.DataConfig",
+    "tfdp.AugmentationConfig", "tfdp.PrivacyConfig", "tfdp.OptimizationConfig",
+    "tfdp.EvaluationConfig", "tfdp.RuntimeConfig")}
 _ROOT = "tfdp.train_and_evaluate"
 
 

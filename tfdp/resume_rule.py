@@ -21,30 +21,33 @@ separately, field by field (`tfdp.training.callbacks.check_privacy_ledger`).
 
 Settings are compared as values, not as text (`tfdp.gin_bindings`): a
 learning rate set by a macro, a `--gin_param` or a file is the same setting,
-and `NUM_STEPS = 6` changes `tfdp.train_and_evaluate.num_steps`.
+and `NUM_STEPS = 6` changes `tfdp.OptimizationConfig.num_steps`.
 """
 
 import dataclasses
 from typing import List
 
+from tfdp import configs
 from tfdp import gin_bindings
 
-TRAINER = "tfdp.train_and_evaluate"
+DATA, OPTIMIZATION, EVALUATION, RUNTIME = (
+    f"tfdp.{cls.__name__}" for cls in (configs.DataConfig, configs.OptimizationConfig,
+                                       configs.EvaluationConfig, configs.RuntimeConfig))
 STRATEGY = "tfdp.training.make_strategy"
 
 # (configurable, argument) pairs that a resume may change, and why each is harmless.
 RESUMABLE = {
-    (TRAINER, "num_steps"): "more steps extend the run (fewer than the checkpoint holds are "
+    (OPTIMIZATION, "num_steps"): "more steps extend the run (fewer than the checkpoint holds are "
                             "refused); the report states the steps it covers",
-    (TRAINER, "eval_every_steps"): "when it evaluates, not what",
-    (TRAINER, "checkpoint_every_steps"): "when it saves",
-    (TRAINER, "eval_batch_size"): "how the same test examples are batched",
-    (TRAINER, "progress_bar"): "the display",
-    (TRAINER, "data_dir"): "where the same prepared dataset is read from (its fingerprint "
+    (EVALUATION, "eval_every_steps"): "when it evaluates, not what",
+    (RUNTIME, "checkpoint_every_steps"): "when it saves",
+    (EVALUATION, "eval_batch_size"): "how the same test examples are batched",
+    (RUNTIME, "progress_bar"): "the display",
+    (DATA, "data_dir"): "where the same prepared dataset is read from (its fingerprint "
                            "is checked: tfdp.data.fingerprint)",
-    (TRAINER, "strategy"): "the devices; each logical batch and its noise stay the same",
-    (TRAINER, "jit_compile"): "how the same step is compiled",
-    (TRAINER, "deterministic"): "op determinism, not the computation",
+    (RUNTIME, "strategy"): "the devices; each logical batch and its noise stay the same",
+    (RUNTIME, "jit_compile"): "how the same step is compiled",
+    (RUNTIME, "deterministic"): "op determinism, not the computation",
     (STRATEGY, "tpu"): "which TPU",
     (STRATEGY, "devices"): "which local devices",
     (STRATEGY, "worker_timeout_s"): "how long to wait for workers",
@@ -92,7 +95,9 @@ def changed_settings(saved_config: str, current_config: str) -> List[Change]:
 
     Returns:
       One `Change` per (configurable, argument) whose resolved value differs,
-      or that is bound in only one of them; sorted by name. A saved text gin
+      or that is bound in only one of them; sorted by name. The saved
+      config's old-style trainer arguments (`tfdp.train_and_evaluate.batch_size`)
+      are compared under their new homes (`tfdp.configs.new_key`). A saved text gin
       can no longer parse is compared line by line instead (each differing
       line a non-resumable change).
     """
@@ -101,6 +106,9 @@ def changed_settings(saved_config: str, current_config: str) -> List[Change]:
         new = gin_bindings.resolved(current_config)
     except (ValueError, SyntaxError):
         return _changed_lines(saved_config, current_config)
+    # A checkpoint of an older tfdp bound the settings as tfdp.train_and_evaluate's
+    # arguments: compared under their homes today (tfdp.configs.MOVED).
+    old = {configs.new_key(key): value for key, value in old.items()}
     changes = []
     for key in sorted(set(old) | set(new)):
         before, after = (side[key] if key in side else gin_bindings.default_value(key)

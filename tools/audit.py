@@ -158,7 +158,12 @@ def _train(args, make_audit):
 
     command = shlex.join(["python", "tools/audit.py", *args.argv])
     audit, overrides = make_audit(command)
-    report = experiment.train_and_evaluate(workdir=args.workdir, audit=audit, **overrides)
+    import gin  # pylint: disable=g-import-not-at-top
+
+    with gin.unlock_config():
+        for name, value in overrides.items():  # e.g. N with the canaries, for the accountant
+            gin.bind_parameter(name, value)
+    report = experiment.train_and_evaluate(workdir=args.workdir, audit=audit)
     section = report["audit"]
     _emit(args, [
         f"epsilon >= {section['epsilon_lower_bound']:.4f} at {section['confidence']:.0%} "
@@ -186,14 +191,14 @@ def _input(args):
     from tfdp import audit as audit_tf  # pylint: disable=g-import-not-at-top
 
     def make(command):
-        if _gin_value_or_none("tfdp.train_and_evaluate.features") is not None:
+        if _gin_value_or_none("tfdp.DataConfig.features") is not None:
             raise ValueError("Input canaries are images; this config trains on precomputed "
                              "features. Audit a pixel config, or use gradient canaries.")
         audit = audit_tf.InputCanaryAudit(
-            args.num_canaries, num_examples=int(_gin_value("tfdp.train_and_evaluate.num_examples")),
+            args.num_canaries, num_examples=int(_gin_value("tfdp.DataConfig.num_examples")),
             beta=args.beta, guesses=_guesses(args, args.num_canaries), seed=args.seed,
             command=command)
-        return audit, {"num_examples": audit.num_examples_with_canaries}
+        return audit, {"tfdp.DataConfig.num_examples": audit.num_examples_with_canaries}
 
     _train(args, make)
 

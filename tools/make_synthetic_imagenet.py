@@ -16,14 +16,14 @@ tools/index_jpeg_folder.py does), for the pure-TF input:
   python -m tfdp.main --gin_file=imagenet.gin --gin_file=smoke.gin \
     --gin_param="DATA_DIR='/tmp/synthetic_jpeg/n5000'" \
     --gin_param="tfdp.data.open_split.source='jpeg_folder'" \
-    --gin_param="tfdp.train_and_evaluate.train_split='train'" \
+    --gin_param="tfdp.DataConfig.train_split='train'" \
     --gin_param="NUM_EXAMPLES=5000" --gin_param="BATCH_SIZE=64" --workdir=/tmp/run_jpeg
 
 Then train on it, e.g.
   python -m tfdp.main --gin_file=imagenet.gin --gin_file=smoke.gin \
     --gin_param="DATA_DIR='/tmp/synthetic/n5000'" \
-    --gin_param="tfdp.train_and_evaluate.dataset='synthetic_imagenet'" \
-    --gin_param="tfdp.train_and_evaluate.train_split='train'" \
+    --gin_param="tfdp.DataConfig.dataset='synthetic_imagenet'" \
+    --gin_param="tfdp.DataConfig.train_split='train'" \
     --gin_param="NUM_EXAMPLES=5000" --gin_param="BATCH_SIZE=64" --workdir=/tmp/run
 """
 

@@ -241,7 +241,7 @@ def _simulate(args):
         f"--gin_param=NOISE_MULTIPLIER={sigma!r}",
         f"--gin_param=NUM_STEPS={args.steps}",
         "--gin_param=TARGET_EPSILON=None",
-        f"--gin_param=tfdp.train_and_evaluate.simulation={simulation!r}",
+        f"--gin_param=tfdp.PrivacyConfig.simulation={simulation!r}",
     ]
     _emit(
         args,

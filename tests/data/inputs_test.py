@@ -14,7 +14,7 @@ import tensorflow as tf
 from tfdp import accounting
 from tfdp import augment
 from tfdp import data
-from tfdp import experiment
+from tfdp import inputs
 from tfdp import graph_checks
 
 NUM_EXAMPLES = 48
@@ -35,7 +35,7 @@ def _host_pipeline(source, replicas, *, static_batch_size=24, augmult=2):
     mechanism = accounting.DPMechanism(
         num_examples=source.num_examples, batch_size=12, num_steps=3, noise_multiplier=1.0,
         l2_clip_norm=1.0, delta=1e-5)
-    make_chunks = experiment._train_dataset(  # pylint: disable=protected-access
+    make_chunks = inputs.train_dataset(
         source, mechanism, seed=123456789, start_step=0,
         augment_fn=augment.get_augmentation("mnist_crop"), augment_seed=[0, 1],
         augmult=augmult, static_batch_size=static_batch_size, num_replicas=4,

@@ -401,8 +401,8 @@ def test_a_private_run_on_a_table_with_duplicates_is_refused_before_it_trains(tm
     with pytest.raises(ValueError, match=r"lists 2 images more than once .*--allow_duplicates.*"
                                          r"sensitivity doubles"):
         run_smoke(workdir, ["imagenet.gin"], [
-            "tfdp.train_and_evaluate.dataset = 'imagenet2012'", "BATCH_SIZE = 4",
+            "tfdp.DataConfig.dataset = 'imagenet2012'", "BATCH_SIZE = 4",
             "IMAGE_SIZE = 8", "NUM_EXAMPLES = 5", f"DATA_DIR = '{data_dir}'",
-            "tfdp.train_and_evaluate.train_split = 'train'",
+            "tfdp.DataConfig.train_split = 'train'",
             "tfdp.data.open_split.source = 'jpeg_folder'"], mock=False)
     assert not workdir.exists()  # refused before the workdir was touched

@@ -22,11 +22,11 @@ def pretrain_workdir(tmp_path_factory, run_smoke_module):
     """A finished 2-step tfdp workdir of build_tramer_cnn (28x28x1, 10 classes) with an EMA.
 
     Trained on the mock 'test' split: disjoint from the 'train' split the fine-tuning tests
-    train on, as a backbone's data must be (`tfdp.experiment._check_backbone_data`).
+    train on, as a backbone's data must be (`tfdp.features.check_backbone_data`).
     """
     workdir = tmp_path_factory.mktemp("pretrain") / "wd"
-    run_smoke_module(workdir, ["fashion_mnist.gin"], ["tfdp.train_and_evaluate.ema_decay = 0.9",
-                                                      "tfdp.train_and_evaluate.train_split = 'test'"])
+    run_smoke_module(workdir, ["fashion_mnist.gin"], ["tfdp.OptimizationConfig.ema_decay = 0.9",
+                                                      "tfdp.DataConfig.train_split = 'test'"])
     return str(workdir)
 
 
@@ -353,8 +353,8 @@ def test_train_and_evaluate_fine_tunes_a_workdir_backbone(
     workdir = tmp_path / "finetune"
     report = run_smoke(workdir, ["fashion_mnist_finetune.gin"], [
         f'PRETRAINED_BACKBONE = "{pretrain_workdir}"', f'TRAINABLE = "{trainable}"',
-        "tfdp.train_and_evaluate.train_split = 'train'",  # mock data: one 64-example split
-        f"tfdp.train_and_evaluate.augmult = {augmult}"])
+        "tfdp.DataConfig.train_split = 'train'",  # mock data: one 64-example split
+        f"tfdp.AugmentationConfig.augmult = {augmult}"])
     assert report["steps"] == 2
     # Features of the train and test splits, computed once each, or never.
     assert computed == ([(64, 28, 28, 1)] * 2 if cached else [])
@@ -394,7 +394,7 @@ def test_a_backbone_trained_on_the_private_split_is_refused_before_any_output(
                                                    r"split 'train'.*disjoint public split"):
         run_smoke(workdir, ["fashion_mnist_finetune.gin"], [
             f'PRETRAINED_BACKBONE = "{backbone}"', 'TRAINABLE = "head"',
-            "tfdp.train_and_evaluate.train_split = 'train'"])
+            "tfdp.DataConfig.train_split = 'train'"])
     assert os.listdir(workdir) == []
 
 
@@ -404,7 +404,7 @@ def test_every_spelling_of_the_private_dataset_is_recognised(run_smoke, tmp_path
     # 'fashion_mnist:3.0.1' (dataset names were compared as strings).
     backbone = tmp_path / "backbone"
     run_smoke(backbone, ["fashion_mnist.gin"], ["tfdp.train_and_evaluate.privacy = None",
-                                                "tfdp.train_and_evaluate.dataset = 'fashion_mnist:3.*.*'"])
+                                                "tfdp.DataConfig.dataset = 'fashion_mnist:3.*.*'"])
     for i, spelling in enumerate(["fashion_mnist", "fashion_mnist:3.0.1", "Fashion_MNIST",
                                   "FashionMnist"]):
         workdir = tmp_path / f"finetune_{i}"
@@ -413,8 +413,8 @@ def test_every_spelling_of_the_private_dataset_is_recognised(run_smoke, tmp_path
                                              r"'train', which shares examples"):
             run_smoke(workdir, ["fashion_mnist_finetune.gin"], [
                 f'PRETRAINED_BACKBONE = "{backbone}"', 'TRAINABLE = "head"',
-                f"tfdp.train_and_evaluate.dataset = '{spelling}'",
-                "tfdp.train_and_evaluate.train_split = 'train'"])
+                f"tfdp.DataConfig.dataset = '{spelling}'",
+                "tfdp.DataConfig.train_split = 'train'"])
         assert os.listdir(workdir) == [], spelling
 
 
@@ -436,7 +436,7 @@ def test_the_report_says_whence_the_backbone_came(run_smoke, tmp_path, pretrain_
                                                     keras_backbone):
     checked = run_smoke(tmp_path / "a", ["fashion_mnist_finetune.gin"], [
         f'PRETRAINED_BACKBONE = "{pretrain_workdir}"', 'TRAINABLE = "head"',
-        "tfdp.train_and_evaluate.train_split = 'train'"])
+        "tfdp.DataConfig.train_split = 'train'"])
     assert checked["backbone"] == {
         "source": os.path.abspath(pretrain_workdir), "kind": "tfdp workdir", "verified": True,
         "dataset": "fashion_mnist", "train_split": "test", "input_source": "array_record",
@@ -445,7 +445,7 @@ def test_the_report_says_whence_the_backbone_came(run_smoke, tmp_path, pretrain_
     assert "outside this guarantee" in card and "shares no example" in card
     unchecked = run_smoke(tmp_path / "b", ["fashion_mnist_finetune.gin"], [
         f'PRETRAINED_BACKBONE = "{keras_backbone[0]}"', 'TRAINABLE = "head"',
-        "tfdp.train_and_evaluate.train_split = 'train'"])
+        "tfdp.DataConfig.train_split = 'train'"])
     assert unchecked["backbone"]["verified"] is False
     assert "Not checked" in (tmp_path / "b" / "privacy_report.md").read_text()
 
@@ -507,17 +507,17 @@ def _with_backbone(dataset, split, input_source="array_record"):
 ])
 def test_backbone_data_that_cannot_be_matched_is_refused_or_reported(dataset, split,
                                                                      input_source, outcome):
-    from tfdp import experiment  # pylint: disable=g-import-not-at-top
+    from tfdp import features  # pylint: disable=g-import-not-at-top
 
     train = types.SimpleNamespace(name="imagenet2012", split="train[50%:]", data_dir=None,
                                   image_size=32)
     with data.mock_data(num_examples=100):
         if outcome in ("shares examples", "same images"):
             with pytest.raises(ValueError, match=outcome):
-                experiment._check_backbone_data(_with_backbone(dataset, split, input_source),
-                                                train)
+                features.check_backbone_data(_with_backbone(dataset, split, input_source),
+                                             train)
             return
-        result = experiment._check_backbone_data(
+        result = features.check_backbone_data(
             _with_backbone(dataset, split, input_source), train)
     assert result["verified"] is (outcome == "checked")
     if outcome == "not checked":

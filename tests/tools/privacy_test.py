@@ -212,7 +212,7 @@ def test_simulate(tmp_path):
         "--gin_param=NUM_STEPS=71589",
     ]
     assert out["gin_params"][3] == "--gin_param=TARGET_EPSILON=None"
-    assert out["gin_params"][4].startswith("--gin_param=tfdp.train_and_evaluate.simulation={")
+    assert out["gin_params"][4].startswith("--gin_param=tfdp.PrivacyConfig.simulation={")
     assert "NOT private" in result.stdout
     # delta = 8e-7 is just above 1/N = 7.87e-7 (De et al.'s own choice).
     assert "warning: delta=8e-07 >= 1/num_examples" in result.stderr

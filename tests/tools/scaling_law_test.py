@@ -326,7 +326,7 @@ def test_operative_config_fallback_and_skipped_runs(tmp_path, capsys):
             f"NOISE_MULTIPLIER = {noise}\n"
             f"NUM_EXAMPLES = {NUM_EXAMPLES}\n"
             f"NUM_STEPS = {steps}\n\n"
-            "tfdp.train_and_evaluate.batch_size = %BATCH_SIZE\n"
+            "tfdp.OptimizationConfig.batch_size = %BATCH_SIZE\n"
             "tfdp.train_and_evaluate.model_fn = @tfdp.models.build_tramer_cnn\n"
         )
 

@@ -521,9 +521,9 @@ def test_no_sequential_conv_gradients_on_the_ghost_path(clipping_path, fallback,
 
 def test_gin_switches_compile_the_step_with_static_poisson_batches(run_smoke, tmp_path):
     report = run_smoke(tmp_path, ["fashion_mnist.gin"], [
-        "tfdp.train_and_evaluate.jit_compile = True",
-        "tfdp.train_and_evaluate.static_batch_size = 'auto'",
-        "tfdp.train_and_evaluate.clipping = 'ghost'",
+        "tfdp.RuntimeConfig.jit_compile = True",
+        "tfdp.RuntimeConfig.static_batch_size = 'auto'",
+        "tfdp.PrivacyConfig.clipping = 'ghost'",
     ])
     assert report["steps"] == 2
 
@@ -531,7 +531,7 @@ def test_gin_switches_compile_the_step_with_static_poisson_batches(run_smoke, tm
 def test_an_unknown_clipping_path_is_refused_before_the_workdir_is_touched(run_smoke, tmp_path):
     workdir = tmp_path / "run"
     with pytest.raises(ValueError, match="clipping must be one of"):
-        run_smoke(workdir, ["fashion_mnist.gin"], ["tfdp.train_and_evaluate.clipping = 'fast'"])
+        run_smoke(workdir, ["fashion_mnist.gin"], ["tfdp.PrivacyConfig.clipping = 'fast'"])
     assert not workdir.exists()
 
 

@@ -186,8 +186,8 @@ def backbone_provenance(backbone):
             report = json.load(f)
         privacy = {"epsilon": report["epsilon"], "delta": report["delta"]}
     return {"source": os.path.abspath(backbone), "kind": "tfdp workdir", "verified": True,
-            "dataset": bindings.get(("train_and_evaluate", "dataset")),
-            "train_split": bindings.get(("train_and_evaluate", "train_split"), "train"),
+            "dataset": _data_setting(bindings, "dataset"),
+            "train_split": _data_setting(bindings, "train_split", "train"),
             "input_source": bindings.get(("open_split", "source"), "array_record"),
             "privacy": privacy}
 
@@ -425,10 +425,10 @@ def _load_workdir(workdir):
             f"checkpoint {checkpoint} may be partway through training. Run the same "
             "training command again to finish it, then fine-tune from it.")
     bindings = _operative_bindings(config_path)
-    if bindings.get(("train_and_evaluate", "features")) is not None:
+    if _data_setting(bindings, "features") is not None:
         raise BackboneError(
             f"The tfdp workdir {workdir!r} trained a head on precomputed features "
-            f"({bindings[('train_and_evaluate', 'features')]!r}); its model does not take "
+            f"({_data_setting(bindings, 'features')!r}); its model does not take "
             "images. Use a workdir trained on pixels (features = None).")
     model_fn = bindings.get(("train_and_evaluate", "model_fn"))
     if not isinstance(model_fn, gin.config.ConfigurableReference):
@@ -442,6 +442,18 @@ def _load_workdir(workdir):
     logging.info("Backbone %s rebuilt from %s with %s(%s) and weights from %s.",
                  model.name, config_path, model_fn.configurable.name, kwargs, checkpoint)
     return model
+
+
+def _data_setting(bindings, name, default=None):
+    """A `tfdp.DataConfig` setting of a workdir's operative config (`_operative_bindings`).
+
+    Workdirs of older tfdp versions bound it as an argument of
+    `train_and_evaluate` (`tfdp.configs.MOVED`); both are read.
+    """
+    for key in (("DataConfig", name), ("train_and_evaluate", name)):
+        if key in bindings:
+            return bindings[key]
+    return default
 
 
 def _operative_bindings(config_path):

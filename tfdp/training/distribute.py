@@ -88,7 +88,7 @@ from tfdp import gin_bindings
 STRATEGIES = ("default", "mirrored", "multi_worker_mirrored", "tpu")
 
 # The arguments of `make_strategy` that each strategy reads (the run's strategy is
-# `tfdp.train_and_evaluate.strategy`). A bound argument that it does not read (`tpu` or
+# `tfdp.RuntimeConfig.strategy`). A bound argument that it does not read (`tpu` or
 # `devices` under "default") is refused before the run starts (`tfdp.main`).
 READS = {
     "default": (),
@@ -97,7 +97,7 @@ READS = {
     "tpu": ("tpu",),
 }
 gin_bindings.declare_branches("tfdp.training.make_strategy",
-                              setting=("tfdp.train_and_evaluate", "strategy"),
+                              setting=("tfdp.RuntimeConfig", "strategy"),
                               what="strategy", reads=READS)
 
 
@@ -150,7 +150,7 @@ def make_strategy(name="default", *, tpu="local", devices=None,
     if name not in STRATEGIES:
         raise ValueError(
             f"Unknown strategy {name!r}; use one of {', '.join(STRATEGIES)} "
-            "(e.g. --gin_param=\"tfdp.train_and_evaluate.strategy = 'mirrored'\")."
+            "(e.g. --gin_param=\"tfdp.RuntimeConfig.strategy = 'mirrored'\")."
         )
     if name != "multi_worker_mirrored":
         _check_no_cluster(name)
@@ -475,7 +475,7 @@ def _check_no_cluster(name):
             f"TF_CONFIG describes a cluster of {len(tasks)} tasks ({', '.join(tasks)}), but "
             f"strategy is {name!r}: this process would train alone, and every other worker "
             "started this way would train its own model. Set "
-            "tfdp.train_and_evaluate.strategy = 'multi_worker_mirrored' to train them as one "
+            "tfdp.RuntimeConfig.strategy = 'multi_worker_mirrored' to train them as one "
             "job, or unset TF_CONFIG to train on this machine alone.")
     logging.warning("TF_CONFIG is set, but strategy %r does not use it: this process trains "
                     "alone. (Use strategy 'multi_worker_mirrored' for a cluster.)", name)
