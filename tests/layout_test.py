@@ -1,0 +1,70 @@
+"""The layout shows the flow: floors never import the stages built on them (BUILD.md, "The trainer as stages")."""
+
+import ast
+import os
+
+ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tfdp")
+
+# The floors, in the order a run goes through them: each may import only lower floors,
+# `accounting` (pure Python over dp_accounting) and the leaves.
+FLOORS = ["data", "augment", "models", "dp", "training", "export", "audit"]
+LEAVES = {"storage", "host", "gin_bindings", "graph_checks", "lease", "workdir", "accounting"}
+# The stages of the trainer, built on the floors (and the CLI over them).
+STAGES = {"configs", "planning", "inputs", "features", "modes", "run", "resume_rule",
+          "experiment", "private_training", "main"}
+
+
+def _imports():
+    """{(importing part, imported part)} over tfdp's modules: a part is a folder or a module."""
+    edges = set()
+    for folder, _, files in os.walk(ROOT):
+        for name in files:
+            if not name.endswith(".py"):
+                continue
+            path = os.path.join(folder, name)
+            parts = os.path.relpath(path, ROOT).split(os.sep)
+            source = parts[0] if len(parts) > 1 else parts[0][:-3]
+            for node in ast.walk(ast.parse(open(path).read())):
+                if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("tfdp"):
+                    targets = ([a.name for a in node.names] if node.module == "tfdp"
+                               else [node.module.split(".")[1]])
+                elif isinstance(node, ast.Import):
+                    targets = [a.name.split(".")[1] for a in node.names
+                               if a.name.startswith("tfdp.")]
+                else:
+                    continue
+                edges |= {(source, target) for target in targets if target != source}
+    return edges
+
+
+def test_every_part_is_a_floor_a_leaf_or_a_stage():
+    parts = {p for edge in _imports() for p in edge} - {"__init__"}
+    assert parts <= set(FLOORS) | LEAVES | STAGES, parts - set(FLOORS) - LEAVES - STAGES
+
+
+def test_floors_import_only_lower_floors_and_leaves():
+    wrong = []
+    for source, target in _imports():
+        if source in FLOORS:
+            if target in STAGES or (target in FLOORS
+                                    and FLOORS.index(target) > FLOORS.index(source)):
+                wrong.append(f"tfdp/{source} imports tfdp/{target}")
+    assert not wrong, wrong
+
+
+def test_nothing_imports_the_trainer_but_the_cli():
+    users = {source for source, target in _imports() if target == "experiment"}
+    assert users <= {"main"}, users
+
+
+def test_accounting_imports_no_tensorflow_and_no_other_part():
+    for folder, _, files in os.walk(os.path.join(ROOT, "accounting")):
+        for name in (n for n in files if n.endswith(".py")):
+            tree = ast.parse(open(os.path.join(folder, name)).read())
+            for node in ast.walk(tree):
+                names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                         [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+                for imported in names:
+                    assert not imported.startswith(("tensorflow", "keras")), (name, imported)
+                    assert not imported.startswith("tfdp.") or imported.startswith(
+                        "tfdp.accounting"), (name, imported)
