@@ -169,3 +169,10 @@ def test_no_function_in_the_package_is_over_120_lines():
                         if lines > 120:
                             long.append(f"{os.path.relpath(path, ROOT)}:{node.name} {lines}")
     assert not long, long
+
+
+def test_a_commented_out_old_binding_is_not_named():
+    text = "# tfdp.train_and_evaluate.batch_size = 256\ntfdp.OptimizationConfig.num_steps = 3\n"
+    assert configs.old_bindings(text) == []
+    assert configs.old_bindings("tfdp.train_and_evaluate.num_steps = 3  # was 4") == [
+        ("tfdp.train_and_evaluate.num_steps", "tfdp.OptimizationConfig.num_steps")]

@@ -203,3 +203,57 @@ def test_static_batches_and_the_progress_bar_work_without_privacy(tmp_path, run_
     assert truncation["truncation_probability"] <= 1e-6
     out = capsys.readouterr().out
     assert "NOT PRIVATE" in out and "epsilon" not in out
+
+
+def _plan_without_privacy(params):
+    """The non-private mode's plan of fashion_mnist.gin with `params` (no I/O)."""
+    import gin  # pylint: disable=g-import-not-at-top
+
+    from tfdp import configs, main, modes  # pylint: disable=g-import-not-at-top
+
+    gin.clear_config()
+    try:
+        main.parse_config(["fashion_mnist.gin"], [*NOT_PRIVATE, *params])
+        config = configs.RunConfig.from_gin(privacy=None)
+        return modes.make_mode(None).plan(config, tf.distribute.get_strategy())
+    finally:
+        gin.clear_config()
+
+
+def test_an_unknown_clipping_is_refused_without_privacy_too():
+    with pytest.raises(ValueError, match="clipping='bogus': clipping must be one of"):
+        _plan_without_privacy(["tfdp.PrivacyConfig.clipping = 'bogus'"])
+    plan = _plan_without_privacy(["tfdp.PrivacyConfig.clipping = 'ghost'"])
+    assert plan.unused_privacy_settings["clipping"] == "ghost"
+
+
+def test_refused_settings_bound_to_nothing_are_not_listed_as_unused():
+    plan = _plan_without_privacy(["tfdp.PrivacyConfig.data_normalization = None",
+                                  "tfdp.PrivacyConfig.study_dir = None",
+                                  "tfdp.PrivacyConfig.sampling_seed = 5"])
+    unused = plan.unused_privacy_settings
+    assert "data_normalization" not in unused and "study_dir" not in unused
+    assert unused["sampling_seed"] == 5 and unused["l2_clip_norm"] == 0.1
+
+
+def test_the_statement_gives_the_seed_the_batches_used():
+    """The ledger's seed (a resumed checkpoint's), not the config's, is what sampled the batches."""
+    import types  # pylint: disable=g-import-not-at-top
+
+    import keras  # pylint: disable=g-import-not-at-top
+
+    from tfdp import modes  # pylint: disable=g-import-not-at-top
+    from tfdp import planning  # pylint: disable=g-import-not-at-top
+
+    plan = planning.NonPrivatePlan(num_examples=10, batch_size=2, num_steps=3)
+    config = types.SimpleNamespace(
+        data=types.SimpleNamespace(dataset="d", train_split="train"),
+        augmentation=types.SimpleNamespace(augmentation=None, augmult=0, augtest=False),
+        optimization=types.SimpleNamespace(accumulation_steps=1, ema_decay=None),
+        runtime=types.SimpleNamespace(seed=0))
+    dp_model = types.SimpleNamespace(optimizer=keras.optimizers.SGD(0.1))
+    ledger = types.SimpleNamespace(sampling_seed=tf.constant(5, tf.int64))
+    report = modes.NonPrivateTraining().report(plan, config=config, dp_model=dp_model,
+                                               ledger=ledger, steps_done=3, workdir="w",
+                                               chief=True)
+    assert report["hyperparameters"]["sampling_seed"] == 5

@@ -233,8 +233,8 @@ class OptimizationConfig:
         parameters are evaluated beside the last ones and exported.
 
     Raises:
-      ValueError: a batch_size or num_steps that is not a positive int, an
-        unknown sampling, or accumulation_steps < 1.
+      ValueError: an unknown sampling, or accumulation_steps < 1. (batch_size
+        and num_steps are checked by the plan, `tfdp.planning`, with N.)
     """
 
     optimizer_fn: object = gin.REQUIRED
@@ -413,8 +413,13 @@ _OLD_BINDING = re.compile(r"(?<![\w.])((?:[\w.]*\.)?train_and_evaluate)\.(\w+)(?
 
 
 def old_bindings(text: str):
-    """`[(old name, new home)]` for each old-style `train_and_evaluate.<setting>` binding in `text`."""
+    """`[(old name, new home)]` for each old-style `train_and_evaluate.<setting>` binding in `text`.
+
+    Comments are skipped (a `#` in a binding's string value cuts the line there too,
+    which can only miss a binding after it on the same line, never invent one).
+    """
     found = []
+    text = "\n".join(line.split("#", 1)[0] for line in text.splitlines())  # not comments
     for match in _OLD_BINDING.finditer(text):
         if match.group(2) in MOVED:
             found.append((f"{match.group(1)}.{match.group(2)}", MOVED[match.group(2)]))

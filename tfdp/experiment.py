@@ -194,8 +194,8 @@ def _finish(config, mode, plan, run, built):
         raise RuntimeError(
             f"Training stopped at step {steps_done}, not the planned {plan.num_steps}; "
             "no privacy report or export was written.")
-    report = mode.report(plan, config=config, dp_model=built.dp_model, steps_done=steps_done,
-                         workdir=run.workdir, chief=run.chief)
+    report = mode.report(plan, config=config, dp_model=built.dp_model, ledger=built.ledger,
+                         steps_done=steps_done, workdir=run.workdir, chief=run.chief)
     if built.backbone is not None:  # outside this run's guarantee: the report says whence
         report["backbone"] = built.backbone
     run.finish(report, built.dp_model, built.export_model, image_shape=built.image_shape)

@@ -121,12 +121,13 @@ class PrivateTraining:
         """What every metrics.jsonl line of this mode also says."""
         return {"simulation": True} if self.privacy.simulation else {}
 
-    def report(self, plan, *, config, dp_model, steps_done, workdir, chief):
+    def report(self, plan, *, config, dp_model, ledger, steps_done, workdir, chief):
         """The privacy report (`tfdp.export.privacy_report.build_privacy_report`).
 
         A study run appends its mechanism to the study ledger first (the chief
         only: one entry per run), and the report states the study's epsilon.
         """
+        del ledger  # its coins are secret: the report says only whether they were fixed
         study = None
         if self.privacy.study_dir and chief:
             study = _record_in_study(self.privacy.study_dir, workdir, plan,
@@ -218,15 +219,20 @@ class NonPrivateTraining:
         """The `NonPrivatePlan`, after refusing what has no non-private meaning.
 
         Raises:
-          ValueError: data_normalization or study_dir given; an invalid N, B,
-            T, sampling or static_batch_size.
+          ValueError: data_normalization or study_dir given; an unknown
+            clipping; an invalid N, B, T, sampling or static_batch_size.
         """
         given = privacy_settings_given()
         for name, why in _REFUSED_WITHOUT_PRIVACY.items():
             if given.get(name):
                 raise ValueError(f"privacy=None (NOT PRIVATE) does not take {name}: {why}. "
                                  f"Remove {name}, or train privately (privacy='dp').")
-        return planning.plan_non_private(config, strategy, given)
+        if given.get("clipping", "auto") not in configs.CLIPPING_PATHS:
+            raise ValueError(f"clipping={given['clipping']!r}: clipping must be one of "
+                             f"{configs.CLIPPING_PATHS}.")
+        unused = {name: value for name, value in given.items()
+                  if name not in _REFUSED_WITHOUT_PRIVACY}
+        return planning.plan_non_private(config, strategy, unused)
 
     def prepare_train(self, train):
         return train
@@ -250,8 +256,12 @@ class NonPrivateTraining:
     def metrics_fields(self):
         return {"privacy": NOT_PRIVATE}
 
-    def report(self, plan, *, config, dp_model, steps_done, workdir, chief):
-        """The NOT_PRIVATE statement (`privacy_report.build_not_private_report`)."""
+    def report(self, plan, *, config, dp_model, ledger, steps_done, workdir, chief):
+        """The NOT_PRIVATE statement (`privacy_report.build_not_private_report`).
+
+        Its `sampling_seed` is the one the batches used: the ledger's (a
+        resumed checkpoint's ledger keeps the seed its first steps used).
+        """
         del workdir, chief
         report = privacy_report.build_not_private_report(
             steps_completed=steps_done, planned_steps=plan.num_steps,
@@ -259,7 +269,7 @@ class NonPrivateTraining:
             sampling=plan.sampling,
             unused_privacy_settings=_hyperparameters(**plan.unused_privacy_settings),
             hyperparameters=hyperparameters(config, dp_model) | {
-                "sampling_seed": config.runtime.seed},
+                "sampling_seed": int(ledger.sampling_seed.numpy())},
             exported_parameters="ema" if config.optimization.ema_decay is not None else "last")
         if plan.truncation is not None:
             report["truncation"] = dataclasses.asdict(plan.truncation)

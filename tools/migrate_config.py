@@ -14,6 +14,7 @@ comments, macros and `--gin_param`-style lines included, as it was.
 Exits 1 with one "error: ..." line on a file it cannot read or write.
 """
 
+import re
 import sys
 
 from absl import app
@@ -42,6 +43,11 @@ def main(argv):
             print(f"{path}: {old} -> {new}")
         if not found:
             print(f"{path}: nothing to migrate")
+        if any(old.endswith(".sampling_seed") for old, _ in found) and re.search(
+                r"train_and_evaluate\.privacy\s*=\s*None", text):
+            print(f"{path}: note: this config trains WITHOUT privacy, whose batches now follow "
+                  "tfdp.RuntimeConfig.seed; its sampling_seed (now a tfdp.PrivacyConfig "
+                  "setting) is listed as not used. Bind tfdp.RuntimeConfig.seed to fix them.")
         if found and not _DRY_RUN.value:
             try:
                 with open(path, "w", encoding="utf-8") as f:
