@@ -32,6 +32,13 @@ class _Planned(Exception):
         self.plan = plan
 
 
+def main_module():
+    """`tfdp.main` (imported late: this file also runs against an older tree)."""
+    from tfdp import main  # pylint: disable=g-import-not-at-top
+
+    return main
+
+
 def _as_dict(plan):
     fields = dataclasses.asdict(plan)
     return json.loads(json.dumps({"kind": type(plan).__name__, **fields}, default=repr,

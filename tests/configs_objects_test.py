@@ -19,9 +19,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def _old_style(text):
     """`text` with every setting bound as an argument of the trainer, as older tfdp did."""
-    return re.sub(r"tfdp\.(\w+Config)\.(\w+)", lambda m: (
+    return re.sub(r"^tfdp\.(\w+Config)\.(\w+)(?=\s*=)", lambda m: (
         f"tfdp.train_and_evaluate.{m.group(2)}" if m.group(1) in {
-            c.__name__ for c in configs.CONFIGS} else m.group(0)), text)
+            c.__name__ for c in configs.CONFIGS} else m.group(0)), text, flags=re.MULTILINE)
 
 
 @pytest.mark.parametrize("config", sorted(main.shipped_gin_configs()))
