@@ -135,6 +135,10 @@ def test_runs_of_a_study_compose_in_the_ledger(tmp_path, run_smoke):
     assert reports[1]["study"]["epsilon"] > reports[1]["epsilon"]
 
 
+# End to end (two ScatterNet smoke runs, 20-50 s on 2 cores): under -m slow. The default suite
+# checks the same properties on tfdp.features.cached_features and the report
+# (tests/data_normalization_release_test.py).
+@pytest.mark.slow
 def test_private_normalization_is_released_once_and_reused_on_restart(tmp_path, run_smoke):
     pytest.importorskip("kymatio")
     params = ["tfdp.models.build_scatternet_linear.groups = None",
@@ -206,6 +210,10 @@ def test_resuming_under_another_mechanism_is_refused_naming_the_field(tmp_path, 
     assert (tmp_path / "privacy_report.json").exists()  # nothing deleted
 
 
+# End to end (two ScatterNet smoke runs, 20-50 s on 2 cores): under -m slow. The default suite
+# checks the same properties on tfdp.features.cached_features and the report
+# (tests/data_normalization_release_test.py).
+@pytest.mark.slow
 def test_a_normalization_released_under_other_settings_is_refused(tmp_path, run_smoke):
     pytest.importorskip("kymatio")
     norm = ("tfdp.PrivacyConfig.data_normalization = {'l2_clip_norm_mean': 1.0, "
