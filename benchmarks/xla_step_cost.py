@@ -52,6 +52,7 @@ import os
 import shlex
 import subprocess
 import sys
+import tempfile
 import time
 
 TARGETS = {"flops": 1.6, "bytes": 2.0, "temp": 1.5}  # issue 35: DP / plain at most
@@ -186,8 +187,30 @@ def kernel_layers(model, res):
     return found
 
 
-def export_layers(case, out_dir, plan="tf32"):
-    """For every kernel of the case's model: the ghost rule of the DP step on its shapes."""
+def _layer_rule(layer, is_conv, ws, batch):
+    """`rule(a, g)`: the layer's ghost rule on input `a` and output gradient `g`: (norms, weighted sum)."""
+    import tensorflow as tf
+    from tfdp.dp import ghost_norms
+
+    def rule(a, g):
+        if is_conv:
+            rows = ghost_norms.conv2d_patches(a, kernel_size=layer.kernel_size,
+                                              strides=layer.strides,
+                                              dilation_rate=layer.dilation_rate,
+                                              padding=layer.padding)
+        else:
+            rows = ghost_norms.Rows.of(a)
+        if ws:
+            squares, weighted = ghost_norms.ws_kernel_sq_norms(rows, g, layer.kernel,
+                                                               epsilon=layer.epsilon)
+        else:
+            squares, weighted = ghost_norms.kernel_sq_norms(rows, g)
+        return squares, weighted(tf.ones([batch]))
+    return rule
+
+
+def export_layers(case, out_dir, plan="tf32", first=None):
+    """For every kernel of the case's model (the `first` ones): its DP ghost rule on its shapes."""
     import keras
     import numpy as np
     import tensorflow as tf
@@ -200,30 +223,13 @@ def export_layers(case, out_dir, plan="tf32"):
     model = build_model(model_name, res)
     rng = np.random.default_rng(0)
     metas = []
-    for index, (layer, in_shape, out_shape) in enumerate(kernel_layers(model, res)):
+    for index, (layer, in_shape, out_shape) in enumerate(kernel_layers(model, res)[:first]):
         kernel = layer.kernel
         is_conv = isinstance(layer, keras.layers.Conv2D)
-        ws = isinstance(layer, ws_conv2d.WSConv2D) if hasattr(ws_conv2d, "WSConv2D") else False
+        ws = isinstance(layer, ws_conv2d.WSConv2D)
         a = tf.constant(rng.normal(size=(batch, *in_shape[1:])).astype(np.float32))
         g = tf.constant(rng.normal(size=(batch, *out_shape[1:])).astype(np.float32) * 1e-3)
-        if is_conv:
-            def rows_of(a, layer=layer):
-                return ghost_norms.conv2d_patches(
-                    a, kernel_size=layer.kernel_size, strides=layer.strides,
-                    dilation_rate=layer.dilation_rate, padding=layer.padding)
-        else:
-            def rows_of(a):
-                return ghost_norms.Rows.of(a)
-
-        def rule(a, g, layer=layer, ws=ws, rows_of=rows_of):
-            rows = rows_of(a)
-            if ws:
-                squares, weighted = ghost_norms.ws_kernel_sq_norms(
-                    rows, g, layer.kernel, epsilon=getattr(layer, "epsilon", 1e-4))
-            else:
-                squares, weighted = ghost_norms.kernel_sq_norms(rows, g)
-            return squares, weighted(tf.ones([batch]))
-        fn = tf.function(rule, jit_compile=True)
+        fn = tf.function(_layer_rule(layer, is_conv, ws, batch), jit_compile=True)
         t = math.prod(out_shape[1:-1])
         p, d = math.prod(kernel.shape[:-1]), kernel.shape[-1]
         form = ghost_norms.choose_form(t, p, d)
@@ -265,18 +271,20 @@ def run_jax(jax_python, out_dir, names, replay_seconds):
     """Runs xla_step_cost_jax.py in the side interpreter; {name: record}."""
     command = [jax_python, JAX_SCRIPT, out_dir, *names, f"--seconds={replay_seconds}"]
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    done = subprocess.run(command, capture_output=True, text=True, env=env)
+    errors = tempfile.TemporaryFile(mode="w+")  # not a pipe: XLA's warnings could fill it
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=errors, text=True, env=env)
     records = {}
-    for line in done.stdout.splitlines():
+    for line in process.stdout:  # as they come: a large step compiles for minutes on a CPU
         if line.startswith("{"):
             record = json.loads(line)
-            if "name" in record:
-                records[record["name"]] = record
-            else:
-                records["_backend"] = record
-    if done.returncode != 0:
-        tail = done.stderr.strip().splitlines()[-3:]
-        raise RuntimeError(f"{jax_python} {JAX_SCRIPT} failed ({done.returncode}): {tail}")
+            records[record.get("name", "_backend")] = record
+            print(line.rstrip(), flush=True)
+    process.wait()
+    errors.seek(0)
+    stderr = errors.read()
+    if process.returncode != 0:
+        tail = stderr.strip().splitlines()[-3:]
+        raise RuntimeError(f"{jax_python} {JAX_SCRIPT} failed ({process.returncode}): {tail}")
     return records
 
 
@@ -340,8 +348,6 @@ def main(argv=None):
         costs = run_jax(args.jax_python, args.out_dir, [m["name"] for m in metas],
                         args.replay_seconds)
         backend = costs.pop("_backend", {})
-        for name in sorted(costs):
-            print(json.dumps(costs[name]), flush=True)
         if args.layers:
             lines, total = layer_table(metas, costs, parse_case(case)[1])
             print(f"{case}: each kernel's ghost rule (plan {args.plan}), XLA on {backend}")

@@ -65,3 +65,16 @@ def test_cost_in_the_side_interpreter(exported):
     assert dp["GB_accessed"] > 0 and dp["temp_MB"] >= 0
     table = xla_step_cost.step_table([CASE], costs)
     assert table[2].startswith(f"| {CASE} |")
+
+
+def test_layers_export_each_kernels_rule(tmp_path):
+    metas = xla_step_cost.export_layers("tramer_cnn:2", str(tmp_path), plan="tf32", first=2)
+    assert len(metas) == 2
+    assert [(m["T"], m["p"], m["d"]) for m in metas] == [(13 * 13, 8 * 8, 16), (5 * 5, 4 * 4 * 16, 32)]
+    assert [m["tfdp_form"] for m in metas] == ["direct", "direct"]
+    assert [m["bu_form"] for m in metas] == ["direct", "gram"]  # 2 T^2 = 1250 < p d = 8192
+    for meta in metas:
+        assert (tmp_path / f"{meta['name']}.hlo.pb").stat().st_size > 100
+    lines, total = xla_step_cost.layer_table(
+        metas, {m["name"]: {"GFLOP": 1e-3} for m in metas}, batch=2)
+    assert len(lines) == 2 + len(metas) + 1 and total["rule"] == pytest.approx(2e-3)
