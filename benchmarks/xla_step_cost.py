@@ -41,7 +41,10 @@ shapes (`ghost_norms.ws_kernel_sq_norms` / `kernel_sq_norms` on the layer's
 patches: its norms and its weighted sum with unit factors) and prints XLA's
 flops per layer beside the plain step's ~3 x 2 B T p d for that kernel and
 the two forms' estimates (Gram ~ B T^2 (p + d), direct ~ B T p d); see
-`layer_table`.
+`layer_table`. `--form=direct|gram|bu` (analysis only, never a training
+setting) replaces `ghost_norms.choose_form` in this process, for the steps or
+the layers: every kernel in the direct form, in the Gram form, or as Bu et
+al. 2022's mixed ghost clipping chooses (direct where 2 T^2 > p d).
 """
 
 import argparse
@@ -93,6 +96,23 @@ def set_plan(plan):
         precision.device_inputs = lambda: precision.BF16
     else:
         precision.device_inputs = set_plan.real
+
+
+def set_form(form):
+    """ANALYSIS ONLY (never a training setting): every kernel rule takes `form` ("direct" or
+    "gram"), or Bu et al. 2022's mixed ghost clipping's pick ("bu": direct where 2 R^2 > fan_in
+    fan_out, else Gram), instead of `ghost_norms.choose_form`'s ("auto"), in this process."""
+    from tfdp.dp import ghost_norms
+    if not hasattr(set_form, "real"):
+        set_form.real = ghost_norms.choose_form
+    if form == "auto":
+        ghost_norms.choose_form = set_form.real
+    elif form == "bu":
+        ghost_norms.choose_form = lambda rows, fan_in, fan_out: (
+            ghost_norms.DIRECT if rows is None or 2 * rows * rows > fan_in * fan_out
+            else ghost_norms.GRAM)
+    else:
+        ghost_norms.choose_form = lambda rows, fan_in, fan_out: form
 
 
 def batch_of(model_name, batch, res, seed=0):
@@ -232,9 +252,10 @@ def export_layers(case, out_dir, plan="tf32", first=None):
         fn = tf.function(_layer_rule(layer, is_conv, ws, batch), jit_compile=True)
         t = math.prod(out_shape[1:-1])
         p, d = math.prod(kernel.shape[:-1]), kernel.shape[-1]
-        form = ghost_norms.choose_form(t, p, d)
+        form = getattr(set_form, "real", ghost_norms.choose_form)(t, p, d)  # tfdp's own pick
         meta = write_step(out_dir, f"{name}_layer{index:02d}", fn, (a, g), {
             "layer": layer.name, "T": t, "p": p, "d": d, "ws": ws, "tfdp_form": form,
+            "rule_form": ghost_norms.choose_form(t, p, d),
             "bu_form": "direct" if 2 * t * t > p * d else "gram", "batch": batch})
         metas.append(meta)
     return metas
@@ -242,8 +263,8 @@ def export_layers(case, out_dir, plan="tf32", first=None):
 
 def layer_table(metas, costs, batch):
     """Per kernel: XLA's flops of its ghost rule, the plain step's and the forms' estimates."""
-    lines = ["| layer | T | p | d | tfdp form | Bu form | rule GFLOP (XLA) | plain 6BTpd GFLOP | "
-             "direct 2BTpd | Gram 2BT^2(p+d) | rule / plain |", "|---|" + "---|" * 10]
+    lines = ["| layer | T | p | d | tfdp form | Bu form | measured form | rule GFLOP (XLA) | plain 6BTpd GFLOP | "
+             "direct 2BTpd | Gram 2BT^2(p+d) | rule / plain |", "|---|" + "---|" * 11]
     total = {"rule": 0.0, "plain": 0.0, "direct": 0.0, "gram": 0.0, "tfdp_est": 0.0, "bu_est": 0.0,
              "best_est": 0.0}
     for m in metas:
@@ -258,8 +279,9 @@ def layer_table(metas, costs, batch):
         total["tfdp_est"] += pick[m["tfdp_form"]]; total["bu_est"] += pick[m["bu_form"]]
         total["best_est"] += min(direct, gram)
         lines.append(f"| {m['layer']} | {t} | {p} | {d} | {m['tfdp_form']} | {m['bu_form']} | "
+                     f"{m.get('rule_form', m['tfdp_form'])} | "
                      f"{rule:.3f} | {plain:.3f} | {direct:.3f} | {gram:.3f} | {rule / plain:.2f} |")
-    lines.append(f"| all kernels | | | | | | {total['rule']:.3f} | {total['plain']:.3f} | "
+    lines.append(f"| all kernels | | | | | | | {total['rule']:.3f} | {total['plain']:.3f} | "
                  f"{total['direct']:.3f} | {total['gram']:.3f} | {total['rule'] / total['plain']:.2f} |")
     return lines, total
 
@@ -326,6 +348,8 @@ def main(argv=None):
     parser.add_argument("--replay_seconds", type=float, default=0.0, help="0: no timing")
     parser.add_argument("--plan", choices=("tf32", "bf16", "host"), default="tf32",
                         help="the device the DP step's ghost rules plan for")
+    parser.add_argument("--form", choices=("auto", "direct", "gram", "bu"), default="auto",
+                        help="analysis only: force every kernel rule's form (auto: tfdp's choice)")
     parser.add_argument("--export_only", action="store_true")
     parser.add_argument("--layers", action="store_true",
                         help="per-kernel ghost-rule cost instead of the steps (analysis)")
@@ -336,6 +360,7 @@ def main(argv=None):
     host.enable_onednn()
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     cases = [c for c in args.cases.split(",") if c]
+    set_form(args.form)
     print(host.describe_host())
     print(f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; "
           f"{' '.join(shlex.quote(a) for a in [sys.executable, *sys.argv])}")
@@ -350,11 +375,11 @@ def main(argv=None):
         backend = costs.pop("_backend", {})
         if args.layers:
             lines, total = layer_table(metas, costs, parse_case(case)[1])
-            print(f"{case}: each kernel's ghost rule (plan {args.plan}), XLA on {backend}")
+            print(f"{case}: each kernel's ghost rule (plan {args.plan}, forms {args.form}), XLA on {backend}")
             print("\n".join(lines))
             print(json.dumps({k: round(v, 3) for k, v in total.items()}))
         else:
-            print(f"{case}: DP step (plan {args.plan}) vs plain step, XLA on {backend}; "
+            print(f"{case}: DP step (plan {args.plan}, kernel forms {args.form}) vs plain step, XLA on {backend}; "
                   f"targets DP/plain <= {TARGETS['flops']}x flops, <= {TARGETS['bytes']}x bytes, "
                   f"<= {TARGETS['temp']}x temp memory")
             print("\n".join(step_table([case], costs)), flush=True)
