@@ -194,7 +194,11 @@ def export_case(case, out_dir, plan="tf32"):
 
 
 def kernel_layers(model, res):
-    """[(layer, input shape, output shape)] of every Conv2D / Dense kernel, via a functional probe."""
+    """[(layer, input shape, output shape)] of every Conv2D / Dense kernel of a functional model.
+
+    Shapes as Keras' functional graph records them; a layer without one (called more than once,
+    or inside a subclassed model) is left out of the table.
+    """
     import keras
     found = []
     for layer in model._flatten_layers(include_self=False, recursive=True):
