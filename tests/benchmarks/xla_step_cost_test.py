@@ -22,6 +22,21 @@ CASE = "tramer_cnn:4"
 JAX_PYTHON = os.environ.get("TFDP_JAX_PYTHON")
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _precision_left_as_found():
+    """The benchmark replaces tfdp's device plan and form choice in its process: put them back.
+
+    Without this, an xdist worker's later tests traced their steps with the TF32 plan
+    (tests/training/device_arithmetic_test.py failed after this file).
+    """
+    from tfdp.dp import ghost_norms  # pylint: disable=g-import-not-at-top
+    from tfdp.dp import precision  # pylint: disable=g-import-not-at-top
+
+    saved = precision.device_inputs, ghost_norms.choose_form
+    yield
+    precision.device_inputs, ghost_norms.choose_form = saved
+
+
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
     out_dir = tmp_path_factory.mktemp("xla_step_cost")
