@@ -69,10 +69,14 @@ def export_saved_model(model, export_dir, *, image_shape, asset_paths=(), overwr
     expected = f"uint8 images [batch, {', '.join(map(str, image_shape))}] ([batch, H, W, C])"
 
     def serve(images):
-        tf.debugging.assert_equal(
+        check = tf.debugging.assert_equal(
             tf.shape(images)[1:], tf.constant(image_shape, tf.int32),
             message=f"serve expects {expected}; got another image shape",
         )
+        # The model runs after the check: otherwise its first op to fail (a GroupNorm's
+        # reshape) could report first, and the message would not name the shape.
+        with tf.control_dependencies([check]):
+            images = tf.identity(images)
         return {OUTPUT_KEY: model(tf.cast(images, tf.float32), training=False)}
 
     archive = keras.export.ExportArchive()
