@@ -28,16 +28,12 @@ from tfdp import resume_rule
 from tfdp import storage
 from tfdp import workdir as workdir_lib
 from tfdp.data import fingerprint
-from tfdp.export import privacy_report
 from tfdp.export import saved_model
 from tfdp.training import callbacks as callbacks_lib
 from tfdp.training import distribute
 
-METRICS_FILE = "metrics.jsonl"
-OPERATIVE_CONFIG = "operative_config.gin"
 EXPORT_DIR = "export"
 CHECKPOINT_DIR = workdir_lib.CHECKPOINT_DIR
-NOT_PRIVATE = privacy_report.NOT_PRIVATE
 
 
 class Run:
@@ -91,10 +87,6 @@ class Run:
     @property
     def chief(self):
         return distribute.is_chief(self.strategy)
-
-    def path(self, name):
-        """`name` in the folder this process writes (metrics, TensorBoard, operative config)."""
-        return os.path.join(self.out_dir, name)
 
     def restore(self, dp_model, ledger):
         """Restores `latest`, or saves checkpoint 0 with the fresh coins: `(manager, start_step)`."""
