@@ -11,11 +11,17 @@ comments, macros and `--gin_param`-style lines included, as it was.
   python tools/migrate_config.py my_experiment.gin           # rewrites the file
   python tools/migrate_config.py --dry_run my_experiment.gin # prints the changes only
 
+The file is replaced atomically (written beside it, then renamed over it, keeping its mode).
+
 Exits 1 with one "error: ..." line on a file it cannot read or write.
 """
 
+import contextlib
+import os
 import re
+import shutil
 import sys
+import tempfile
 
 from absl import app
 from absl import flags
@@ -50,11 +56,28 @@ def main(argv):
                   "setting) is listed as not used. Bind tfdp.RuntimeConfig.seed to fix them.")
         if found and not _DRY_RUN.value:
             try:
-                with open(path, "w", encoding="utf-8") as f:
-                    f.write(configs.migrate(text))
+                _replace(path, configs.migrate(text))
             except OSError as e:
-                print(f"error: cannot write {path}: {e.strerror}", file=sys.stderr)
+                print(f"error: cannot write {path} (left as it was): {e.strerror}",
+                      file=sys.stderr)
                 sys.exit(1)
+
+
+def _replace(path, text):
+    """Writes `text` beside `path` and renames it over: a full disk never leaves half a file."""
+    folder = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=".migrate-", suffix=".gin", dir=folder)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        shutil.copymode(path, tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
 
 
 if __name__ == "__main__":
