@@ -18,7 +18,11 @@ per-example loop it may take), on models the ghost fuzzer does not draw:
     (pooling, padding, upsampling, a Lambda), and layers that mix examples
     (a Lambda subtracting the batch mean, LayerNormalization over the batch
     axis, a Lambda adding the first example): a model with one of those
-    must be refused by `DPModel.compile`, never trained;
+    must be refused by `DPModel.compile`, never trained, unless nothing the
+    layer does reaches an output or a gradient (a GroupNorm over groups of
+    one entry after it: every output is the head's bias), which
+    `assert_mixing_is_dead` checks on perturbed weights before the model
+    is held to the assertions below like any other;
   - image inputs of 1 x 1, 1 x N and N x 1 pixels;
   - clipping "auto", "ghost" or "vectorized", and 1 or 2 accumulation chunks;
   - batches of `ghost_fuzz_test` (near-constant images at 0 and 255, huge
@@ -249,12 +253,67 @@ def _grouped(spec):
     return any(block["kind"] == "grouped_conv" for block in spec["blocks"])
 
 
+def _mechanism(c):
+    return accounting.DPMechanism(num_examples=1000, batch_size=4, num_steps=10,
+                                  noise_multiplier=1.0, l2_clip_norm=c, delta=1e-5)
+
+
+def _example_gradient(model, batch, labels):
+    """Example 0's output and its loss's gradient (float64), within `batch`."""
+    with tf.GradientTape() as tape:
+        logits = model(batch, training=True)
+        loss = tf.nn.sparse_softmax_cross_entropy_with_logits(labels[:1], logits[:1])[0]
+    grads = tape.gradient(loss, model.trainable_variables,
+                          unconnected_gradients=tf.UnconnectedGradients.ZERO)
+    return [np.asarray(t, np.float64) for t in [logits[0], *grads]]
+
+
+def assert_mixing_is_dead(spec, model, images):
+    """Raises unless example 0's output and gradient ignore every other example.
+
+    A model with a mixing layer that `DPModel.compile` accepts must be one where
+    the mixing cannot reach anything (e.g. a GroupNorm over groups of one entry
+    after it: every output is its bias). The oracle is independent of the probe's:
+    example 0 of the case, then 5 other examples drawn twice, on a model whose
+    trainable weights are perturbed (a zero head hides nothing).
+    """
+    rng = np.random.default_rng(spec["seed"])
+    for v in model.trainable_variables:
+        v.assign(v + rng.normal(0.0, 0.5, v.shape).astype(np.float32))
+    tokens = (spec["sequence"] or {}).get("tokens")
+
+    def others():
+        if tokens:
+            return rng.integers(0, tokens["vocabulary"], (5, *images.shape[1:])).astype(
+                images.dtype)
+        return rng.uniform(0.0, 255.0, (5, *images.shape[1:])).astype(np.float32)
+
+    labels = tf.constant(rng.integers(0, spec["num_classes"], 6), tf.int32)
+    first, second = (_example_gradient(model, np.concatenate([images[:1], others()]), labels)
+                     for _ in range(2))
+    for a, b in zip(first, second):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6 * (1 + np.max(np.abs(a))),
+                                   err_msg="a model with a live mixing layer was not refused")
+
+
 def check_case(case):
     spec, images, labels, mask, clip_ratio, clipping, accumulation = case
     # With oneDNN off, TensorFlow cannot run a grouped Conv2D's gradient under
     # tf.vectorized_map ("Fused conv implementation does not support grouped convolutions",
     # an error, not a wrong number; BUILD.md, Limitations): the oneDNN-on run covers them.
     hypothesis.assume(host.onednn_enabled() or not _grouped(spec))
+    if _mixes(spec):
+        # Refused or not before anything runs the model on the case's batch: a mixing layer
+        # may not even run on it (`t + t[1:2]` on one example gives no output at all).
+        keras.utils.set_random_seed(spec["seed"])
+        probed = build(spec)
+        try:
+            DPModel(probed, _mechanism(1.0), clipping=clipping,
+                    accumulation_steps=accumulation).compile(optimizer=keras.optimizers.SGD(0.0))
+        except models.ExampleMixingError:
+            return "refused"
+        if not _only_gradient_mixing(spec):
+            assert_mixing_is_dead(spec, probed, images)
     keras.utils.set_random_seed(spec["seed"])
     model = build(spec)
     real = np.flatnonzero(mask)
@@ -265,17 +324,8 @@ def check_case(case):
         c = max(clip_ratio * float(np.median(norms64)), ghost_fuzz.MIN_CLIP_NORM)
     else:
         c = 1.0
-    mechanism = accounting.DPMechanism(num_examples=1000, batch_size=4, num_steps=10,
-                                       noise_multiplier=1.0, l2_clip_norm=c, delta=1e-5)
-    dp = DPModel(model, mechanism, clipping=clipping, accumulation_steps=accumulation)
-    try:
-        dp.compile(optimizer=keras.optimizers.SGD(0.0))
-    except models.ExampleMixingError:
-        if _mixes(spec):
-            return "refused"
-        raise
-    if _mixes(spec) and not _only_gradient_mixing(spec):
-        raise AssertionError("a model with a layer that mixes examples was not refused")
+    dp = DPModel(model, _mechanism(c), clipping=clipping, accumulation_steps=accumulation)
+    dp.compile(optimizer=keras.optimizers.SGD(0.0))
     # A backward-only mix that no trainable variable sits before (GradientMix as the
     # first block: it mixes only the gradients wrt the images) may be accepted; the
     # checks below then hold it to the same bounds as any other model.

@@ -56,3 +56,47 @@ def test_fuzz_dp_model_step(onednn):
 def test_fuzz_dp_model_step_long(onednn):
     examples = int(os.environ.get("DP_FUZZ_EXAMPLES", 300))
     assert len(_fuzz(onednn, examples)) == examples
+
+
+def _conv_spec(mixing, then):
+    """The mixing layer, then a conv: alone ("conv") or before a GroupNorm ("nested")."""
+    return {"input_shape": (1, 1, 3), "sequence": None, "head": "flatten", "num_classes": 2,
+            "frozen": [], "seed": 0,
+            "blocks": [{"kind": "mixing", "layer": mixing},
+                       {"kind": then, "filters": 2, "kernel": 1, "padding": "same",
+                        "use_bias": False, "activation": None, "strides": 1, "dilation": 1,
+                        "scale": False, "center": False, "groups": 2}]}
+
+
+# The fuzzer's oracle for a mixing model that DPModel accepts (found by the slow run: a
+# batch-centring Lambda before a GroupNorm over groups of one entry, whose output is 0 for
+# every input): it passes only where the mixing reaches nothing, and fails a live one.
+@pytest.mark.parametrize("then, dead", [("nested", True), ("conv", False)])
+def test_the_fuzzer_accepts_only_dead_mixing(then, dead):
+    import keras  # pylint: disable=g-import-not-at-top
+    import numpy as np  # pylint: disable=g-import-not-at-top
+
+    from tests.training import dp_model_fuzz  # pylint: disable=g-import-not-at-top
+
+    spec = _conv_spec("batch_center", then)
+    keras.utils.set_random_seed(0)
+    model = dp_model_fuzz.build(spec)
+    images = np.zeros((1, 1, 1, 3), np.float32)
+    if dead:
+        dp_model_fuzz.assert_mixing_is_dead(spec, model, images)
+    else:
+        with pytest.raises(AssertionError, match="live mixing layer was not refused"):
+            dp_model_fuzz.assert_mixing_is_dead(spec, model, images)
+
+
+def test_a_mixing_layer_that_cannot_run_on_the_case_s_batch_is_refused_first():
+    # `t + t[1:2]` on a batch of one has no output; the fuzzer used to run its float64
+    # reference on the case's batch before asking DPModel, and crashed there.
+    import numpy as np  # pylint: disable=g-import-not-at-top
+
+    from tests.training import dp_model_fuzz  # pylint: disable=g-import-not-at-top
+
+    spec = _conv_spec("add_second", "conv")
+    case = (spec, np.zeros((1, 1, 1, 3), np.float32), np.array([0], np.int32),
+            np.array([1.0], np.float32), 0.01, "auto", 1)
+    assert dp_model_fuzz.check_case(case) == "refused"

@@ -285,6 +285,26 @@ def test_an_empty_poisson_batch_still_takes_a_noisy_step(accumulation_steps):
     assert any(np.any(w0 != w1) for w0, w1 in zip(before, _weights(model)))
 
 
+@pytest.mark.parametrize("size, multiple, padded", [
+    (0, 1, 2), (1, 1, 2), (2, 1, 2), (5, 1, 5), (1, 3, 6), (4, 3, 6), (7, 3, 9), (0, 2, 4)])
+def test_a_batch_of_unknown_size_is_padded_to_two_rows_per_chunk(size, multiple, padded):
+    # tf.vectorized_map over an unknown loop length that turns out to be 1 reshapes wrongly
+    # in attention models (oneDNN off; found by the DP-model fuzzer): every chunk gets >= 2.
+    from tfdp.training import dp_model  # pylint: disable=g-import-not-at-top
+    pad = tf.function(lambda x, m: dp_model._pad_rows((x, m), multiple),
+                      input_signature=[tf.TensorSpec([None, 3]), tf.TensorSpec([None])])
+    x, m = pad(tf.ones([size, 3]), tf.ones([size]))
+    assert x.shape == (padded, 3) and m.shape == (padded,)
+    np.testing.assert_array_equal(m, [1.0] * size + [0.0] * (padded - size))
+    np.testing.assert_array_equal(x[size:], 0.0)
+
+
+def test_a_static_batch_that_splits_evenly_is_not_padded():
+    from tfdp.training import dp_model  # pylint: disable=g-import-not-at-top
+    x = tf.ones([1, 3])  # static 1: vectorized_map over a known length of 1 runs
+    assert dp_model._pad_rows((x,), 1)[0] is x
+
+
 class _FixedIds(_Noiseless):
     """Noiseless, and the microbatch ids come from a table: adjacent batches by hand."""
 

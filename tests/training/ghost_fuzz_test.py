@@ -44,7 +44,13 @@ Assertions, for every real example:
 2. Issue 27's contract (it replaces issue 18's "equal to float64 at 1e-5"): the
    norm exceeds |v_i| = contribution_i / factor_i (the vector the fast path adds,
    per unit factor) by at most OVERCOUNT_MAX (the float32 rules' rounding bound;
-   its size is the "norm over-count" event), and
+   its size is the "norm over-count" event). At an emulated device precision
+   (TF32, bf16) the bound is the device's, 2^-11 or 2^-8 of the products'
+   magnitudes: where the gradient is a small difference of large terms it can
+   exceed the gradient itself while staying far below C (a slow-profile TF32
+   case: |v| = 2.5e-3 C, norm 11 |v|), and only its effect on the clip is
+   asserted: the clip factor is at most OVERCOUNT_MAX below the one of |v|
+   (max(1, norm / C) <= (1 + OVERCOUNT_MAX) max(1, |v| / C)). And
    |norm_i - norm64_i| <= 1e-5 norm64_i + (norm_i - |v_i|) where
    norm64_i > 1e-3 C; below norm64_i by at most 1e-5 norm64_i. Where this
    fails, the vectorized float32 path (`tfdp.dp.clipping`) is measured on
@@ -74,10 +80,12 @@ relaxed" events): in 600 slow-profile examples about 5% of the cases, with
 both paths 1e-3..1 (relative) away from float64 on the same inputs (pixel
 ranges of 1e5, normalizations of near-constant activations).
 
-Profiles: "ghost-fuzz-fast" (default suite, derandomized, about a minute on
-a 2-core machine), "ghost-fuzz-layers" (default suite: 3 derandomized cases
-for each of issue 20's layers, `test_fuzz_each_pretrained_backbone_layer`,
-so that each is covered whatever the draw favours) and "ghost-fuzz-slow"
+Profiles: "ghost-fuzz-fast" (default suite, 24 derandomized cases of any
+kind), "ghost-fuzz-blocks" (default suite: one derandomized case for each
+other image block kind, `test_fuzz_each_block_kind`), "ghost-fuzz-layers"
+(default suite: 3 derandomized cases for each of issue 20's layers,
+`test_fuzz_each_pretrained_backbone_layer`; with the previous profile, each
+kind is covered whatever the fast profile's draw favours) and "ghost-fuzz-slow"
 (`-m slow`, random, many more examples). `GHOST_FUZZ_EXAMPLES=n` overrides
 the number of examples of the slow profile.
 
@@ -112,7 +120,10 @@ MIN_CLIP_NORM = 1e-12
 # No "explain" phase: it re-runs the failing case under coverage, minutes for TensorFlow.
 _PHASES = [hypothesis.Phase.explicit, hypothesis.Phase.generate, hypothesis.Phase.shrink]
 hypothesis.settings.register_profile(
-    "ghost-fuzz-fast", max_examples=80, deadline=None, derandomize=True, database=None,
+    "ghost-fuzz-fast", max_examples=24, deadline=None, derandomize=True, database=None,
+    print_blob=True, phases=_PHASES, suppress_health_check=list(hypothesis.HealthCheck))
+hypothesis.settings.register_profile(
+    "ghost-fuzz-blocks", max_examples=1, deadline=None, derandomize=True, database=None,
     print_blob=True, phases=_PHASES, suppress_health_check=list(hypothesis.HealthCheck))
 hypothesis.settings.register_profile(
     "ghost-fuzz-layers", max_examples=3, deadline=None, derandomize=True, database=None,
@@ -222,8 +233,9 @@ def model_specs(draw, inputs=None, require=None):
     with trainable variables (not the head) are frozen (`trainable=False`).
 
     `inputs` ("image", "image_to_sequence", "tokens") and `require` (a block
-    kind of RULED or SEQUENCE, "position" or "frozen", that the model then
-    has) narrow the draw, for `test_fuzz_each_pretrained_backbone_layer`.
+    kind of RULED, STRUCTURE, FALLBACK or SEQUENCE, "position" or "frozen",
+    that the model then has) narrow the draw, for `test_fuzz_each_block_kind`
+    and `test_fuzz_each_pretrained_backbone_layer`.
     """
     if inputs is None:
         inputs = draw(st.sampled_from(["image", "image", "image_to_sequence", "tokens"]))
@@ -249,7 +261,7 @@ def model_specs(draw, inputs=None, require=None):
     if require in SEQUENCE and sequence is not None:  # "einsum", "dense": in the sequence
         sequence["blocks"].insert(draw(st.integers(0, len(sequence["blocks"]))),
                                   draw(sequence_blocks((require,))))
-    elif require in RULED:
+    elif require in RULED + STRUCTURE + FALLBACK:
         image_blocks.insert(draw(st.integers(0, len(image_blocks))),
                             draw(blocks((require,))))
     elif require == "position":
@@ -638,7 +650,11 @@ def check_contributions(builder, images, labels, mask, *, clip_ratio=None, l2_cl
         slack = norm / added - 1.0 if added else 0.0
         if added and norm64 > 1e-3 * c:
             _event(f"norm over-count: {_order(slack, 1.0) if slack > 0 else '0'} (relative)")
-            assert slack <= OVERCOUNT_MAX, what + f"; over-count {slack:.3g}"
+            if emulated:  # the device's bound: asserted where it moves the clip (docstring)
+                assert max(1.0, norm / c) <= (1 + OVERCOUNT_MAX) * max(1.0, added / c), (
+                    what + f"; over-count {slack:.3g} moves the clip factor")
+            else:
+                assert slack <= OVERCOUNT_MAX, what + f"; over-count {slack:.3g}"
         if emulated:
             continue
         if norm64 > 1e-3 * c and (norm64 - norm > NORM_RTOL * norm64
@@ -705,9 +721,22 @@ def test_fuzz_every_contribution_is_at_most_c_long(case):
 
 # Issue 27: the same fuzzer with every matmul of the rules at a TPU's (one bf16 pass) or an
 # Ampere GPU's (TF32) input precision, emulated on this CPU (`tfdp.dp.precision.emulate`).
+# The slow profile's TF32 case whose device bound is 11x the gradient, at 2.5e-3 C.
+_CANCELLING_CASE = (
+    {"input_shape": (2, 2, 4), "head": "pool", "num_classes": 5, "frozen": [], "seed": 1,
+     "blocks": [{"kind": "concatenate", "filters": 2, "kernel": 2, "padding": "same",
+                 "use_bias": False, "activation": "relu", "strides": 1, "dilation": 1}],
+     "sequence": {"patch_dense": 4, "position": False,
+                  "blocks": [{"kind": "einsum", "heads": 2, "head_dim": 3, "bias": False}] * 3}},
+    np.array([[[[130.51451] * 4, [130.51451] * 4], [[130.51451] * 4, [131.51451] + [130.51451] * 3]]],
+             np.float32),
+    np.array([4], np.int32), np.array([1.0], np.float32), 0.01)
+
+
 @pytest.mark.parametrize("device", [precision.BF16, precision.TF32], ids=lambda d: d.name)
 @hypothesis.settings(hypothesis.settings.get_profile("ghost-fuzz-emulated"))
 @hypothesis.given(case=cases())
+@hypothesis.example(case=_CANCELLING_CASE)
 def test_fuzz_every_contribution_is_at_most_c_at_emulated_device_precision(device, case):
     with precision.emulate(device):
         _check_case(case, emulated=True)
@@ -720,6 +749,21 @@ def test_fuzz_every_contribution_is_at_most_c_at_emulated_device_precision(devic
 def test_fuzz_every_contribution_is_at_most_c_at_emulated_device_precision_long(device, case):
     with precision.emulate(device):
         _check_case(case, emulated=True)
+
+
+# Every block kind of an image model in a derandomized case of its own (inserted among
+# one to three drawn blocks), so that the fast profile above covers each whatever its 24
+# draws favour.
+IMAGE_BLOCK_KINDS = [kind for kind in RULED + STRUCTURE + FALLBACK
+                     if kind not in ("depthwise", "grouped_conv", "layer_scale", "einsum",
+                                     "frozen_batch_norm")]  # those: the next test
+
+
+@pytest.mark.parametrize("require", IMAGE_BLOCK_KINDS)
+@hypothesis.settings(hypothesis.settings.get_profile("ghost-fuzz-blocks"))
+@hypothesis.given(data=st.data())
+def test_fuzz_each_block_kind(require, data):
+    _check_case(data.draw(cases("image", require)))
 
 
 # Every layer of issue 20's backbones in a few derandomized cases of its own, so that the

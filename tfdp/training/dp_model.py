@@ -630,8 +630,9 @@ class DPModel(chunked.ChunkedTraining, ema.EMAParameters, keras.Model):
 
         The batch is padded with zero rows (mask 0, contributing nothing) to
         a positive multiple of `accumulation_steps`, so that every chunk has
-        the same shape and at least one row (an empty Poisson batch or chunk
-        would otherwise break the vectorized conv gradients), then cut with a
+        the same shape and at least two rows (an empty Poisson batch or chunk
+        would otherwise break the vectorized conv gradients, and a chunk of
+        one the vectorized attention gradients: `_pad_rows`), then cut with a
         `reshape`: chunk i is row i. A static batch that already splits
         evenly is not padded, so its chunks keep one static shape, as XLA and
         TPUs need.
@@ -740,15 +741,21 @@ def _hits(logits, labels):
 
 
 def _pad_rows(tensors, multiple):
-    """Pads `[batch, ...]` tensors with zero rows to a positive multiple of `multiple`.
+    """Pads `[batch, ...]` tensors with zero rows to a multiple of `multiple`, >= 2 per chunk.
 
-    A no-op when the static batch size already is one.
+    A no-op when the static batch size already is a positive multiple. A
+    batch of unknown size gets at least two rows per chunk: `tf.vectorized_map`
+    over a loop of unknown length that turns out to be 1 reshapes wrongly in
+    attention models (TensorFlow 2.21, oneDNN off: "Input to reshape is a
+    tensor with 8 values, but the requested shape has 2"; found by
+    `tests/training/dp_model_fuzz.py`), while a known length of 1, or any
+    length of 2 or more, runs.
     """
     static = tensors[0].shape[0]
     if static is not None and static > 0 and static % multiple == 0:
         return tensors
     size = tf.shape(tensors[0])[0]
-    pad = tf.maximum(1, (size + multiple - 1) // multiple) * multiple - size
+    pad = tf.maximum(2, (size + multiple - 1) // multiple) * multiple - size
     # tf.pad with a tensor amount forgets every static dimension; keep the inner ones.
     return [tf.ensure_shape(
         tf.pad(t, tf.concat([[[0, pad]], tf.zeros([t.shape.rank - 1, 2], tf.int32)], 0)),
