@@ -1,7 +1,9 @@
 """Fixtures shared by the end-to-end and data tests."""
 
 import contextlib
+import fcntl
 import logging
+import os
 
 import gin
 import pytest
@@ -29,6 +31,33 @@ def _run_smoke(workdir, gin_files, extra_params=(), mock=True):
             return experiment.train_and_evaluate(workdir=str(workdir))
     finally:
         gin.clear_config()
+
+
+@pytest.fixture(scope="session")
+def once_per_session(tmp_path_factory):
+    """`once_per_session(name, build)`: `build(folder)` run once, shared by the xdist workers.
+
+    pytest-xdist gives a module's tests to both workers, and a module-scoped
+    fixture then runs in each (a 2-step training run: 10-60 s a worker on the
+    2-core host). The first worker to get here builds in the folder the workers
+    share; the other waits on its lock, then reads what was built. Only for
+    what the tests read and never change. It returns the folder (a pathlib.Path).
+    """
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent
+
+    def once(name, build):
+        out = root / name
+        out.mkdir(exist_ok=True)
+        with open(out / "lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not (out / "done").exists():
+                build(out)
+                (out / "done").write_text("")
+        return out
+
+    return once
 
 
 @pytest.fixture(autouse=True)

@@ -18,16 +18,18 @@ from tfdp.training.dp_model import DPModel
 
 
 @pytest.fixture(scope="module")
-def pretrain_workdir(tmp_path_factory, run_smoke_module):
+def pretrain_workdir(once_per_session, run_smoke_module):
     """A finished 2-step tfdp workdir of build_tramer_cnn (28x28x1, 10 classes) with an EMA.
 
     Trained on the mock 'test' split: disjoint from the 'train' split the fine-tuning tests
     train on, as a backbone's data must be (`tfdp.features.check_backbone_data`).
     """
-    workdir = tmp_path_factory.mktemp("pretrain") / "wd"
-    run_smoke_module(workdir, ["fashion_mnist.gin"], ["tfdp.OptimizationConfig.ema_decay = 0.9",
-                                                      "tfdp.DataConfig.train_split = 'test'"])
-    return str(workdir)
+    def pretrain(folder):
+        run_smoke_module(folder / "wd", ["fashion_mnist.gin"], [
+            "tfdp.OptimizationConfig.ema_decay = 0.9", "tfdp.DataConfig.train_split = 'test'"])
+
+    # The tests read it (and copy it to change it): one run for both xdist workers.
+    return str(once_per_session("finetune_pretrain", pretrain) / "wd")
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,6 @@ batches (`distribute_logical_batches`) and the path the trainer runs,
 accumulation chunks (`distribute_chunks` -> `ChunkedInput`, a = 2).
 """
 
-import fcntl
 import json
 import logging
 import os
@@ -275,7 +274,7 @@ for r in replica_counts:
 
 
 @pytest.fixture(scope="module")
-def replica_runs(tmp_path_factory):
+def replica_runs(once_per_session):
     """Runs `_SCRIPT` for R = 1, 2, 4; returns a loader of its .npy files.
 
     Two processes, side by side: R = 4 gets its own, because MirroredStrategy's
@@ -283,27 +282,19 @@ def replica_runs(tmp_path_factory):
     devices are created in one process (R = 1 never all-reduces).
     """
     # Once per session: pytest-xdist gives the tests of this module to both workers, and
-    # each ran the two processes (75 s a worker on the 2-core host). The first worker to
-    # get here runs them in the folder the workers share; the other waits for its files.
-    root = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        root = root.parent
-    out = root / "distribute_replicas"
-    out.mkdir(exist_ok=True)
-    with open(out / "lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (out / "done").exists():
-            script = out / "replicas.py"
-            script.write_text(_SCRIPT)
-            env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
-            procs = [subprocess.Popen([sys.executable, str(script), str(out), counts],
-                                      env=env, stdout=subprocess.DEVNULL,
-                                      stderr=subprocess.PIPE, text=True)
-                     for counts in ("1,2", "4")]
-            for proc in procs:
-                _, stderr = proc.communicate(timeout=600)
-                assert proc.returncode == 0, stderr[-4000:]
-            (out / "done").write_text("")
+    # each ran the two processes (75 s a worker on the 2-core host).
+    def run(out):
+        script = out / "replicas.py"
+        script.write_text(_SCRIPT)
+        env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+        procs = [subprocess.Popen([sys.executable, str(script), str(out), counts], env=env,
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                 for counts in ("1,2", "4")]
+        for proc in procs:
+            _, stderr = proc.communicate(timeout=600)
+            assert proc.returncode == 0, stderr[-4000:]
+
+    out = once_per_session("distribute_replicas", run)
     return lambda name: np.load(out / f"{name}.npy")
 
 

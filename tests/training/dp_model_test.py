@@ -285,13 +285,16 @@ def test_an_empty_poisson_batch_still_takes_a_noisy_step(accumulation_steps):
     assert any(np.any(w0 != w1) for w0, w1 in zip(before, _weights(model)))
 
 
-@pytest.mark.parametrize("size, multiple, padded", [
-    (0, 1, 2), (1, 1, 2), (2, 1, 2), (5, 1, 5), (1, 3, 6), (4, 3, 6), (7, 3, 9), (0, 2, 4)])
-def test_a_batch_of_unknown_size_is_padded_to_two_rows_per_chunk(size, multiple, padded):
+@pytest.mark.parametrize("size, multiple, min_rows, padded", [
+    (0, 1, 1, 1), (1, 1, 1, 1), (0, 3, 1, 3), (4, 3, 1, 6),
+    (0, 1, 2, 2), (1, 1, 2, 2), (2, 1, 2, 2), (5, 1, 2, 5), (1, 3, 2, 6), (7, 3, 2, 9)])
+def test_a_batch_of_unknown_size_is_padded_to_whole_chunks_of_min_rows(size, multiple, min_rows,
+                                                                       padded):
+    # DPModel gives every chunk of unknown size two rows (`_chunk_contribution`):
     # tf.vectorized_map over an unknown loop length that turns out to be 1 reshapes wrongly
-    # in attention models (oneDNN off; found by the DP-model fuzzer): every chunk gets >= 2.
+    # in attention models (oneDNN off; found by the DP-model fuzzer).
     from tfdp.training import dp_model  # pylint: disable=g-import-not-at-top
-    pad = tf.function(lambda x, m: dp_model._pad_rows((x, m), multiple),
+    pad = tf.function(lambda x, m: dp_model._pad_rows((x, m), multiple, min_rows),
                       input_signature=[tf.TensorSpec([None, 3]), tf.TensorSpec([None])])
     x, m = pad(tf.ones([size, 3]), tf.ones([size]))
     assert x.shape == (padded, 3) and m.shape == (padded,)
@@ -303,6 +306,7 @@ def test_a_static_batch_that_splits_evenly_is_not_padded():
     from tfdp.training import dp_model  # pylint: disable=g-import-not-at-top
     x = tf.ones([1, 3])  # static 1: vectorized_map over a known length of 1 runs
     assert dp_model._pad_rows((x,), 1)[0] is x
+    assert dp_model._pad_rows((x,), 1, min_rows=2)[0].shape == (2, 3)
 
 
 class _FixedIds(_Noiseless):

@@ -505,6 +505,14 @@ class DPModel(chunked.ChunkedTraining, ema.EMAParameters, keras.Model):
         precision.refuse_precision_rewrites()
         self._traced_plan = precision.step_plan()
         tensors = (images, labels, mask) if ids is None else (images, labels, mask, ids)
+        if images.shape[0] is None:
+            # At least two rows (zero, mask 0: they add nothing): tf.vectorized_map over a
+            # loop of unknown length that turns out to be 1 reshapes wrongly in attention
+            # models (TensorFlow 2.21, oneDNN off: "Input to reshape is a tensor with 8
+            # values, but the requested shape has 2"; found by the DP-model fuzzer), while
+            # a known length of 1, or any length of 2 or more, runs. Every path comes here:
+            # chunks of `_accumulate` and elements of chunked input alike.
+            tensors = tuple(_pad_rows(tensors, 1, min_rows=2))
         return self._checked(self._chunk_contribution_on_path, tensors)
 
     def _checked(self, contribution_fn, tensors):
@@ -630,9 +638,9 @@ class DPModel(chunked.ChunkedTraining, ema.EMAParameters, keras.Model):
 
         The batch is padded with zero rows (mask 0, contributing nothing) to
         a positive multiple of `accumulation_steps`, so that every chunk has
-        the same shape and at least two rows (an empty Poisson batch or chunk
-        would otherwise break the vectorized conv gradients, and a chunk of
-        one the vectorized attention gradients: `_pad_rows`), then cut with a
+        the same shape and at least one row (an empty Poisson batch or chunk
+        would otherwise break the vectorized conv gradients;
+        `_chunk_contribution` gives a chunk of unknown size a second), then cut with a
         `reshape`: chunk i is row i. A static batch that already splits
         evenly is not padded, so its chunks keep one static shape, as XLA and
         TPUs need.
@@ -740,22 +748,18 @@ def _hits(logits, labels):
     return tf.cast(tf.equal(predicted, tf.cast(labels, tf.int32)), tf.float32)
 
 
-def _pad_rows(tensors, multiple):
-    """Pads `[batch, ...]` tensors with zero rows to a multiple of `multiple`, >= 2 per chunk.
+def _pad_rows(tensors, multiple, min_rows=1):
+    """Pads `[batch, ...]` tensors with zero rows to a multiple of `multiple`, >= `min_rows` each.
 
-    A no-op when the static batch size already is a positive multiple. A
-    batch of unknown size gets at least two rows per chunk: `tf.vectorized_map`
-    over a loop of unknown length that turns out to be 1 reshapes wrongly in
-    attention models (TensorFlow 2.21, oneDNN off: "Input to reshape is a
-    tensor with 8 values, but the requested shape has 2"; found by
-    `tests/training/dp_model_fuzz.py`), while a known length of 1, or any
-    length of 2 or more, runs.
+    Every chunk (`batch / multiple` rows) gets at least `min_rows` rows. A no-op
+    when the static batch size already is a positive multiple with chunks of
+    at least `min_rows`.
     """
     static = tensors[0].shape[0]
-    if static is not None and static > 0 and static % multiple == 0:
+    if static is not None and static >= min_rows * multiple and static % multiple == 0:
         return tensors
     size = tf.shape(tensors[0])[0]
-    pad = tf.maximum(2, (size + multiple - 1) // multiple) * multiple - size
+    pad = tf.maximum(min_rows, (size + multiple - 1) // multiple) * multiple - size
     # tf.pad with a tensor amount forgets every static dimension; keep the inner ones.
     return [tf.ensure_shape(
         tf.pad(t, tf.concat([[[0, pad]], tf.zeros([t.shape.rank - 1, 2], tf.int32)], 0)),
