@@ -375,3 +375,18 @@ def test_keras_own_custom_gradients_are_trusted_and_cheap():
     model = _conv_model(_GradientMix(name="gradient_mix"))
     nodes = validation._traced_call(model, (6, 8, 8, 3), True)
     assert any("gradient_mix" in name for name in validation._custom_gradient_ops(model, nodes))
+
+
+def test_user_defined_gradients_are_listed_for_the_path_choice():
+    # DPModel takes the vectorized path for any model they are in (a backward mix may hide
+    # from the probe); Keras' own (silu) and a model without any give an empty list.
+    from tfdp import models  # pylint: disable=g-import-not-at-top
+
+    assert any("gradient_scale" in name for name in models.user_defined_gradients(
+        _conv_model(_GradientScale(name="gradient_scale"))))
+    inputs = keras.Input((8, 8, 3))
+    x = keras.layers.Conv2D(4, 3, activation="silu")(inputs)
+    assert models.user_defined_gradients(
+        keras.Model(inputs, keras.layers.Dense(2)(keras.layers.Flatten()(x)))) == []
+    with pytest.raises(ExampleMixingError, match="input shape is not known"):
+        models.user_defined_gradients(_MixingSubclass())

@@ -266,7 +266,8 @@ def _row_gradient(model, batch, labels, k):
                                                               logits[k:k + 1])[0]
     grads = tape.gradient(loss, model.trainable_variables,
                           unconnected_gradients=tf.UnconnectedGradients.ZERO)
-    return [np.asarray(t, np.float64) for t in [logits[k], *grads]]
+    # An Embedding's gradient is IndexedSlices: dense, as the per-example paths make it.
+    return [np.asarray(tf.convert_to_tensor(t), np.float64) for t in [logits[k], *grads]]
 
 
 def assert_mixing_is_dead(spec, model):

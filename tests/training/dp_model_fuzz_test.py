@@ -124,3 +124,81 @@ def test_the_attention_case_of_one_example_runs_vectorized_with_onednn_off():
          f" print('PATH', f.check_case({case}))"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert "PATH vectorized" in done.stdout, done.stderr[-3000:]
+
+
+# The slow fuzzer's privacy finding (2026-11-27): a user-defined gradient that adds the
+# batch's mean output gradient to every example (GradientMix), after layers whose activations
+# do not depend on the input at the probe's range (a tanh saturated by pixels in [0, 255]),
+# passes `models.refuse_example_mixing`: its forward and total-gradient probes cannot see a
+# mix that only trades gradient between examples, while ghost norms take every row's output
+# gradient as its own example's. Through clipping="ghost", removing one example moved the
+# clipped sum by 1.10 C. DPModel now takes the vectorized path for any model with user-defined
+# gradients (`models.user_defined_gradients`), where each example's backward pass runs alone.
+@pytest.mark.parametrize("clipping", ["ghost", "auto"])
+def test_a_backward_mix_behind_saturated_activations_keeps_the_sensitivity(clipping):
+    import keras  # pylint: disable=g-import-not-at-top
+    import numpy as np  # pylint: disable=g-import-not-at-top
+    import tensorflow as tf  # pylint: disable=g-import-not-at-top
+
+    from tfdp import accounting  # pylint: disable=g-import-not-at-top
+    from tfdp.training.dp_model import DPModel  # pylint: disable=g-import-not-at-top
+    from tests.training import dp_model_fuzz  # pylint: disable=g-import-not-at-top
+
+    conv = {"kernel": 1, "use_bias": False, "activation": None, "strides": 1, "dilation": 1}
+    spec = {"input_shape": (2, 3, 3), "head": "flatten", "num_classes": 5, "seed": 9349,
+            "frozen": [22, 24, 12],
+            "blocks": [{"kind": "grouped_conv", "padding": "same", "multiplier": 1,
+                        "groups": 2, **conv},
+                       {"kind": "scaled_ws_conv", "filters": 2, "padding": "valid",
+                        **conv, "activation": "tanh"},
+                       {"kind": "frozen_batch_norm"}],
+            "sequence": {"patch_dense": None, "position": True, "blocks": [
+                {"kind": "attention_causal", "heads": 1},
+                {"kind": "einsum", "heads": 1, "head_dim": 2, "bias": False},
+                {"kind": "mixing", "heads": 2, "layer": "gradient_mix"}]}}
+    keras.utils.set_random_seed(spec["seed"])
+    model = dp_model_fuzz.build(spec)
+    c = 1e-3
+    dp = DPModel(model, accounting.DPMechanism(
+        num_examples=1000, batch_size=4, num_steps=10, noise_multiplier=1.0, l2_clip_norm=c,
+        delta=1e-5), clipping=clipping)
+    dp.compile(optimizer=keras.optimizers.SGD(0.0))
+    assert dp.clipping_path == "vectorized"
+    step = tf.function(lambda x, y, m: dp.clip_and_accumulate(x, y, m)[0], input_signature=[
+        tf.TensorSpec([None, 2, 3, 3]), tf.TensorSpec([None], tf.int32), tf.TensorSpec([None])])
+    rng = np.random.default_rng(0)
+    images = rng.uniform(0, 255, (16, 2, 3, 3)).astype(np.float32)
+    labels = rng.integers(0, 5, 16).astype(np.int32)
+
+    def clipped_sum(rows):
+        summed = step(images[rows:], labels[rows:], np.ones(16 - rows, np.float32))
+        return np.concatenate([np.asarray(s, np.float64).ravel() for s in summed])
+
+    assert np.linalg.norm(clipped_sum(0) - clipped_sum(1)) <= c * (1 + 1e-5)
+
+
+def test_a_graph_vectorized_map_cannot_convert_takes_the_loop():
+    # The slow fuzzer's crash (oneDNN on): a grouped Conv2D before attention with a padding
+    # mask computed from the input; tf.vectorized_map failed to trace it ("Dimension 1 in
+    # both shapes must be equal"). DPModel now computes such a model's per-example gradients
+    # one example at a time, and the fuzzer's four assertions hold on that path.
+    import numpy as np  # pylint: disable=g-import-not-at-top
+
+    from tfdp import host as tfdp_host  # pylint: disable=g-import-not-at-top
+    from tests.training import dp_model_fuzz  # pylint: disable=g-import-not-at-top
+
+    if tfdp_host.onednn_enabled() is False:
+        pytest.skip("oneDNN off: TensorFlow cannot vectorize a grouped Conv2D's gradient")
+    conv = {"kernel": 1, "padding": "same", "use_bias": False, "activation": None,
+            "strides": 1, "dilation": 1}
+    spec = {"input_shape": (2, 3, 3), "head": "flatten", "num_classes": 5, "frozen": [],
+            "seed": 0,
+            "blocks": [{"kind": "grouped_conv", "multiplier": 1, "groups": 2, **conv},
+                       {"kind": "group_norm", "scale": False, "center": False, "groups": 1}],
+            "sequence": {"patch_dense": None, "position": True,
+                         "blocks": [{"kind": "attention_masked", "heads": 1}]}}
+    images = np.zeros((2, 2, 3, 3), np.float32)
+    images[0, 1, 0, 0] = 1.0
+    case = (spec, images, np.array([1, 3], np.int32), np.array([1.0, 1.0], np.float32), 0.5,
+            "vectorized", 2)
+    assert dp_model_fuzz.check_case(case) == "loop"

@@ -469,8 +469,8 @@ def batches(draw, input_shape, num_classes):
         images = np.full(shape, value)
         flat = images.reshape(-1, int(np.prod(input_shape)))  # one row per view
         for row in flat:
-            # One or two entries off (down from 255, up from 0).
-            positions = rng.choice(row.size, size=num_off, replace=False)
+            # One or two entries off (down from 255, up from 0); one in a 1x1x1 image.
+            positions = rng.choice(row.size, size=min(num_off, row.size), replace=False)
             row[positions] += abs(off) if value == 0.0 else (-abs(off) if value == 255 else off)
     for i in np.flatnonzero(~np.asarray(mask)):
         if padding == "huge":

@@ -25,6 +25,7 @@ from tfdp.models.scatternet_models import compute_scatternet_features
 from tfdp.models.tramer_cifar_cnn import build_tramer_cifar_cnn
 from tfdp.models.tramer_cnn import build_tramer_cnn
 from tfdp.models.validation import (ExampleMixingError, input_example_shape,
-                                    refuse_example_mixing, validate_dp_model, validate_float32)
+                                    refuse_example_mixing, user_defined_gradients,
+                                    validate_dp_model, validate_float32)
 from tfdp.models.wide_resnet import build_wide_resnet
 from tfdp.models.ws_conv2d import WSConv2D

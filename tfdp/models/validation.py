@@ -466,6 +466,35 @@ def _custom_gradient_ops(model, nodes):
     return untrusted
 
 
+def user_defined_gradients(model, example_shape=None, *, training=True):
+    """Ops of `model`'s call whose user-defined gradient tfdp cannot vouch for.
+
+    `tf.custom_gradient` (or `keras.ops.custom_gradient`) outside Keras' own
+    layers (`_custom_gradient_ops`). Ghost clipping must not run through such a
+    model: its norms split one backward pass of the batch into rows, each
+    row's output gradient taken as its own example's, and a user-defined
+    backward pass need not keep the rows apart (one that adds the batch's mean
+    gradient to every row passes `refuse_example_mixing` where the activations
+    before it do not depend on the input at the probe's range: the rows then
+    only trade gradient, and the total it checks does not move). DPModel takes
+    the vectorized path for it, where each example's backward pass runs alone.
+
+    Args:
+      model: a built `keras.Model` with one input.
+      example_shape: one example's shape; None: the model's input shape.
+      training: the mode the model will run in.
+
+    Returns:
+      A list of op names (empty for a model without such ops).
+
+    Raises:
+      ExampleMixingError: if the input shape is unknown and no `example_shape`
+        is given.
+    """
+    shape, _ = _probe_shape(model, example_shape)
+    return _custom_gradient_ops(model, _traced_call(model, shape, training))
+
+
 def _gradient_moved(model, base, scale, rng, training, weights):
     """Whether the gradient of some examples' outputs moves when other examples change.
 

@@ -358,6 +358,17 @@ class DPModel(chunked.ChunkedTraining, ema.EMAParameters, keras.Model):
                 "gradients: clipping=%r uses the vectorized path.",
                 self.mechanism.num_microbatches, self.clipping)
             return None
+        custom = (models.user_defined_gradients(self.model)
+                  if models.input_example_shape(self.model) is not None else [])
+        if custom:
+            # Ghost norms take each row's output gradient as its example's own; a user's
+            # backward pass may trade gradient between rows unseen by the mixing probe.
+            logging.warning(
+                "Ghost clipping is not possible: the model has user-defined gradients (%s), "
+                "which may mix examples in the backward pass where no probe can see it; every "
+                "variable keeps tf.vectorized_map per-example gradients (each example's "
+                "backward pass runs alone).", ", ".join(custom[:3]))
+            return None
         try:
             ghost = ghost_clipping.GhostClipping(self.model, self.trainable_variables)
         except ghost_clipping.UnsupportedModel as error:
@@ -556,8 +567,21 @@ class DPModel(chunked.ChunkedTraining, ema.EMAParameters, keras.Model):
             return contribution_fn(*tensors)
         specs = [tf.TensorSpec.from_tensor(t) for t in tensors]
         while True:
-            concrete = tf.function(lambda *args: contribution_fn(*args),
-                                   autograph=False).get_concrete_function(*specs)
+            try:
+                concrete = tf.function(lambda *args: contribution_fn(*args),
+                                       autograph=False).get_concrete_function(*specs)
+            except ValueError as error:
+                if self._loop:
+                    raise
+                # tf.vectorized_map cannot convert some graphs (a grouped Conv2D before an
+                # attention mask computed from the input: "Dimension 1 in both shapes must
+                # be equal"; found by the DP-model fuzzer); one example at a time can.
+                logging.warning(
+                    "Per-example clipping: the %s path cannot be traced (%s); computing "
+                    "per-example gradients one example at a time instead (slower).",
+                    self.clipping_path, str(error).strip().splitlines()[-1][:300])
+                self._loop = True
+                continue
             risky = graph_checks.broadcast_batch_matmuls(graph_checks.graph_nodes(concrete))
             if risky and specs[0].shape[0] is None:
                 risky = self._risky_at_a_known_batch_size(contribution_fn, specs)
