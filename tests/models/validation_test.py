@@ -377,16 +377,61 @@ def test_keras_own_custom_gradients_are_trusted_and_cheap():
     assert any("gradient_mix" in name for name in validation._custom_gradient_ops(model, nodes))
 
 
-def test_user_defined_gradients_are_listed_for_the_path_choice():
-    # DPModel takes the vectorized path for any model they are in (a backward mix may hide
-    # from the probe); Keras' own (silu) and a model without any give an empty list.
+def _keras_ops_mix(x):
+    @ops.custom_gradient
+    def identity(t):
+        def grad(*args, upstream=None):
+            dy = args[0] if upstream is None else upstream
+            return dy + 50.0 * ops.mean(dy, axis=0, keepdims=True)
+        return t * 1.0, grad
+
+    return identity(x)
+
+
+def _dense_model(*middle):
+    inputs = keras.Input((8,))
+    x = inputs
+    for layer in middle:
+        x = layer(x)
+    return keras.Model(inputs, keras.layers.Dense(2)(keras.layers.Dense(4)(x)))
+
+
+class _KerasOpsMix(keras.layers.Layer):
+    def call(self, x):
+        return _keras_ops_mix(x)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: _conv_model(_GradientScale(name="gradient_scale")),
+    lambda: _dense_model(keras.layers.Dense(4), keras.layers.Activation(_mix_gradient)),
+    lambda: _dense_model(keras.layers.Dense(4, activation=_mix_gradient)),
+    lambda: _dense_model(keras.layers.Dense(4), _KerasOpsMix()),
+    # A user layer and a Keras layer of the same name: the old owner-by-name rule trusted it.
+    lambda: _dense_model(keras.layers.Dense(4), keras.Sequential(
+        [_GradientMix(name="act2")], name="inner"), keras.layers.Activation("relu", name="act2")),
+], ids=["user_layer", "activation_fn", "dense_activation_fn", "keras_ops", "shared_name"])
+def test_user_defined_gradients_are_listed_wherever_they_are_made(make):
+    # Reviewer's finding (2026-11-27): a mixing gradient passed as an Activation's function was
+    # trusted because a Keras layer made it, skipped the backward probe and took the ghost path
+    # (2.0 C). Now the registered gradient's own functions decide.
     from tfdp import models  # pylint: disable=g-import-not-at-top
 
-    assert any("gradient_scale" in name for name in models.user_defined_gradients(
-        _conv_model(_GradientScale(name="gradient_scale"))))
+    assert models.user_defined_gradients(make())
+
+
+def test_keras_and_tensorflow_gradients_stay_trusted():
+    from tfdp import models  # pylint: disable=g-import-not-at-top
+
     inputs = keras.Input((8, 8, 3))
     x = keras.layers.Conv2D(4, 3, activation="silu")(inputs)
     assert models.user_defined_gradients(
         keras.Model(inputs, keras.layers.Dense(2)(keras.layers.Flatten()(x)))) == []
     with pytest.raises(ExampleMixingError, match="input shape is not known"):
         models.user_defined_gradients(_MixingSubclass())
+
+
+def test_a_mixing_gradient_passed_as_an_activation_is_refused():
+    # The probe now runs its backward check for it (accepted before: 2.0 C on the ghost path).
+    with pytest.raises(ExampleMixingError, match="user-defined gradient"):
+        refuse_example_mixing(_dense_model(keras.layers.Dense(4),
+                                           keras.layers.Activation(_mix_gradient)))

@@ -163,7 +163,6 @@ def test_a_backward_mix_behind_saturated_activations_keeps_the_sensitivity(clipp
         num_examples=1000, batch_size=4, num_steps=10, noise_multiplier=1.0, l2_clip_norm=c,
         delta=1e-5), clipping=clipping)
     dp.compile(optimizer=keras.optimizers.SGD(0.0))
-    assert dp.clipping_path == "vectorized"
     step = tf.function(lambda x, y, m: dp.clip_and_accumulate(x, y, m)[0], input_signature=[
         tf.TensorSpec([None, 2, 3, 3]), tf.TensorSpec([None], tf.int32), tf.TensorSpec([None])])
     rng = np.random.default_rng(0)
@@ -175,6 +174,37 @@ def test_a_backward_mix_behind_saturated_activations_keeps_the_sensitivity(clipp
         return np.concatenate([np.asarray(s, np.float64).ravel() for s in summed])
 
     assert np.linalg.norm(clipped_sum(0) - clipped_sum(1)) <= c * (1 + 1e-5)
+    # Never ghost; "loop" here (oneDNN on: the attention's matmuls), else "vectorized".
+    assert dp.clipping_path in ("vectorized", "loop")
+
+
+@pytest.mark.parametrize("clipping", ["ghost", "auto"])
+def test_a_live_backward_mix_in_an_activation_is_refused_or_kept_apart(clipping):
+    # Reviewer's finding: the same mix passed as an Activation's function was trusted (a Keras
+    # layer made it) and moved a ghost-clipped sum by 2.0 C. It is now probed and refused.
+    import keras  # pylint: disable=g-import-not-at-top
+    import tensorflow as tf  # pylint: disable=g-import-not-at-top
+
+    from tfdp import accounting  # pylint: disable=g-import-not-at-top
+    from tfdp import models  # pylint: disable=g-import-not-at-top
+    from tfdp.training.dp_model import DPModel  # pylint: disable=g-import-not-at-top
+
+    def mix(x):
+        @tf.custom_gradient
+        def identity(t):
+            return tf.identity(t), lambda dy: dy + 50.0 * tf.reduce_mean(dy, axis=0,
+                                                                         keepdims=True)
+        return identity(x)
+
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((8,))
+    x = keras.layers.Activation(mix)(keras.layers.Dense(4)(inputs))
+    model = keras.Model(inputs, keras.layers.Dense(3)(keras.layers.Dense(4)(x)))
+    dp = DPModel(model, accounting.DPMechanism(
+        num_examples=1000, batch_size=4, num_steps=10, noise_multiplier=1.0, l2_clip_norm=1e-3,
+        delta=1e-5), clipping=clipping)
+    with pytest.raises(models.ExampleMixingError, match="user-defined gradient"):
+        dp.compile(optimizer=keras.optimizers.SGD(0.0))
 
 
 def test_a_graph_vectorized_map_cannot_convert_takes_the_loop():

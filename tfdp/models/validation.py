@@ -1,7 +1,5 @@
 """Checks that a Keras model is compatible with per-example DP-SGD."""
 
-import re
-
 import keras
 import numpy as np
 
@@ -438,30 +436,58 @@ def _refuse_buggy_matmuls(model, nodes):
             "TensorFlow is imported (slower: BUILD.md, 'oneDNN on and off').")
 
 
+# Modules whose functions may define a trusted gradient: TensorFlow's and Keras' own (e.g.
+# TensorFlow's silu, in an EfficientNet's Activation layers).
+_TRUSTED_GRADIENT_MODULES = ("tensorflow.", "keras.")
+
+
+def _gradient_functions(function, seen):
+    """`function` and every function in its closures, recursively."""
+    if id(function) in seen or not hasattr(function, "__code__"):
+        return []
+    seen.add(id(function))
+    found = [function]
+    for cell in function.__closure__ or ():
+        try:
+            value = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        if callable(value):
+            found.extend(_gradient_functions(value, seen))
+    return found
+
+
 def _custom_gradient_ops(model, nodes):
     """Names of the ops of `model`'s traced call whose user-defined gradient is not vouched for.
 
     `tf.custom_gradient` (and `keras.ops.custom_gradient`) mark their op with
-    a `_gradient_op_type` attribute; such a backward pass need not be the
-    transpose of the forward one, so a forward probe cannot vouch for it.
-    Those made inside a Keras built-in layer (e.g. TensorFlow's silu in an
-    EfficientNet's Activation layers) are Keras' and TensorFlow's own and are
-    trusted; one made by any other layer (a user layer, a Lambda, an op of the
-    functional graph, a layer that cannot be told from the op's name) is
-    returned. The owner is read from the op's name scopes (the layers' names,
-    with Keras' "_<n>" call suffixes).
+    a `_gradient_op_type` attribute, under which the gradient function is
+    registered; such a backward pass need not be the transpose of the forward
+    one, so a forward probe cannot vouch for it. The op is trusted only if
+    every function of its registered gradient, closures included (the
+    user's function sits inside TensorFlow's wrappers), comes from
+    TensorFlow or Keras. Not the layer it is made in: a Keras layer runs a
+    user's function too (`Activation(fn)`, `Dense(activation=fn)`), and a
+    name scope can name two layers (reviewer's finding, 2026-11-27: a mixing
+    gradient passed as an `Activation` was trusted, and moved a ghost-clipped
+    sum by 2.0 C). A gradient that cannot be looked up is not trusted.
     """
-    layers = {layer.name: layer for _, layer in iter_layers(model)}
+    del model  # the registered gradient tells, not the layer
+    from tensorflow.python.framework import ops  # pylint: disable=g-import-not-at-top
+
     untrusted = []
     for node in nodes:
         if "_gradient_op_type" not in node.attr:
             continue
-        owner = None
-        for part in node.name.split("/")[:-1]:
-            owner = layers.get(part) or layers.get(re.sub(r"_\d+$", "", part)) or owner
-        trusted = (owner is not None and not isinstance(owner, (keras.Model, keras.layers.Lambda))
-                   and type(owner).__module__.startswith("keras."))
-        if not trusted:
+        try:
+            registered = ops._gradient_registry.lookup(  # pylint: disable=protected-access
+                node.attr["_gradient_op_type"].s.decode())
+        except LookupError:
+            registered = None
+        functions = _gradient_functions(registered, set()) if registered else []
+        if not functions or not all(
+                (getattr(f, "__module__", None) or "").startswith(_TRUSTED_GRADIENT_MODULES)
+                for f in functions):
             untrusted.append(node.name)
     return untrusted
 

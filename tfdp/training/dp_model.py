@@ -1,6 +1,7 @@
 """DPModel: a keras.Model whose train_step is DP-SGD."""
 
 import inspect
+import traceback
 
 import keras
 import numpy as np
@@ -81,7 +82,10 @@ class DPModel(chunked.ChunkedTraining, ema.EMAParameters, keras.Model):
          as a sequential loop of batch-1 ops.
        "auto" takes "ghost" when every trainable layer has a rule, else
        "vectorized". Microbatches always clip per-example gradient MEANS
-       on the vectorized path. One call of `train_step` is one LOGICAL
+       on the vectorized path, and so does a model with a user-defined
+       gradient (`tfdp.models.user_defined_gradients`: its backward pass
+       may trade gradient between the rows that ghost norms keep apart),
+       whatever `clipping` asks. One call of `train_step` is one LOGICAL
        batch and one optimizer update. With `accumulation_steps` = a > 1
        (virtual batching) the batch is cut into a chunks processed one after
        another in a `tf.while_loop`, so only one chunk's per-example
@@ -391,7 +395,8 @@ class DPModel(chunked.ChunkedTraining, ema.EMAParameters, keras.Model):
 
         `compile` chooses "ghost" or "vectorized"; the first trace of the
         train step changes it to "loop" where the chosen path's ops would
-        meet oneDNN's broadcast-matmul bug (`_checked`).
+        meet oneDNN's broadcast-matmul bug, or where `tf.vectorized_map`
+        cannot convert its graph (`_checked`).
         """
         if self._loop:
             return "loop"
@@ -544,7 +549,8 @@ class DPModel(chunked.ChunkedTraining, ema.EMAParameters, keras.Model):
         per-example gradients are computed one example at a time instead
         (`clipping.per_example_gradients(method="loop")`, whose ops keep the
         shapes of a batch of one), with a warning, and that graph is checked
-        the same way.
+        the same way; so are they where `tf.vectorized_map` cannot convert the
+        chosen path's graph (a ValueError raised in its conversion).
 
         It is also where a model that did not state its input shape at
         `compile` (a subclassed model) is checked for mixing examples, on the
@@ -571,14 +577,14 @@ class DPModel(chunked.ChunkedTraining, ema.EMAParameters, keras.Model):
                 concrete = tf.function(lambda *args: contribution_fn(*args),
                                        autograph=False).get_concrete_function(*specs)
             except ValueError as error:
-                if self._loop:
+                if self._loop or not _raised_by_vectorization(error):
                     raise
                 # tf.vectorized_map cannot convert some graphs (a grouped Conv2D before an
                 # attention mask computed from the input: "Dimension 1 in both shapes must
                 # be equal"; found by the DP-model fuzzer); one example at a time can.
                 logging.warning(
-                    "Per-example clipping: the %s path cannot be traced (%s); computing "
-                    "per-example gradients one example at a time instead (slower).",
+                    "Per-example clipping: tf.vectorized_map cannot convert the %s path (%s); "
+                    "computing per-example gradients one example at a time instead (slower).",
                     self.clipping_path, str(error).strip().splitlines()[-1][:300])
                 self._loop = True
                 continue
@@ -770,6 +776,12 @@ def _hits(logits, labels):
     """float32 [batch]: 1 where the arg-max logit is the label."""
     predicted = tf.argmax(logits, -1, output_type=tf.int32)
     return tf.cast(tf.equal(predicted, tf.cast(labels, tf.int32)), tf.float32)
+
+
+def _raised_by_vectorization(error):
+    """Whether `error` was raised while `tf.vectorized_map` converted a graph (pfor)."""
+    frames = traceback.extract_tb(error.__traceback__)
+    return any("parallel_for" in frame.filename for frame in frames)
 
 
 def _pad_rows(tensors, multiple, min_rows=1):
