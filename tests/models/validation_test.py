@@ -435,3 +435,17 @@ def test_a_mixing_gradient_passed_as_an_activation_is_refused():
     with pytest.raises(ExampleMixingError, match="user-defined gradient"):
         refuse_example_mixing(_dense_model(keras.layers.Dense(4),
                                            keras.layers.Activation(_mix_gradient)))
+
+
+def test_a_mixing_layer_hidden_by_a_saturated_tanh_at_pixel_range_is_refused():
+    # The DP-model fuzzer's case: a Lambda adding the first example to every row, before a
+    # tanh conv that pixels in [0, 255] saturate (every output the same), passed the probe;
+    # on inputs near 1e-3 it moved a clipped sum by 1.83 C. The probe now also runs at a
+    # thousandth of the range.
+    inputs = keras.Input((1, 1, 3))
+    x = keras.layers.Lambda(lambda t: t + ops.mean(t[:1], axis=0))(inputs)
+    x = keras.layers.Conv2D(2, (1, 3), padding="same", activation="tanh",
+                            kernel_initializer="ones")(x)  # saturated by pixels: tanh = 1
+    model = keras.Model(inputs, keras.layers.Dense(2)(keras.layers.Flatten()(x)))
+    with pytest.raises(ExampleMixingError, match="mixes examples"):
+        refuse_example_mixing(model)

@@ -227,6 +227,7 @@ _UNKNOWN_DIM = 32  # probe size of an input dimension the model leaves open
 # Probe pixel ranges, tried in order: tfdp's image range, then small values for a model
 # whose inputs are ids (an Embedding rejects ids >= its vocabulary).
 _PROBE_SCALES = (255.0, 2.0)
+_SMALL_PROBE = 1e-3  # the second probe's range, as a fraction of the first's
 
 
 class ExampleMixingError(ValueError):
@@ -663,7 +664,9 @@ def refuse_example_mixing(model, example_shape=None, *, training=True):
     Ponomareva et al. 2023, Sec. 5.5.1). Layer classes and names cannot tell
     (a Lambda has neither), so this checks the behaviour on a probe batch of
     6 random images in [0, 255] (tfdp's input range; [0, 2) where the model
-    rejects those, e.g. an Embedding's ids), in the model's input shape (an
+    rejects those, e.g. an Embedding's ids), and again in a thousandth of
+    that range (large pixels saturate a tanh, whose constant outputs would
+    hide a mixing layer before it), in the model's input shape (an
     open dimension is probed at 32), in training mode (or inference mode,
     for a frozen feature extractor):
     the trainable variables are perturbed at random for the probe
@@ -708,8 +711,6 @@ def refuse_example_mixing(model, example_shape=None, *, training=True):
         matmul that TensorFlow 2.21 computes wrongly (checked on the traced
         call before the probe runs it: it could corrupt the heap).
     """
-    import tensorflow as tf  # pylint: disable=g-import-not-at-top
-
     shape, fixed_batch = _probe_shape(model, example_shape)
     if shape[0] < 2:
         return  # a batch of one example cannot mix examples
@@ -719,10 +720,26 @@ def refuse_example_mixing(model, example_shape=None, *, training=True):
     weights = _perturbed_weights(model, rng)
     base, scale, (outputs, assigned) = _first_probe(model, shape, rng, weights, training)
     _refuse_stored_statistics(model, assigned)
+    custom = _custom_gradient_ops(model, nodes)
+    _probe_at(model, base, outputs, scale, rng, weights, training, fixed_batch, custom)
+    # Again at a thousandth of the range: pixels in [0, 255] saturate a tanh, whose constant
+    # outputs then hide a mixing layer before it (the DP-model fuzzer's case: adding the first
+    # example to every row, before a tanh conv, moved a clipped sum by 1.83 C on small inputs).
+    small = (rng.random(shape) * scale * _SMALL_PROBE).astype(np.float32)
+    try:
+        outputs, assigned = _call(model, small, weights, training)
+    except Exception:  # noqa: BLE001 (the model rejects this range, as `_first_probe` allows)
+        return
+    _refuse_stored_statistics(model, assigned)
+    _probe_at(model, small, outputs, scale * _SMALL_PROBE, rng, weights, training, fixed_batch,
+              custom)
+
+
+def _probe_at(model, base, outputs, scale, rng, weights, training, fixed_batch, custom):
+    """The forward, batch-size and backward checks of `refuse_example_mixing` on `base`."""
     _refuse_mixed_outputs(model, base, outputs, scale, rng, weights, training)
     if not fixed_batch:
         _refuse_batch_size_dependence(model, base, outputs, weights, training)
-    custom = _custom_gradient_ops(model, nodes)
     if custom and _gradient_moved(model, base, scale, rng, training, weights):
         raise ExampleMixingError(
             f"In training mode, the gradient of {model.name} for one example changes when "
