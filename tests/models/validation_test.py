@@ -449,3 +449,33 @@ def test_a_mixing_layer_hidden_by_a_saturated_tanh_at_pixel_range_is_refused():
     model = keras.Model(inputs, keras.layers.Dense(2)(keras.layers.Flatten()(x)))
     with pytest.raises(ExampleMixingError, match="mixes examples"):
         refuse_example_mixing(model)
+
+
+def test_a_mixing_layer_behind_a_relu_dead_for_positive_inputs_is_refused():
+    # Reviewer's case: the first example added to every row, then a ReLU conv whose kernel is
+    # negative, dead for every positive input at both ranges; the signed second probe sees it.
+    inputs = keras.Input((1, 1, 3))
+    x = keras.layers.Lambda(lambda t: t + ops.mean(t[:1], axis=0))(inputs)
+    x = keras.layers.Conv2D(2, 1, activation="relu", use_bias=False,
+                            kernel_initializer=keras.initializers.Constant(-1.0))(x)
+    model = keras.Model(inputs, keras.layers.Dense(2)(keras.layers.Flatten()(x)))
+    with pytest.raises(ExampleMixingError, match="mixes examples"):
+        refuse_example_mixing(model)
+
+
+class _OnlyLargeInputs(keras.layers.Layer):
+    """Raises on inputs below 1: a model the second probe cannot run."""
+
+    def call(self, x):
+        import tensorflow as tf  # pylint: disable=g-import-not-at-top
+        tf.debugging.assert_greater(ops.max(x), 1.0)
+        return x
+
+
+def test_a_model_that_fails_on_the_second_probe_range_is_refused_not_skipped():
+    inputs = keras.Input((4,))
+    x = keras.layers.Lambda(lambda t: t + ops.mean(t[:1], axis=0))(_OnlyLargeInputs()(inputs))
+    model = keras.Model(inputs, keras.layers.Dense(2, activation="tanh",
+                                                   kernel_initializer="ones")(x))
+    with pytest.raises(ExampleMixingError, match="fails on one in"):
+        refuse_example_mixing(model)

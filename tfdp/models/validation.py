@@ -522,7 +522,7 @@ def user_defined_gradients(model, example_shape=None, *, training=True):
     return _custom_gradient_ops(model, _traced_call(model, shape, training))
 
 
-def _gradient_moved(model, base, scale, rng, training, weights):
+def _gradient_moved(model, base, bounds, rng, training, weights):
     """Whether the gradient of some examples' outputs moves when other examples change.
 
     For every bit b of the example index, and both of its values v: the
@@ -555,7 +555,7 @@ def _gradient_moved(model, base, scale, rng, training, weights):
             if keep.all() or not keep.any():
                 continue
             changed = base.copy()
-            changed[~keep] = (rng.random(changed[~keep].shape) * scale).astype(np.float32)
+            changed[~keep] = _draw(rng, changed[~keep].shape, bounds)
             if any(not np.array_equal(a, b, equal_nan=True)
                    for a, b in zip(gradient(base, keep), gradient(changed, keep))):
                 return True
@@ -599,17 +599,17 @@ def _refuse_stored_statistics(model, assigned):
             "freeze the layer so that it does not update (trainable = False).")
 
 
-def _refuse_mixed_outputs(model, base, outputs, scale, rng, weights, training):
+def _refuse_mixed_outputs(model, base, outputs, bounds, rng, weights, training):
     """Raises if replacing one example of `base` moves another example's `outputs`.
 
-    Each example in turn is replaced by a random one in [0, scale); if the
+    Each example in turn is replaced by a random one in `bounds` (low, high); if the
     others' outputs move, the model is refused as not repeatable (two calls
     on `base` differ) or as mixing examples (naming the first mixing layer).
     """
     rows = base.shape[0]
     for changed in range(rows):
         other = base.copy()
-        other[changed] = (rng.random(base.shape[1:]) * scale).astype(np.float32)
+        other[changed] = _draw(rng, base.shape[1:], bounds)
         if not _others_moved(outputs, _call(model, other, weights, training)[0], changed, rows):
             continue
         if _others_moved(outputs, _call(model, base, weights, training)[0], -1, rows):
@@ -638,7 +638,8 @@ def _refuse_batch_size_dependence(model, base, outputs, weights, training):
     """
     rows = base.shape[0]
     fewer = _call(model, base[:-1], weights, training)[0]
-    largest = max((float(np.max(np.abs(r))) for r in outputs if r.size), default=0.0)
+    largest = max((float(np.nanmax(np.abs(r), initial=0.0)) for r in outputs if r.size),
+                  default=0.0)
     for full, part in zip(outputs, fewer):
         if full.ndim and full.shape[0] == rows and part.shape == (rows - 1, *full.shape[1:]):
             if not np.allclose(full[:-1], part, rtol=0.0, atol=1e-4 * max(largest, 1e-30),
@@ -664,9 +665,10 @@ def refuse_example_mixing(model, example_shape=None, *, training=True):
     Ponomareva et al. 2023, Sec. 5.5.1). Layer classes and names cannot tell
     (a Lambda has neither), so this checks the behaviour on a probe batch of
     6 random images in [0, 255] (tfdp's input range; [0, 2) where the model
-    rejects those, e.g. an Embedding's ids), and again in a thousandth of
-    that range (large pixels saturate a tanh, whose constant outputs would
-    hide a mixing layer before it), in the model's input shape (an
+    rejects those, e.g. an Embedding's ids), and again in plus or minus a
+    thousandth of that range (large pixels saturate a tanh, whose constant
+    outputs would hide a mixing layer before it, and positive inputs keep
+    some ReLUs dead), in the model's input shape (an
     open dimension is probed at 32), in training mode (or inference mode,
     for a frozen feature extractor):
     the trainable variables are perturbed at random for the probe
@@ -721,26 +723,39 @@ def refuse_example_mixing(model, example_shape=None, *, training=True):
     base, scale, (outputs, assigned) = _first_probe(model, shape, rng, weights, training)
     _refuse_stored_statistics(model, assigned)
     custom = _custom_gradient_ops(model, nodes)
-    _probe_at(model, base, outputs, scale, rng, weights, training, fixed_batch, custom)
-    # Again at a thousandth of the range: pixels in [0, 255] saturate a tanh, whose constant
-    # outputs then hide a mixing layer before it (the DP-model fuzzer's case: adding the first
-    # example to every row, before a tanh conv, moved a clipped sum by 1.83 C on small inputs).
-    small = (rng.random(shape) * scale * _SMALL_PROBE).astype(np.float32)
+    _probe_at(model, base, outputs, (0.0, scale), rng, weights, training, fixed_batch, custom)
+    # Again on signed inputs at a thousandth of the range: pixels in [0, 255] saturate a tanh,
+    # whose constant outputs then hide a mixing layer before it (the DP-model fuzzer's case:
+    # adding the first example to every row, before a tanh conv, moved a clipped sum by
+    # 1.83 C on inputs near 1e-3), and positive inputs alone keep some ReLUs dead.
+    small = (-scale * _SMALL_PROBE, scale * _SMALL_PROBE)
+    base = _draw(rng, shape, small)
     try:
-        outputs, assigned = _call(model, small, weights, training)
-    except Exception:  # noqa: BLE001 (the model rejects this range, as `_first_probe` allows)
-        return
+        outputs, assigned = _call(model, base, weights, training)
+    except Exception as error:  # noqa: BLE001 (reported: a model must run on both ranges)
+        raise ExampleMixingError(
+            f"Cannot check that {model.name} keeps examples apart: it runs on a probe batch in "
+            f"[0, {scale:g}) but fails on one in ({small[0]:g}, {small[1]:g}) "
+            f"({type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}), "
+            "where a layer that mixes examples could show. Let the model run on small and "
+            "negative inputs.") from error
     _refuse_stored_statistics(model, assigned)
-    _probe_at(model, small, outputs, scale * _SMALL_PROBE, rng, weights, training, fixed_batch,
-              custom)
+    _probe_at(model, base, outputs, small, rng, weights, training, fixed_batch, custom)
 
 
-def _probe_at(model, base, outputs, scale, rng, weights, training, fixed_batch, custom):
-    """The forward, batch-size and backward checks of `refuse_example_mixing` on `base`."""
-    _refuse_mixed_outputs(model, base, outputs, scale, rng, weights, training)
+def _draw(rng, shape, bounds):
+    """Random float32 entries of `shape`, uniform in [low, high) for `bounds = (low, high)`."""
+    low, high = bounds
+    return (low + rng.random(shape) * (high - low)).astype(np.float32)
+
+
+def _probe_at(model, base, outputs, bounds, rng, weights, training, fixed_batch, custom):
+    """The forward, batch-size and backward checks of `refuse_example_mixing` on `base`,
+    replacing examples by random ones in `bounds` (low, high)."""
+    _refuse_mixed_outputs(model, base, outputs, bounds, rng, weights, training)
     if not fixed_batch:
         _refuse_batch_size_dependence(model, base, outputs, weights, training)
-    if custom and _gradient_moved(model, base, scale, rng, training, weights):
+    if custom and _gradient_moved(model, base, bounds, rng, training, weights):
         raise ExampleMixingError(
             f"In training mode, the gradient of {model.name} for one example changes when "
             f"another example of the batch changes: a user-defined gradient ({custom[:3]}) "
