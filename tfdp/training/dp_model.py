@@ -520,16 +520,6 @@ class DPModel(chunked.ChunkedTraining, ema.EMAParameters, keras.Model):
         # Trace time: the precision the rules plan for is fixed now (`make_train_function`).
         precision.refuse_precision_rewrites()
         self._traced_plan = precision.step_plan()
-        if images.dtype.is_floating:
-            # An example with a NaN or inf entry becomes a zero padding row (mask 0), a
-            # per-example transform: through a mix that finite inputs cannot show (a dilated
-            # conv's taps all on its zero padding), its NaN reached every other example's
-            # gradient (0 x NaN) and dropped them (the DP-model fuzzer: 2.0 C). Such an
-            # example contributed nothing before either (a non-finite norm's factor is 0).
-            finite = tf.reduce_all(tf.math.is_finite(images),
-                                   axis=list(range(1, images.shape.rank)))
-            images = tf.where(_expand(finite, images), images, tf.zeros_like(images))
-            mask = mask * tf.cast(finite, mask.dtype)
         tensors = (images, labels, mask) if ids is None else (images, labels, mask, ids)
         if images.shape[0] is None:
             # At least two rows (zero, mask 0: they add nothing): tf.vectorized_map over a
