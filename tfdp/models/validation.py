@@ -496,8 +496,9 @@ def _custom_gradient_ops(model, nodes):
 def user_defined_gradients(model, example_shape=None, *, training=True):
     """Ops of `model`'s call whose user-defined gradient tfdp cannot vouch for.
 
-    `tf.custom_gradient` (or `keras.ops.custom_gradient`) outside Keras' own
-    layers (`_custom_gradient_ops`). Ghost clipping must not run through such a
+    `tf.custom_gradient` (or `keras.ops.custom_gradient`) whose registered
+    gradient is not all TensorFlow's and Keras' own code (`_custom_gradient_ops`;
+    a user's function in a Keras `Activation` counts). Ghost clipping must not run through such a
     model: its norms split one backward pass of the batch into rows, each
     row's output gradient taken as its own example's, and a user-defined
     backward pass need not keep the rows apart (one that adds the batch's mean
