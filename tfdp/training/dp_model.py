@@ -408,13 +408,23 @@ class DPModel(chunked.ChunkedTraining, ema.EMAParameters, keras.Model):
         for, None before the first trace: what its norms and clip margin planned for."""
         return None if self._traced_plan is None else self._traced_plan.inputs
 
-    def _example_loss(self, example):
-        """Loss of one example: the mean over its views (De et al. 2022, eq. (4))."""
+    def _example_loss(self, example, beside_zeros=False):
+        """Loss of one example: the mean over its views (De et al. 2022, eq. (4)).
+
+        `beside_zeros`: run the model on the example's views followed by as many zero
+        rows, and take the loss of the views only (`_alone_where_not_finite`).
+        """
         images, label = example
         # One example is [H, W, C] (one view) or [K, H, W, C] (K views); the
         # model takes a batch, so add a batch axis unless there are K views.
         views = images if images.shape.rank == self._input_rank else images[tf.newaxis]
-        logits = self.model(tf.cast(views, tf.float32), training=True)
+        views = tf.cast(views, tf.float32)
+        if beside_zeros:
+            num_views = tf.shape(views)[0]
+            logits = self.model(tf.concat([views, tf.zeros_like(views)], 0),
+                                training=True)[:num_views]
+        else:
+            logits = self.model(views, training=True)
         labels = tf.fill([tf.shape(logits)[0]], tf.cast(label, tf.int32))
         loss = tf.reduce_mean(self._loss_fn(labels, logits))
         return loss, (loss, tf.reduce_mean(logits, axis=0))
@@ -690,10 +700,12 @@ class DPModel(chunked.ChunkedTraining, ema.EMAParameters, keras.Model):
     def _clipped_chunk(self, images, labels, mask):
         """Clipped gradient sum of one chunk (per-example clipping) and its metric sums."""
         if self._ghost is not None and not self._loop:
-            summed, norms, clipped, losses, logits = self._ghost.clipped_sum(
+            ghost = self._ghost.clipped_sum(
                 images, labels, mask, l2_clip_norm=self.mechanism.l2_clip_norm,
                 normalize=self.mechanism.normalize_update, loss_fn=self._loss_fn,
                 example_loss_fn=self._example_loss)
+            summed, norms, clipped, losses, logits = self._alone_where_not_finite(
+                ghost, images, labels, mask)
         else:
             grads, (losses, logits) = clipping.per_example_gradients(
                 self._example_loss, self.trainable_variables, (images, labels),
@@ -711,6 +723,68 @@ class DPModel(chunked.ChunkedTraining, ema.EMAParameters, keras.Model):
             tf.reduce_sum(mask),
         )
         return summed, stats
+
+    def _alone_where_not_finite(self, ghost, images, labels, mask):
+        """The ghost path's outputs, with each real example whose norm is not finite
+        recomputed alone (a batch of one).
+
+        The ghost path runs the batch's forward and backward passes together. A mix
+        of examples that finite values cannot show (`refuse_example_mixing` probes
+        finite batches) can still carry one example's NaN or inf to the others:
+        `0 * NaN` is NaN (a 2x2 conv with dilation 2 on 1x1 images reads only its
+        zero padding, yet its backward pass multiplies the mixed NaN by 0). Their
+        norms then come out non-finite and the ghost path drops them, so adding or
+        removing that one example would move every other contribution (the
+        DP-model fuzzer: 2.0 C). Each such example is recomputed here on its own,
+        with the per-example gradient, norm and clip of `tfdp.dp.clipping` (what
+        the loop path does), and added to the ghost sum of the others (where a
+        non-finite example's factor is 0: dropped, `clipping.weighted_sum`). An
+        example that is non-finite on its own is dropped as before. The model runs
+        on the example beside as many zero rows, whose loss is not taken: a model
+        that needs two rows (`t + t[1:2]`) still runs, and a mix that finite values
+        cannot show carries nothing from a finite zero row. Free unless some norm
+        is not finite; its cost is one example's pass per such example.
+        """
+        summed, norms, clipped, losses, logits = ghost
+        alone = tf.logical_and(mask > 0, tf.logical_not(tf.math.is_finite(norms)))
+
+        def recompute():
+            # Those rows first; no tf.where, whose output shape XLA cannot compile.
+            rows = tf.argsort(tf.cast(alone, tf.int32), direction="DESCENDING", stable=True)
+            count = tf.reduce_sum(tf.cast(alone, tf.int32))
+            variables = self.trainable_variables
+
+            def body(k, total, out_norms, out_clipped, out_losses, out_logits):
+                i = rows[k]
+                with tf.GradientTape() as tape:
+                    loss, (_, logit) = self._example_loss((images[i], labels[i]),
+                                                          beside_zeros=True)
+                grads = tape.gradient(loss, variables,
+                                      unconnected_gradients=tf.UnconnectedGradients.ZERO)
+                # A batch of one: `[1, *variable.shape]` (an Embedding's IndexedSlices densified).
+                grads = [tf.convert_to_tensor(g)[tf.newaxis] for g in grads]
+                one, norm, was_clipped = clipping.clipped_sum(
+                    grads, self.mechanism.l2_clip_norm,
+                    normalize=self.mechanism.normalize_update)
+                loss, logit = loss[tf.newaxis], logit[tf.newaxis]
+                at = [[i]]
+                return (k + 1, [a + b for a, b in zip(total, one)],
+                        tf.tensor_scatter_nd_update(out_norms, at, tf.cast(norm, norms.dtype)),
+                        tf.tensor_scatter_nd_update(out_clipped, at, was_clipped),
+                        tf.tensor_scatter_nd_update(out_losses, at, loss),
+                        tf.tensor_scatter_nd_update(out_logits, at, logit))
+
+            # One at a time: with oneDNN on, model calls in parallel iterations corrupted
+            # memory (a reviewer's two-branch conv with 256 NaN rows of 512: a segfault in
+            # 2 of 3 runs, sums drifting by up to 2.7 C between calls of the same batch).
+            _, *out = tf.while_loop(
+                lambda k, *_: k < count, body,
+                (tf.constant(0), list(summed), norms, clipped, losses, logits),
+                parallel_iterations=1)
+            return tuple(out)
+
+        return tf.cond(tf.reduce_any(alone), recompute,
+                       lambda: (list(summed), norms, clipped, losses, logits))
 
     @property
     def _per_example_method(self):
