@@ -437,6 +437,26 @@ def test_a_mixing_gradient_passed_as_an_activation_is_refused():
                                            keras.layers.Activation(_mix_gradient)))
 
 
+@pytest.mark.parametrize("reach", ["gradient_only", "beside_a_direct_path"])
+def test_a_mix_that_only_a_stop_gradient_lets_into_the_backward_pass_is_refused(reach):
+    # Reviewer's case (2026-11-27): the first example added to every row, a conv, then
+    # `t - stop_gradient(t)`: 0 in the forward pass (the forward probe sees nothing), the
+    # identity in the backward one, so each row's conv gradient read the first example. No
+    # user-defined gradient, so the backward probe did not run, and the ghost path took it:
+    # removing one example moved the clipped sum by 4.19 C.
+    import tensorflow as tf  # pylint: disable=g-import-not-at-top
+
+    inputs = keras.Input((1, 1, 3))
+    x = keras.layers.Lambda(lambda t: t + ops.mean(t[:1], axis=0))(inputs)
+    x = keras.layers.Conv2D(2, 1)(x)
+    x = keras.layers.Lambda(lambda t: t - tf.stop_gradient(t))(x)
+    if reach == "beside_a_direct_path":
+        x = keras.layers.Add()([x, keras.layers.Conv2D(2, 1)(inputs)])
+    model = keras.Model(inputs, keras.layers.Dense(2)(keras.layers.Flatten()(x)))
+    with pytest.raises(ExampleMixingError, match="stop_gradient"):
+        refuse_example_mixing(model)
+
+
 def test_a_mixing_layer_hidden_by_a_saturated_tanh_at_pixel_range_is_refused():
     # The DP-model fuzzer's case: a Lambda adding the first example to every row, before a
     # tanh conv that pixels in [0, 255] saturate (every output the same), passed the probe;

@@ -493,6 +493,21 @@ def _custom_gradient_ops(model, nodes):
     return untrusted
 
 
+# Ops whose gradient is not the derivative of what they compute: `t - tf.stop_gradient(t)` is
+# 0 in the forward pass but passes the gradient on in the backward one, so a mix before it
+# reaches only the gradients (a reviewer's model: the first example added to every row, a
+# conv, then `t - stop_gradient(t)`; the ghost-clipped sum moved by 4.19 C). Keras' own
+# moments (GroupNorm, LayerNorm) hold them too, so models with them get the backward probe.
+_GRADIENT_NOT_DERIVATIVE = ("StopGradient", "PreventGradient")
+
+
+def _gradient_not_derivative_ops(nodes):
+    """Names of the ops whose gradient is not their derivative (`_GRADIENT_NOT_DERIVATIVE`,
+    and fake quantization's straight-through estimators)."""
+    return [node.name for node in nodes
+            if node.op in _GRADIENT_NOT_DERIVATIVE or node.op.startswith("FakeQuant")]
+
+
 def user_defined_gradients(model, example_shape=None, *, training=True):
     """Ops of `model`'s call whose user-defined gradient tfdp cannot vouch for.
 
@@ -540,15 +555,21 @@ def _gradient_moved(model, base, bounds, rng, training, weights):
     projections = [rng.normal(size=r.shape).astype(np.float32) for r in reference]
     values = [value for _, value in weights]
 
-    def gradient(inputs, keep):
+    # One graph for every call (traced once: the shapes never change), so that the two
+    # calls compared run the same kernels, and a large model's eager calls are not paid 12
+    # times per range.
+    @tf.function(autograph=False)
+    def traced_gradient(inputs, keep):
         with tf.GradientTape() as tape:
             tape.watch(values)
-            with keras.StatelessScope(state_mapping=list(weights)):
+            with keras.StatelessScope(state_mapping=list(zip([v for v, _ in weights], values))):
                 outputs = keras.tree.flatten(model(inputs, training=training))
             total = tf.add_n([tf.reduce_sum(tf.boolean_mask(o * p, keep)) for o, p in zip(
                 outputs, projections) if o.shape.rank and o.shape[0] == rows])
-        return _numpy(tape.gradient(total, values,
-                                    unconnected_gradients=tf.UnconnectedGradients.ZERO))
+        return tape.gradient(total, values, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+
+    def gradient(inputs, keep):
+        return _numpy(traced_gradient(tf.constant(inputs), tf.constant(keep)))
 
     for bit in range(max(1, int(np.ceil(np.log2(rows))))):
         for value in (0, 1):
@@ -685,7 +706,10 @@ def refuse_example_mixing(model, example_shape=None, *, training=True):
        size may change the kernels' blocking, hence the tolerance), unless
        the model fixes its batch size;
     3. a model whose traced call has ops with a user-defined gradient outside
-       Keras' own layers (`tf.custom_gradient`; `_custom_gradient_ops`) is
+       Keras' own layers (`tf.custom_gradient`; `_custom_gradient_ops`), or
+       ops whose gradient is not their derivative (`tf.stop_gradient`,
+       fake quantization: a `t - stop_gradient(t)` after a mix is 0 in the
+       forward pass and mixes only the gradients), is
        also probed in reverse mode: for each bit of the example index, the
        gradient of the outputs of the examples with one value of that bit
        must not move when the others change;
@@ -723,7 +747,7 @@ def refuse_example_mixing(model, example_shape=None, *, training=True):
     weights = _perturbed_weights(model, rng)
     base, scale, (outputs, assigned) = _first_probe(model, shape, rng, weights, training)
     _refuse_stored_statistics(model, assigned)
-    custom = _custom_gradient_ops(model, nodes)
+    custom = _custom_gradient_ops(model, nodes) + _gradient_not_derivative_ops(nodes)
     _probe_at(model, base, outputs, (0.0, scale), rng, weights, training, fixed_batch, custom)
     # Again on signed inputs at a thousandth of the range: pixels in [0, 255] saturate a tanh,
     # whose constant outputs then hide a mixing layer before it (the DP-model fuzzer's case:
@@ -759,6 +783,8 @@ def _probe_at(model, base, outputs, bounds, rng, weights, training, fixed_batch,
     if custom and _gradient_moved(model, base, bounds, rng, training, weights):
         raise ExampleMixingError(
             f"In training mode, the gradient of {model.name} for one example changes when "
-            f"another example of the batch changes: a user-defined gradient ({custom[:3]}) "
+            f"another example of the batch changes: an op whose gradient is not the "
+            f"derivative of its output (a user-defined gradient or a stop_gradient: "
+            f"{custom[:3]}) "
             "mixes examples across the batch in the backward pass, so one example could move "
             "the clipped gradient sum by more than l2_clip_norm. " + _FIX_HINT)
