@@ -395,7 +395,13 @@ def main(examples):
                          suppress_health_check=list(hypothesis.HealthCheck))
     @hypothesis.given(dp_cases())
     def fuzz(case):
-        outcome = check_case(case)
+        try:
+            outcome = check_case(case)
+        except Exception:
+            # The case itself, to rebuild it (`check_case`): derandomized runs are long.
+            np.set_printoptions(threshold=100000, precision=9)
+            print(f"FAILED CASE {case!r}", flush=True)
+            raise
         counts[outcome] = counts.get(outcome, 0) + 1
         print(f"CASE {outcome} clipping={case[5]} chunks={case[6]} "
               f"real={int(np.sum(case[3]))}", flush=True)
