@@ -755,10 +755,13 @@ class DPModel(chunked.ChunkedTraining, ema.EMAParameters, keras.Model):
             variables = self.trainable_variables
 
             def body(k, total, out_norms, out_clipped, out_losses, out_logits):
-                i = rows[k]
+                # tf.gather, not `images[i]`: XLA would take a strided slice's data-dependent
+                # start as a compile-time constant, bake the batch into the program and
+                # compile it again for every batch (27 s a step for the CNN at B = 64).
+                i = tf.gather(rows, k)
+                example = (tf.gather(images, i), tf.gather(labels, i))
                 with tf.GradientTape() as tape:
-                    loss, (_, logit) = self._example_loss((images[i], labels[i]),
-                                                          beside_zeros=True)
+                    loss, (_, logit) = self._example_loss(example, beside_zeros=True)
                 grads = tape.gradient(loss, variables,
                                       unconnected_gradients=tf.UnconnectedGradients.ZERO)
                 # A batch of one: `[1, *variable.shape]` (an Embedding's IndexedSlices densified).
