@@ -17,7 +17,7 @@ to parameters) fed to the next.
 """
 
 import json
-import re
+import os
 import sys
 import time
 
@@ -26,36 +26,17 @@ import jax.extend
 import numpy as np
 from jax._src.lib import xla_client as xc
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "device_replay"))
+from hlo_import import aliases_of, without_mhlo_copy  # noqa: E402
+
 jax.config.update("jax_enable_x64", True)  # int64 parameters (the optimizer's iteration) stay int64
-
-
-def aliases_of(mlir_bytes):
-    """[(parameter_number, output_index)]: the outputs that are a parameter's next value."""
-    from jax._src.interpreters import mlir as jm
-    from jax._src.lib.mlir import ir
-    with jm.make_ir_context():
-        text = str(ir.Module.parse(mlir_bytes))
-    head = text.split("\n", 1)[0]
-    return [(int(p), int(o)) for p, o in re.findall(
-        r"parameter_number = (\d+) : i64\}, output_index = array<i64: (\d+)>", head)]
-
-
-def without_mhlo_copy(mlir_bytes):
-    from jax._src.interpreters import mlir as jm
-    from jax._src.lib.mlir import ir
-    ctx = jm.make_ir_context()
-    ctx.allow_unregistered_dialects = True
-    with ctx:
-        text = ir.Module.parse(mlir_bytes).operation.get_asm(
-            print_generic_op_form=True, enable_debug_info=False)
-    return text.replace('"mhlo.copy"(', '"stablehlo.convert"(')
 
 
 def compile_hlo(backend, proto, rewrite):
     mlir = xc._xla.mlir.hlo_to_stablehlo(proto)
     aliases = aliases_of(mlir)
     if rewrite:
-        mlir = without_mhlo_copy(mlir)
+        mlir, _ = without_mhlo_copy(mlir)
     devices = backend.local_devices()[:1]
     try:
         exe = backend.compile_and_load(mlir, devices, xc.CompileOptions())

@@ -192,27 +192,25 @@ def main():
                  "kappa": np.float64(kappa)}
         if kind.startswith("norms") and not NO_REF:
             # exact per-example norms on this CPU: one example at a time, float64 sums of float32 grads
-            ref = []
             tv = dp.trainable_variables
-            for i in range(b):
-                with tf.GradientTape() as tape:
-                    logits = model(tf.constant(x[i:i + 1]), training=True)
-                    loss = tf.reduce_sum(dp._loss_fn(tf.constant(y[i:i + 1]), logits))
-                g = tape.gradient(loss, tv)
-                ref.append(np.sqrt(sum(np.sum(np.asarray(gg, np.float64) ** 2) for gg in g)))
-            extra["ref_norms"] = np.array(ref)
+
+            def exact_norms(images):
+                """One example at a time: float64 sums of the float32 gradients' squares."""
+                norms = []
+                for i in range(b):
+                    with tf.GradientTape() as tape:
+                        logits = model(tf.constant(images[i:i + 1]), training=True)
+                        loss = tf.reduce_sum(dp._loss_fn(tf.constant(y[i:i + 1]), logits))
+                    g = tape.gradient(loss, tv)
+                    norms.append(np.sqrt(sum(np.sum(np.asarray(gg, np.float64) ** 2) for gg in g)))
+                return np.array(norms)
+
+            extra["ref_norms"] = exact_norms(x)
             # inputs for the other kinds
             for k2 in ("flat", "halves"):
                 x2, _ = inputs(shape, b, k2)
                 extra[f"x_{k2}"] = x2
-                r2 = []
-                for i in range(b):
-                    with tf.GradientTape() as tape:
-                        logits = model(tf.constant(x2[i:i + 1]), training=True)
-                        loss = tf.reduce_sum(dp._loss_fn(tf.constant(y[i:i + 1]), logits))
-                    g = tape.gradient(loss, tv)
-                    r2.append(np.sqrt(sum(np.sum(np.asarray(gg, np.float64) ** 2) for gg in g)))
-                extra[f"ref_norms_{k2}"] = np.array(r2)
+                extra[f"ref_norms_{k2}"] = exact_norms(x2)
             np.savez(f"{OUT}/{name}.extra.npz", **extra)
         meta = {"name": name, "n_args": len(args), "n_captured": len(caps), "missing_vars": missing,
                 "f64": text.count("f64["), "hlo_bytes": len(proto), "export_s": round(time.time() - t0, 1),

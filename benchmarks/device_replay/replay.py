@@ -28,6 +28,8 @@ import jax.extend
 jax.config.update("jax_enable_x64", True)
 from jax._src.lib import xla_client as xc
 
+from hlo_import import aliases_of, without_mhlo_copy  # beside this script
+
 DIR = sys.argv[1]
 SECONDS = float(sys.argv[sys.argv.index("--seconds") + 1]) if "--seconds" in sys.argv else 5.0
 QUICK = "--quick" in sys.argv
@@ -47,31 +49,6 @@ def digest(o):
 backend = jax.extend.backend.get_backend()
 dev = backend.local_devices()[0]
 print(json.dumps({"backend": backend.platform, "device": str(dev), "jax": jax.__version__}), flush=True)
-
-
-def aliases_of(mlir_bytes):
-    """[(parameter_number, output_index)]: the outputs that are a parameter's next value (updated variables)."""
-    from jax._src.interpreters import mlir as jm
-    from jax._src.lib.mlir import ir
-    with jm.make_ir_context():
-        text = str(ir.Module.parse(mlir_bytes))
-    head = text.split("\n", 1)[0]
-    return [(int(p), int(o)) for p, o in re.findall(
-        r"parameter_number = (\d+) : i64\}, output_index = array<i64: (\d+)>", head)]
-
-
-def without_mhlo_copy(mlir_bytes):
-    """The module as generic MLIR text with each mhlo.copy (an identity that newer StableHLO
-    legalizers refuse) written as a same-type stablehlo.convert (also an identity)."""
-    from jax._src.interpreters import mlir as jm
-    from jax._src.lib.mlir import ir
-    ctx = jm.make_ir_context()
-    ctx.allow_unregistered_dialects = True
-    with ctx:
-        mod = ir.Module.parse(mlir_bytes)
-        text = mod.operation.get_asm(print_generic_op_form=True, enable_debug_info=False)
-    n = text.count('"mhlo.copy"(')
-    return text.replace('"mhlo.copy"(', '"stablehlo.convert"('), n
 
 
 def round_matmul_inputs(text, mantissa_bits):
