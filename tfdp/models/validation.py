@@ -496,9 +496,12 @@ def _custom_gradient_ops(model, nodes):
 # Ops whose gradient is not the derivative of what they compute: `t - tf.stop_gradient(t)` is
 # 0 in the forward pass but passes the gradient on in the backward one, so a mix before it
 # reaches only the gradients (a reviewer's model: the first example added to every row, a
-# conv, then `t - stop_gradient(t)`; the ghost-clipped sum moved by 4.19 C). Keras' own
-# moments (GroupNorm, LayerNorm) hold them too, so models with them get the backward probe.
-_GRADIENT_NOT_DERIVATIVE = ("StopGradient", "PreventGradient")
+# conv, then `t - stop_gradient(t)`; the ghost-clipped sum moved by 4.19 C). Named in the
+# refusal only: the backward probe runs for every model, since any op whose output passes a
+# value on without a gradient does the same (a second reviewer's bitcast round trip and
+# tf.numpy_function: 7.27 C through the ghost path when the probe ran only for these).
+_GRADIENT_NOT_DERIVATIVE = ("StopGradient", "PreventGradient", "Bitcast", "PyFunc",
+                            "PyFuncStateless", "EagerPyFunc")
 
 
 def _gradient_not_derivative_ops(nodes):
@@ -705,12 +708,12 @@ def refuse_example_mixing(model, example_shape=None, *, training=True):
        1e-4 of the largest (a division by the batch size; a different batch
        size may change the kernels' blocking, hence the tolerance), unless
        the model fixes its batch size;
-    3. a model whose traced call has ops with a user-defined gradient outside
-       Keras' own layers (`tf.custom_gradient`; `_custom_gradient_ops`), or
-       ops whose gradient is not their derivative (`tf.stop_gradient`,
-       fake quantization: a `t - stop_gradient(t)` after a mix is 0 in the
-       forward pass and mixes only the gradients), is
-       also probed in reverse mode: for each bit of the example index, the
+    3. every model is also probed in reverse mode, since a user-defined
+       gradient (`tf.custom_gradient`), a `tf.stop_gradient` or any op that
+       passes a value on without a gradient (a bitcast round trip,
+       `tf.numpy_function`) can make the backward pass differ from the
+       derivative: `t - stop_gradient(t)` after a mix is 0 in the forward
+       pass and mixes only the gradients. For each bit of the example index, the
        gradient of the outputs of the examples with one value of that bit
        must not move when the others change;
     4. no variable but a trainable one or a `keras.random.SeedGenerator`'s
@@ -780,11 +783,11 @@ def _probe_at(model, base, outputs, bounds, rng, weights, training, fixed_batch,
     _refuse_mixed_outputs(model, base, outputs, bounds, rng, weights, training)
     if not fixed_batch:
         _refuse_batch_size_dependence(model, base, outputs, weights, training)
-    if custom and _gradient_moved(model, base, bounds, rng, training, weights):
+    if _gradient_moved(model, base, bounds, rng, training, weights):
         raise ExampleMixingError(
             f"In training mode, the gradient of {model.name} for one example changes when "
             f"another example of the batch changes: an op whose gradient is not the "
-            f"derivative of its output (a user-defined gradient or a stop_gradient: "
-            f"{custom[:3]}) "
+            f"derivative of its output (a user-defined gradient, a stop_gradient, an op "
+            f"without a gradient{': ' + ', '.join(custom[:3]) if custom else ''}) "
             "mixes examples across the batch in the backward pass, so one example could move "
             "the clipped gradient sum by more than l2_clip_norm. " + _FIX_HINT)
