@@ -726,7 +726,7 @@ class DPModel(chunked.ChunkedTraining, ema.EMAParameters, keras.Model):
 
     def _alone_where_not_finite(self, ghost, images, labels, mask):
         """The ghost path's outputs, with each real example whose norm is not finite
-        recomputed alone (a batch of one).
+        recomputed alone (beside zero rows, apart from the rest of the batch).
 
         The ghost path runs the batch's forward and backward passes together. A mix
         of examples that finite values cannot show (`refuse_example_mixing` probes
