@@ -5,19 +5,12 @@ import fcntl
 import logging
 import os
 
-# Under pytest-xdist (README's `-n 2` on the 2-core host) each worker's TensorFlow would start
-# a thread per core for every op, so two workers keep 4+ busy threads on 2 cores, and single
-# tests stalled 10x in the suite (84.5 s against 8 s alone). One intra-op thread per worker;
-# a user's own setting wins. Subprocesses the tests start inherit it.
-if os.environ.get("PYTEST_XDIST_WORKER"):
-    os.environ.setdefault("TF_NUM_INTRAOP_THREADS", "1")
+import gin
+import pytest
 
-import gin  # noqa: E402
-import pytest  # noqa: E402
-
-from tfdp import data  # noqa: E402
-from tfdp import experiment  # noqa: E402
-from tfdp import main  # noqa: E402
+from tfdp import data
+from tfdp import experiment
+from tfdp import main
 
 MOCK_EXAMPLES = 64
 
