@@ -437,6 +437,18 @@ def test_a_mixing_gradient_passed_as_an_activation_is_refused():
                                            keras.layers.Activation(_mix_gradient)))
 
 
+def _first_example_added_then(*layers, beside=None):
+    """`Input((1, 1, 3))`, the first example added to every row (a mix), `layers`, then
+    `Dense(2)`; `beside(inputs)` is added to the last output when given."""
+    inputs = keras.Input((1, 1, 3))
+    x = keras.layers.Lambda(lambda t: t + ops.mean(t[:1], axis=0))(inputs)
+    for layer in layers:
+        x = layer(x)
+    if beside is not None:
+        x = keras.layers.Add()([x, beside(inputs)])
+    return keras.Model(inputs, keras.layers.Dense(2)(keras.layers.Flatten()(x)))
+
+
 @pytest.mark.parametrize("reach, no_gradient", [
     ("gradient_only", "stop_gradient"), ("beside_a_direct_path", "stop_gradient"),
     ("beside_a_direct_path", "bitcast"), ("beside_a_direct_path", "numpy_function")])
@@ -449,9 +461,6 @@ def test_a_mix_that_only_a_stop_gradient_lets_into_the_backward_pass_is_refused(
     # removing one example moved the clipped sum by 4.19 C.
     import tensorflow as tf  # pylint: disable=g-import-not-at-top
 
-    inputs = keras.Input((1, 1, 3))
-    x = keras.layers.Lambda(lambda t: t + ops.mean(t[:1], axis=0))(inputs)
-    x = keras.layers.Conv2D(2, 1)(x)
     # The second reviewer's escapes from a list of op names: a value passed on without a
     # gradient (a bitcast round trip; tf.numpy_function) moved the sum by 7.27 C.
     without_gradient = {
@@ -459,10 +468,10 @@ def test_a_mix_that_only_a_stop_gradient_lets_into_the_backward_pass_is_refused(
         "bitcast": lambda t: tf.bitcast(tf.bitcast(t, tf.int32), tf.float32),
         "numpy_function": lambda t: tf.ensure_shape(
             tf.numpy_function(lambda a: a, [t], tf.float32, stateful=False), t.shape)}
-    x = keras.layers.Lambda(lambda t: t - without_gradient[no_gradient](t))(x)
-    if reach == "beside_a_direct_path":
-        x = keras.layers.Add()([x, keras.layers.Conv2D(2, 1)(inputs)])
-    model = keras.Model(inputs, keras.layers.Dense(2)(keras.layers.Flatten()(x)))
+    model = _first_example_added_then(
+        keras.layers.Conv2D(2, 1),
+        keras.layers.Lambda(lambda t: t - without_gradient[no_gradient](t)),
+        beside=keras.layers.Conv2D(2, 1) if reach == "beside_a_direct_path" else None)
     with pytest.raises(ExampleMixingError, match="without a gradient"):
         refuse_example_mixing(model)
 
@@ -472,11 +481,9 @@ def test_a_mixing_layer_hidden_by_a_saturated_tanh_at_pixel_range_is_refused():
     # tanh conv that pixels in [0, 255] saturate (every output the same), passed the probe;
     # on inputs near 1e-3 it moved a clipped sum by 1.83 C. The probe now also runs at a
     # thousandth of the range.
-    inputs = keras.Input((1, 1, 3))
-    x = keras.layers.Lambda(lambda t: t + ops.mean(t[:1], axis=0))(inputs)
-    x = keras.layers.Conv2D(2, (1, 3), padding="same", activation="tanh",
-                            kernel_initializer="ones")(x)  # saturated by pixels: tanh = 1
-    model = keras.Model(inputs, keras.layers.Dense(2)(keras.layers.Flatten()(x)))
+    model = _first_example_added_then(  # saturated by pixels: tanh = 1
+        keras.layers.Conv2D(2, (1, 3), padding="same", activation="tanh",
+                            kernel_initializer="ones"))
     with pytest.raises(ExampleMixingError, match="mixes examples"):
         refuse_example_mixing(model)
 
@@ -484,11 +491,9 @@ def test_a_mixing_layer_hidden_by_a_saturated_tanh_at_pixel_range_is_refused():
 def test_a_mixing_layer_behind_a_relu_dead_for_positive_inputs_is_refused():
     # Reviewer's case: the first example added to every row, then a ReLU conv whose kernel is
     # negative, dead for every positive input at both ranges; the signed second probe sees it.
-    inputs = keras.Input((1, 1, 3))
-    x = keras.layers.Lambda(lambda t: t + ops.mean(t[:1], axis=0))(inputs)
-    x = keras.layers.Conv2D(2, 1, activation="relu", use_bias=False,
-                            kernel_initializer=keras.initializers.Constant(-1.0))(x)
-    model = keras.Model(inputs, keras.layers.Dense(2)(keras.layers.Flatten()(x)))
+    model = _first_example_added_then(
+        keras.layers.Conv2D(2, 1, activation="relu", use_bias=False,
+                            kernel_initializer=keras.initializers.Constant(-1.0)))
     with pytest.raises(ExampleMixingError, match="mixes examples"):
         refuse_example_mixing(model)
 
