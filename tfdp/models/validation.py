@@ -750,8 +750,9 @@ def refuse_example_mixing(model, example_shape=None, *, training=True):
     weights = _perturbed_weights(model, rng)
     base, scale, (outputs, assigned) = _first_probe(model, shape, rng, weights, training)
     _refuse_stored_statistics(model, assigned)
-    custom = _custom_gradient_ops(model, nodes) + _gradient_not_derivative_ops(nodes)
-    _probe_at(model, base, outputs, (0.0, scale), rng, weights, training, fixed_batch, custom)
+    # Named in a refusal of the backward probe (which runs for every model).
+    suspects = _custom_gradient_ops(model, nodes) + _gradient_not_derivative_ops(nodes)
+    _probe_at(model, base, outputs, (0.0, scale), rng, weights, training, fixed_batch, suspects)
     # Again on signed inputs at a thousandth of the range: pixels in [0, 255] saturate a tanh,
     # whose constant outputs then hide a mixing layer before it (the DP-model fuzzer's case:
     # adding the first example to every row, before a tanh conv, moved a clipped sum by
@@ -768,7 +769,7 @@ def refuse_example_mixing(model, example_shape=None, *, training=True):
             "where a layer that mixes examples could show. Let the model run on small and "
             "negative inputs.") from error
     _refuse_stored_statistics(model, assigned)
-    _probe_at(model, base, outputs, small, rng, weights, training, fixed_batch, custom)
+    _probe_at(model, base, outputs, small, rng, weights, training, fixed_batch, suspects)
 
 
 def _draw(rng, shape, bounds):
@@ -777,7 +778,7 @@ def _draw(rng, shape, bounds):
     return (low + rng.random(shape) * (high - low)).astype(np.float32)
 
 
-def _probe_at(model, base, outputs, bounds, rng, weights, training, fixed_batch, custom):
+def _probe_at(model, base, outputs, bounds, rng, weights, training, fixed_batch, suspects):
     """The forward, batch-size and backward checks of `refuse_example_mixing` on `base`,
     replacing examples by random ones in `bounds` (low, high)."""
     _refuse_mixed_outputs(model, base, outputs, bounds, rng, weights, training)
@@ -788,6 +789,6 @@ def _probe_at(model, base, outputs, bounds, rng, weights, training, fixed_batch,
             f"In training mode, the gradient of {model.name} for one example changes when "
             f"another example of the batch changes: an op whose gradient is not the "
             f"derivative of its output (a user-defined gradient, a stop_gradient, an op "
-            f"without a gradient{': ' + ', '.join(custom[:3]) if custom else ''}) "
+            f"without a gradient{': ' + ', '.join(suspects[:3]) if suspects else ''}) "
             "mixes examples across the batch in the backward pass, so one example could move "
             "the clipped gradient sum by more than l2_clip_norm. " + _FIX_HINT)
