@@ -541,28 +541,23 @@ def user_defined_gradients(model, example_shape=None, *, training=True):
     return _custom_gradient_ops(model, _traced_call(model, shape, training))
 
 
-def _gradient_moved(model, base, bounds, rng, training, weights):
-    """Whether the gradient of some examples' outputs moves when other examples change.
+def _traced_gradient(model, rows, training, weights):
+    """A tf.function `(inputs, keep, projections) -> gradients` for `_gradient_moved`.
 
-    For every bit b of the example index, and both of its values v: the
-    gradient (reverse mode, the model's own backward pass, custom gradients
-    included) of `sum_{j: bit b of j = v} <u_j, outputs_j>` with respect to
-    the trainable variables, before and after the examples whose bit b is
-    not v are replaced. Any two examples differ in some bit, so an example
-    whose backward pass reads another is caught. Exact comparison.
+    The gradient (reverse mode, the model's own backward pass, custom
+    gradients included) of `sum_{j: keep_j} <projections_k[j], outputs_k[j]>`
+    over the model's batch outputs k, with respect to the trainable variables
+    (their perturbed values `weights`). One graph for every call of both probe
+    ranges (traced once: the shapes never change), so that the two calls
+    compared run the same kernels, and a large model's eager calls are not
+    paid 12 times per range.
     """
     import tensorflow as tf  # pylint: disable=g-import-not-at-top
 
-    rows = base.shape[0]
-    reference = _call(model, base, weights, training)[0]
-    projections = [rng.normal(size=r.shape).astype(np.float32) for r in reference]
     values = [value for _, value in weights]
 
-    # One graph for every call (traced once: the shapes never change), so that the two
-    # calls compared run the same kernels, and a large model's eager calls are not paid 12
-    # times per range.
     @tf.function(autograph=False)
-    def traced_gradient(inputs, keep):
+    def traced_gradient(inputs, keep, projections):
         with tf.GradientTape() as tape:
             tape.watch(values)
             with keras.StatelessScope(state_mapping=list(zip([v for v, _ in weights], values))):
@@ -571,8 +566,26 @@ def _gradient_moved(model, base, bounds, rng, training, weights):
                 outputs, projections) if o.shape.rank and o.shape[0] == rows])
         return tape.gradient(total, values, unconnected_gradients=tf.UnconnectedGradients.ZERO)
 
+    return traced_gradient
+
+
+def _gradient_moved(traced_gradient, base, reference, bounds, rng):
+    """Whether the gradient of some examples' outputs moves when other examples change.
+
+    For every bit b of the example index, and both of its values v: the
+    gradient (`_traced_gradient`) of `sum_{j: bit b of j = v} <u_j, outputs_j>`,
+    u random, before and after the examples whose bit b is not v are replaced
+    by random ones in `bounds`. Any two examples differ in some bit, so an
+    example whose backward pass reads another is caught. Exact comparison.
+    `reference` is the model's outputs on `base` (their shapes give u's).
+    """
+    import tensorflow as tf  # pylint: disable=g-import-not-at-top
+
+    rows = base.shape[0]
+    projections = [tf.constant(rng.normal(size=r.shape).astype(np.float32)) for r in reference]
+
     def gradient(inputs, keep):
-        return _numpy(traced_gradient(tf.constant(inputs), tf.constant(keep)))
+        return _numpy(traced_gradient(tf.constant(inputs), tf.constant(keep), projections))
 
     for bit in range(max(1, int(np.ceil(np.log2(rows))))):
         for value in (0, 1):
@@ -752,7 +765,9 @@ def refuse_example_mixing(model, example_shape=None, *, training=True):
     _refuse_stored_statistics(model, assigned)
     # Named in a refusal of the backward probe (which runs for every model).
     suspects = _custom_gradient_ops(model, nodes) + _gradient_not_derivative_ops(nodes)
-    _probe_at(model, base, outputs, (0.0, scale), rng, weights, training, fixed_batch, suspects)
+    traced_gradient = _traced_gradient(model, shape[0], training, weights)
+    _probe_at(model, base, outputs, (0.0, scale), rng, weights, training, fixed_batch, suspects,
+              traced_gradient)
     # Again on signed inputs at a thousandth of the range: pixels in [0, 255] saturate a tanh,
     # whose constant outputs then hide a mixing layer before it (the DP-model fuzzer's case:
     # adding the first example to every row, before a tanh conv, moved a clipped sum by
@@ -769,7 +784,8 @@ def refuse_example_mixing(model, example_shape=None, *, training=True):
             "where a layer that mixes examples could show. Let the model run on small and "
             "negative inputs.") from error
     _refuse_stored_statistics(model, assigned)
-    _probe_at(model, base, outputs, small, rng, weights, training, fixed_batch, suspects)
+    _probe_at(model, base, outputs, small, rng, weights, training, fixed_batch, suspects,
+              traced_gradient)
 
 
 def _draw(rng, shape, bounds):
@@ -778,13 +794,15 @@ def _draw(rng, shape, bounds):
     return (low + rng.random(shape) * (high - low)).astype(np.float32)
 
 
-def _probe_at(model, base, outputs, bounds, rng, weights, training, fixed_batch, suspects):
+def _probe_at(model, base, outputs, bounds, rng, weights, training, fixed_batch, suspects,
+              traced_gradient):
     """The forward, batch-size and backward checks of `refuse_example_mixing` on `base`,
-    replacing examples by random ones in `bounds` (low, high)."""
+    replacing examples by random ones in `bounds` (low, high); `traced_gradient` is
+    `_traced_gradient`'s function for this model."""
     _refuse_mixed_outputs(model, base, outputs, bounds, rng, weights, training)
     if not fixed_batch:
         _refuse_batch_size_dependence(model, base, outputs, weights, training)
-    if _gradient_moved(model, base, bounds, rng, training, weights):
+    if _gradient_moved(traced_gradient, base, outputs, bounds, rng):
         raise ExampleMixingError(
             f"In training mode, the gradient of {model.name} for one example changes when "
             f"another example of the batch changes: an op whose gradient is not the "
