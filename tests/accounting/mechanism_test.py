@@ -32,6 +32,43 @@ def test_noise_is_calibrated_to_the_target():
         target_epsilon=3.0, sampling_prob=2048 / 60000, num_steps=1172, delta=1e-5), rel=1e-3)
 
 
+@pytest.mark.parametrize("change", [dict(delta=1e-6), dict(num_steps=101), dict(batch_size=601),
+                                    dict(accountant="pld"), dict(sampling="shuffle"), {}])
+def test_a_calibration_is_searched_once_per_mechanism_and_target(monkeypatch, change):
+    # The cache of `calibrated` must give a repeated plan the searched value, and search
+    # again for any other field or target: a stale sigma would be a wrong guarantee.
+    monkeypatch.setattr(mechanism_lib, "_CALIBRATED", {})
+    searched = []
+    solve = accounting.accountant.solve_noise_multiplier
+    monkeypatch.setattr(accounting.accountant, "solve_noise_multiplier",
+                        lambda *args, **kwargs: searched.append(1) or solve(*args, **kwargs))
+    first = _mechanism().calibrated(3.0)
+    assert _mechanism().calibrated(3.0) == first and len(searched) == 1
+    other = _mechanism(**change).calibrated(3.0 if change else 2.0)
+    assert len(searched) == 2
+    assert other.epsilon() <= (3.0 if change else 2.0)
+    assert other.noise_multiplier != first.noise_multiplier
+    # What the cache returns is what a fresh search finds.
+    monkeypatch.setattr(mechanism_lib, "_CALIBRATED", {})
+    assert _mechanism(**change).calibrated(3.0 if change else 2.0) == other
+
+
+def test_an_epsilon_is_computed_once_per_event_accountant_and_delta(monkeypatch):
+    monkeypatch.setattr(accounting.accountant, "_EPSILONS", {})
+    event = _mechanism().dp_event()
+    computed = []
+    factory = accounting.accountant._accountant_factory
+    monkeypatch.setattr(accounting.accountant, "_accountant_factory",
+                        lambda name: computed.append(name) or factory(name))
+    epsilon = accounting.epsilon_of_event(event, delta=1e-5)
+    assert accounting.epsilon_of_event(event, delta=1e-5) == epsilon and len(computed) == 1
+    assert accounting.epsilon_of_event(event, delta=1e-6) > epsilon and len(computed) == 2
+    assert accounting.epsilon_of_event(_mechanism(noise_multiplier=1.01).dp_event(),
+                                       delta=1e-5) < epsilon and len(computed) == 3
+    assert accounting.epsilon_of_event(event, delta=1e-5, accountant="pld") != epsilon
+    assert len(computed) == 4
+
+
 def test_steps_are_capped_so_training_never_passes_the_target():
     mech = accounting.plan_mechanism(num_steps=5000, noise_multiplier=1.0, target_epsilon=3.0,
                                      **COMMON)

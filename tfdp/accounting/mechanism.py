@@ -85,6 +85,11 @@ REPLACE_ONE = "replace one example"
 # assumes (which coins are secret): a checkpoint written under other values
 # cannot be resumed (`differences`). num_steps may grow on resume;
 # target_epsilon and how sigma was found do not change the mechanism.
+# `calibrated`'s noise multipliers, keyed by (repr(mechanism), target_epsilon): the search
+# (about 2 s for RDP) is deterministic, and a process that plans the same run again (a
+# resume check, a study's runs, the tests' smoke runs) need not repeat it.
+_CALIBRATED = {}
+
 _MECHANISM_FIELDS = (
     "num_examples", "batch_size", "sampling", "noise_multiplier", "l2_clip_norm",
     "normalize_update", "num_microbatches", "delta", "accountant", "data_normalization",
@@ -363,10 +368,15 @@ class DPMechanism:
         eta = accountant_lib._tan_eta_for(target_epsilon, self.delta)  # pylint: disable=protected-access
         guess = (self.sampling_prob * math.sqrt(self.num_steps / 2) / eta
                  if self.sampling == "poisson" else math.sqrt(self.participations() / 2) / eta)
-        sigma = accountant_lib.solve_noise_multiplier(
-            lambda s: dataclasses.replace(self, noise_multiplier=s).dp_event(),
-            target_epsilon=target_epsilon, delta=self.delta, accountant=self.accountant,
-            guess=guess, context=self._context())
+        key = (repr(self), target_epsilon)  # every field, floats exactly
+        sigma = _CALIBRATED.get(key)
+        if sigma is None:
+            sigma = accountant_lib.solve_noise_multiplier(
+                lambda s: dataclasses.replace(self, noise_multiplier=s).dp_event(),
+                target_epsilon=target_epsilon, delta=self.delta, accountant=self.accountant,
+                guess=guess, context=self._context())
+            if len(_CALIBRATED) < 1024:
+                _CALIBRATED[key] = sigma
         return dataclasses.replace(self, noise_multiplier=sigma, target_epsilon=target_epsilon,
                                    noise_calibrated=True)
 
