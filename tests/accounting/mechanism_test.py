@@ -69,6 +69,31 @@ def test_an_epsilon_is_computed_once_per_event_accountant_and_delta(monkeypatch)
     assert len(computed) == 4
 
 
+def test_an_event_printed_alike_but_not_equal_gets_its_own_epsilon(monkeypatch):
+    # A 0-d array prints to 8 digits (fewer under the user's print options): keyed by
+    # repr, sigma = 0.84 and 0.8 shared an entry at precision=1 (3.24 reported for 3.70).
+    import numpy as np  # pylint: disable=g-import-not-at-top
+
+    monkeypatch.setattr(accounting.accountant, "_EPSILONS", {})
+
+    def event(sigma):
+        return dp_accounting.SelfComposedDpEvent(dp_accounting.PoissonSampledDpEvent(
+            0.01, dp_accounting.GaussianDpEvent(sigma)), 1000)
+
+    with np.printoptions(precision=1):
+        assert repr(event(np.array(0.84))) == repr(event(np.array(0.8)))
+        wide = accounting.epsilon_of_event(event(np.array(0.84)), delta=1e-5)
+        narrow = accounting.epsilon_of_event(event(np.array(0.8)), delta=1e-5)
+    assert narrow > wide + 0.3
+    assert narrow == accounting.epsilon_of_event(event(0.8), delta=1e-5)
+    # Plain numbers, NumPy scalars among them, are remembered exactly: 1 + 4e-10 is not 1.
+    assert accounting.accountant._exact_key(event(np.float64(1.0))) == \
+        accounting.accountant._exact_key(event(1.0))
+    assert accounting.accountant._exact_key(event(1.0000000004)) != \
+        accounting.accountant._exact_key(event(1.0))
+    assert accounting.accountant._exact_key(event(np.array(0.8))) is None  # not cached
+
+
 def test_steps_are_capped_so_training_never_passes_the_target():
     mech = accounting.plan_mechanism(num_steps=5000, noise_multiplier=1.0, target_epsilon=3.0,
                                      **COMMON)

@@ -35,7 +35,9 @@ import numbers
 import warnings
 from typing import Callable, Optional
 
+import attr
 import dp_accounting
+import numpy as np
 from dp_accounting import pld
 from dp_accounting import rdp
 
@@ -95,11 +97,38 @@ PLD_MIN_NOISE_MULTIPLIER = 0.05
 _MAX_NOISE_MULTIPLIER = 1e4
 _MIN_NOISE_MULTIPLIER = 0.05
 _CALIBRATION_RELATIVE_TOL = 1e-3
-# epsilon_of_event's results, keyed by (accountant, delta, repr(event)): the accountants are
-# deterministic, an event's repr names every field (floats exactly), and a run's report, its
-# ledger and its checks ask for the same epsilon several times (about 0.2 s each for RDP).
+# epsilon_of_event's results, keyed by (accountant, delta, `_exact_key(event)`): the
+# accountants are deterministic, and a run's report, its ledger and its checks ask for the
+# same epsilon several times (about 0.2 s each for RDP).
 _EPSILONS = {}
 _MAX_CACHED = 4096
+
+
+def _exact_key(value):
+    """A hashable key equal only for equal events; None if a leaf is not a plain number.
+
+    Walks attrs classes (dp_accounting's DpEvents) field by field, lists and tuples;
+    leaves must be Python or NumPy scalars (bool, int, float: compared exactly) or
+    strings. Not `repr`: a 0-d array prints to 8 digits (or fewer, under the user's
+    print options), and a user's event class may leave fields out of its repr.
+    """
+    if value is None or isinstance(value, (bool, str)):
+        return (type(value).__name__, value)
+    if isinstance(value, (numbers.Integral, float, np.floating)) and np.ndim(value) == 0 \
+            and not isinstance(value, np.ndarray):
+        return ("number", float(value).hex() if isinstance(value, (float, np.floating))
+                else int(value))
+    if isinstance(value, (list, tuple)):
+        keys = tuple(_exact_key(v) for v in value)
+        return None if any(k is None for k in keys) else ("seq", keys)
+    if attr.has(type(value)):
+        fields = attr.fields(type(value))
+        keys = tuple(_exact_key(getattr(value, f.name)) for f in fields)
+        if any(k is None for k in keys):
+            return None
+        return (type(value).__module__, type(value).__qualname__,
+                tuple(f.name for f in fields), keys)
+    return None
 
 
 def _is_integer(value) -> bool:
@@ -374,7 +403,8 @@ def epsilon_of_event(
         accountant does not support the event.
     """
     validate_privacy_params(delta=delta)
-    key = (accountant, delta, repr(event))
+    event_key = _exact_key(event)
+    key = None if event_key is None else (accountant, delta, event_key)
     if key in _EPSILONS:
         return _EPSILONS[key]
     acc = _accountant_factory(accountant)()
@@ -384,7 +414,7 @@ def epsilon_of_event(
             f"use one of {ACCOUNTANTS} that supports it."
         )
     epsilon = float(acc.compose(event).get_epsilon(delta))
-    if len(_EPSILONS) < _MAX_CACHED:
+    if key is not None and len(_EPSILONS) < _MAX_CACHED:
         _EPSILONS[key] = epsilon
     return epsilon
 
