@@ -514,3 +514,21 @@ def test_a_model_that_fails_on_the_second_probe_range_is_refused_not_skipped():
                                                    kernel_initializer="ones")(x))
     with pytest.raises(ExampleMixingError, match="fails on one in"):
         refuse_example_mixing(model)
+
+
+def test_a_model_with_float64_outputs_is_probed_in_both_directions():
+    # The backward probe's projections are float32: they are cast to each output's dtype
+    # (a float64 head failed at trace time once they became tensors), and a float64
+    # model that mixes examples is still refused.
+    import tensorflow as tf  # pylint: disable=g-import-not-at-top
+
+    def model(mix):
+        inputs = keras.Input((3,))
+        x = keras.layers.Dense(4)(inputs)
+        if mix:
+            x = keras.layers.Lambda(lambda t: t + ops.mean(t, axis=0, keepdims=True))(x)
+        return keras.Model(inputs, keras.layers.Lambda(lambda t: tf.cast(t, tf.float64))(x))
+
+    refuse_example_mixing(model(mix=False))
+    with pytest.raises(ExampleMixingError):
+        refuse_example_mixing(model(mix=True))

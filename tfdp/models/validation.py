@@ -562,8 +562,9 @@ def _traced_gradient(model, rows, training, weights):
             tape.watch(values)
             with keras.StatelessScope(state_mapping=list(zip([v for v, _ in weights], values))):
                 outputs = keras.tree.flatten(model(inputs, training=training))
-            total = tf.add_n([tf.reduce_sum(tf.boolean_mask(o * p, keep)) for o, p in zip(
-                outputs, projections) if o.shape.rank and o.shape[0] == rows])
+            total = tf.add_n([tf.reduce_sum(tf.boolean_mask(o * tf.cast(p, o.dtype), keep))
+                              for o, p in zip(outputs, projections)
+                              if o.shape.rank and o.shape[0] == rows])
         return tape.gradient(total, values, unconnected_gradients=tf.UnconnectedGradients.ZERO)
 
     return traced_gradient
