@@ -342,7 +342,8 @@ def test_every_family_holds_with_every_matmul_rounded(name, device):
 # float32 while a LayerNorm after the layer makes |y|^2 underflow (§1).
 SCALES = [2.0**-100, 2.0**-60, 1e-30, 3e-19, 1e-10, 1.0, 7e9, 2.0**60, 3e18, 2.0**62, 9.1e18,
           2.0**64, 1e30, 2.0**100]
-FUZZ = {"fast": 20, "slow": int(os.environ.get("RESCALE_FUZZ_EXAMPLES", 150))}
+# fast: 10 derandomized cases (20 took 26 s in the suite); the slow run draws 150.
+FUZZ = {"fast": 10, "slow": int(os.environ.get("RESCALE_FUZZ_EXAMPLES", 150))}
 for _profile, _count in FUZZ.items():
     hypothesis.settings.register_profile(
         f"rescale-{_profile}", max_examples=_count, deadline=None, database=None,
