@@ -81,15 +81,15 @@ SAMPLING_SCHEMES = ("poisson", "shuffle")
 ADD_OR_REMOVE = "add-or-remove one example"
 REPLACE_ONE = "replace one example"
 
-# The fields whose values define the mechanism, or what its guarantee
-# assumes (which coins are secret): a checkpoint written under other values
-# cannot be resumed (`differences`). num_steps may grow on resume;
-# target_epsilon and how sigma was found do not change the mechanism.
 # `calibrated`'s noise multipliers, keyed by (repr(mechanism), target_epsilon): the search
 # (about 2 s for RDP) is deterministic, and a process that plans the same run again (a
 # resume check, a study's runs, the tests' smoke runs) need not repeat it.
 _CALIBRATED = {}
 
+# The fields whose values define the mechanism, or what its guarantee
+# assumes (which coins are secret): a checkpoint written under other values
+# cannot be resumed (`differences`). num_steps may grow on resume;
+# target_epsilon and how sigma was found do not change the mechanism.
 _MECHANISM_FIELDS = (
     "num_examples", "batch_size", "sampling", "noise_multiplier", "l2_clip_norm",
     "normalize_update", "num_microbatches", "delta", "accountant", "data_normalization",
