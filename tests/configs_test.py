@@ -228,10 +228,10 @@ def tiny_backbone(tmp_path_factory):
     """A pretrained-backbone stand-in for PRETRAINED_BACKBONE: the Tramer CNN, saved as .keras.
 
     Its 10-class head is replaced by the config's; 32x32x3, as CIFAR and the shrunk ImageNet.
-    What the configs bind does not depend on the backbone's layers. A WRN-10-1 here made
-    cifar10_finetune_wrn28_10_all_eps8.gin's the suite's slowest config run (27 s; 8.7 s
-    alone with this CNN); the WRN's ghost path runs in cifar10_wrn16_4_eps8.gin's smoke run,
-    and a loaded backbone's in tests/models.
+    What the configs bind does not depend on the backbone's layers. With a WRN-10-1 here,
+    the smoke run of cifar10_finetune_wrn28_10_all_eps8.gin was the suite's slowest config
+    run (27 s; 8.7 s alone with this CNN). The WRN's ghost path runs in
+    cifar10_wrn16_4_eps8.gin's smoke run, and a loaded backbone's in tests/models.
     """
     path = str(tmp_path_factory.mktemp("backbone") / "tramer_cnn.keras")
     models.build_tramer_cnn(10, input_shape=(32, 32, 3)).save(path)
