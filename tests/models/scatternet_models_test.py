@@ -4,7 +4,11 @@ import keras
 import numpy as np
 import pytest
 
-from tfdp.models.scatternet_models import build_scatternet_cnn, build_scatternet_linear
+from tfdp.models.scatternet_models import (
+    build_scatternet_cnn,
+    build_scatternet_gnws_cnn,
+    build_scatternet_linear,
+)
 
 
 def _num_trainable(model):
@@ -38,6 +42,41 @@ def test_linear_head_parameter_count(shape, groups, expected):
 def test_cnn_head_parameter_count(shape, architecture, expected):
     model = build_scatternet_cnn(shape, 10, architecture=architecture, groups=27)
     assert _num_trainable(model) == expected
+
+
+# GN-WS head, width 128 on 7x7x81: 81*128*9 + 128*128*9 kernel weights (no bias: a
+# GroupNorm with an offset follows), 2 GroupNorms of 128 scales and 128 offsets, and
+# 4*4*128*10 + 10 dense (stride 2 takes 7x7 to 4x4) = 93,312 + 147,456 + 512 + 20,490.
+@pytest.mark.parametrize("width, expected", [(128, 261_770), (32, 23_328 + 9_216 + 128 + 5_130)])
+def test_gnws_head_parameter_count(width, expected):
+    assert _num_trainable(build_scatternet_gnws_cnn((7, 7, 81), 10, width=width)) == expected
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(width=100), "width=100 must be a positive multiple of norm_groups=16"),
+        (dict(width=0), "width=0"),
+        (dict(norm_groups=0), "norm_groups=0"),
+        (dict(norm_order="gn_conv"), "norm_order='gn_conv'"),
+        (dict(groups=10), "groups=10 must divide the 81"),
+    ],
+)
+def test_gnws_head_argument_errors(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        build_scatternet_gnws_cnn((7, 7, 81), 10, **kwargs)
+
+
+def test_gnws_head_standardizes_its_kernels_and_orders_relu_before_group_norm():
+    model = build_scatternet_gnws_cnn((7, 7, 81), 10, width=32)
+    names = [layer.name for layer in model.layers]
+    assert names.index("conv0_relu") < names.index("conv0_gn") < names.index("conv1")
+    # Scaling a kernel does not change the function (weight standardization).
+    features = np.random.default_rng(2).normal(size=(3, 7, 7, 81)).astype(np.float32)
+    before = model(features).numpy()
+    kernel = model.get_layer("conv1").kernel
+    kernel.assign(kernel * 7.0)
+    np.testing.assert_allclose(model(features).numpy(), before, rtol=1e-4, atol=1e-5)
 
 
 def test_group_norm_normalizes_each_example_without_affine_parameters():
@@ -89,6 +128,7 @@ def test_heads_forward_and_per_example_gradients(check_per_example_grads):
     for model in (
         build_scatternet_linear((7, 7, 81), 10, groups=27),
         build_scatternet_cnn((7, 7, 81), 10, groups=27),
+        build_scatternet_gnws_cnn((7, 7, 81), 10, width=32),
     ):
         logits = model(features)
         assert logits.shape == (2, 10) and logits.dtype == "float32"

@@ -20,6 +20,7 @@ from tfdp.models.scaled_ws_conv2d import ScaledWSConv2D
 from tfdp.models.scatter_net import ScatterNet
 from tfdp.models.scatternet_models import build_scatternet_classifier
 from tfdp.models.scatternet_models import build_scatternet_cnn
+from tfdp.models.scatternet_models import build_scatternet_gnws_cnn
 from tfdp.models.scatternet_models import build_scatternet_linear
 from tfdp.models.scatternet_models import compute_scatternet_features
 from tfdp.models.tramer_cifar_cnn import build_tramer_cifar_cnn

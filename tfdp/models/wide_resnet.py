@@ -98,7 +98,7 @@ def build_wide_resnet(
                 norm_order=norm_order,
             )
             in_channels = filters
-    x = _norm_act(x, "final", groups, norm_order)
+    x = norm_act(x, "final", groups, norm_order)
     x = keras.layers.GlobalAveragePooling2D(name="pool")(x)
     logits = keras.layers.Dense(
         num_classes, kernel_initializer=fan_in_gaussian_initializer(), name="logits"
@@ -128,7 +128,7 @@ def _check_arguments(depth, width, num_classes, groups, norm_order):
         )
 
 
-def _norm_act(x, prefix, groups, norm_order):
+def norm_act(x, prefix, groups, norm_order):
     """GroupNorm and ReLU (layers `{prefix}_gn`, `{prefix}_relu`) in `norm_order`'s order."""
     norm = keras.layers.GroupNormalization(
         groups=groups, epsilon=_GROUP_NORM_EPSILON, name=f"{prefix}_gn"
@@ -152,9 +152,9 @@ def _basic_block(x, in_channels, filters, strides, prefix, *, groups, norm_order
     o = norm_act(x); out = conv3x3(norm_act(conv3x3(o, strides))) + shortcut, the
     shortcut being conv1x1(o, strides) if channels or resolution change, else x.
     """
-    o = _norm_act(x, f"{prefix}_pre", groups, norm_order)
+    o = norm_act(x, f"{prefix}_pre", groups, norm_order)
     y = _conv(filters, 3, strides, f"{prefix}_a")(o)
-    y = _norm_act(y, f"{prefix}_mid", groups, norm_order)
+    y = norm_act(y, f"{prefix}_mid", groups, norm_order)
     y = _conv(filters, 3, 1, f"{prefix}_b")(y)
     if in_channels != filters or strides != 1:
         shortcut = _conv(filters, 1, strides, f"{prefix}_shortcut")(o)
