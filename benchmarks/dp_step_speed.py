@@ -76,6 +76,12 @@ MODELS = {
     "tramer_cnn": (lambda: models.build_tramer_cnn(10), (28, 28, 1)),
     # WRN-16-4 with GroupNorm and weight standardization, 2.75M parameters.
     "wrn16_4": (lambda: models.build_wide_resnet(16, 4, 10), (32, 32, 3)),
+    # Heads on Fashion-MNIST's 7x7x81 ScatterNet features: Tramer & Boneh's CNN (33,066
+    # parameters) and the GN-WS head of fashion_mnist_best.gin (261,770 at width 128).
+    "scatternet_cnn": (lambda: models.build_scatternet_cnn((7, 7, 81), 10, groups=27),
+                       (7, 7, 81)),
+    "scatternet_gnws_cnn": (lambda: models.build_scatternet_gnws_cnn((7, 7, 81), 10),
+                            (7, 7, 81)),
 }
 VARIANTS = ("plain", "ghost", "vectorized")
 XLA = "+xla"  # variant suffix: that variant's step compiled with XLA
