@@ -4,29 +4,12 @@
 #   bash benchmarks/fashion_mnist.sh OUT_DIR [NAME ...]   # all runs, or only the named ones
 #   python benchmarks/summarize.py OUT_DIR                # the table
 #
-# Needs the prepared dataset (python tools/prepare_fashion_mnist.py). Each run writes
-# OUT_DIR/NAME/ (a normal tfdp workdir), OUT_DIR/NAME.log and OUT_DIR/NAME.seconds (wall
-# time of the whole command: data loading, features, training, evaluation, export).
-# A finished run (FINISHED present) is skipped, so the script can be resumed.
+# Needs the prepared dataset (python tools/prepare_fashion_mnist.py). What each run writes,
+# and how a stopped script resumes: benchmarks/runs.sh.
 set -euo pipefail
-out=${1:?usage: bash benchmarks/fashion_mnist.sh OUT_DIR [NAME ...]}
-shift
-mkdir -p "$out"
-wanted=" $* "
-# The host line (CPU flags, oneDNN on or off) that every time below depends on.
-python -c "import sys; sys.path.insert(0, sys.argv[1]); from tfdp import host; print(host.describe_host())" \
-  "$(dirname "$0")/.." | tee "$out/host.txt"
-
-run() {
-  local name=$1
-  shift
-  if [ "$wanted" != "  " ] && [[ "$wanted" != *" $name "* ]]; then return; fi
-  if [ -f "$out/$name/FINISHED" ]; then echo "done already: $name"; return; fi
-  echo "running $name: python -m tfdp.main $*"
-  local start=$SECONDS
-  python -m tfdp.main --workdir="$out/$name" "$@" > "$out/$name.log" 2>&1
-  echo $((SECONDS - start)) > "$out/$name.seconds"
-}
+# shellcheck source=benchmarks/runs.sh
+. "$(dirname "$0")/runs.sh"
+start_runs "${1:?usage: bash benchmarks/fashion_mnist.sh OUT_DIR [NAME ...]}" "${@:2}"
 
 # Issue 2: the spine config (Tramer & Boneh's CNN at epsilon = 3).
 run main --gin_file=fashion_mnist.gin
@@ -59,7 +42,7 @@ run recipe_k8 --gin_file=fashion_mnist_recipe_cnn.gin --gin_param=AUGMULT=8
 # Issue 6: TAN simulations of the main run (B_ref = 2048) at B/8, B/4, B/2, same steps.
 for b in 256 512 1024; do
   name=tan_sim_b$b
-  if [ "$wanted" != "  " ] && [[ "$wanted" != *" $name "* ]]; then continue; fi
+  if ! wanted_run "$name"; then continue; fi
   sigma=$(python -c "import json; print(json.load(open('$out/main/privacy_report.json'))['noise_multiplier'])")
   mapfile -t params < <(python tools/privacy.py simulate --num_examples 60000 \
     --reference_batch_size 2048 --reference_noise_multiplier "$sigma" --steps 1172 \
