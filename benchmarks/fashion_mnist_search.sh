@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Issue 38's search for the best private Fashion-MNIST model, tuned honestly:
+#   * every run trains on train[:50000] and is scored on train[50000:] (the validation
+#     split); the test set is never read here;
+#   * every run is a TAN simulation (Sander et al. 2023, Sec. 3.4) of one reference
+#     (B = 8192, 250 steps, sigma calibrated to epsilon = 3 at N = 50,000) at B / K with
+#     sigma / K, so it costs about 1/K of the reference run; K = 8 by default;
+#   * every run appends its mechanism to OUT_DIR/study, whose ledger states the epsilon the
+#     whole search spent on the private data (How to DP-fy ML, Sec. 5.4.2):
+#       python tools/privacy.py ledger OUT_DIR/study --delta 1e-5
+#
+#   bash benchmarks/fashion_mnist_search.sh OUT_DIR [NAME ...]   # all runs, or the named
+#   K=4 bash benchmarks/fashion_mnist_search.sh OUT_DIR ...      # another simulation factor
+#   python benchmarks/summarize.py OUT_DIR                       # the table
+#
+# Needs the prepared dataset (python tools/prepare_fashion_mnist.py). What each run writes,
+# and how a stopped script resumes: benchmarks/runs.sh.
+set -euo pipefail
+# shellcheck source=benchmarks/runs.sh
+. "$(dirname "$0")/runs.sh"
+start_runs "${1:?usage: bash benchmarks/fashion_mnist_search.sh OUT_DIR [NAME ...]}" "${@:2}"
+here=$(dirname "$0")
+K=${K:-8}
+N=50000 REFERENCE_BATCH=8192 STEPS=250
+
+sigma=$(python "$here/../tools/privacy.py" calibrate --num_examples $N \
+  --batch_size $REFERENCE_BATCH --steps $STEPS --delta 1e-5 --target_epsilon 3 --json |
+  tail -n 1 | python -c "import json, sys; print(json.load(sys.stdin)['noise_multiplier'])")
+mapfile -t simulation < <(python "$here/../tools/privacy.py" simulate --num_examples $N \
+  --reference_batch_size $REFERENCE_BATCH --reference_noise_multiplier "$sigma" \
+  --steps $STEPS --batch_size $((REFERENCE_BATCH / K)) --delta 1e-5 --json | tail -n 1 |
+  python -c "import json, sys; print('\n'.join(json.load(sys.stdin)['gin_params']))")
+search=(
+  --gin_param=NUM_EXAMPLES=$N
+  "--gin_param=tfdp.DataConfig.train_split='train[:$N]'"
+  "--gin_param=tfdp.DataConfig.test_split='train[$N:]'"
+  "--gin_param=tfdp.PrivacyConfig.study_dir='$out/study'"
+  "${simulation[@]}"
+)
+gnws=--gin_file=$here/fashion_mnist_search/scatternet_gnws_cnn.gin
+
+# The baseline: Tramer & Boneh's ScatterNet + linear with the recipe (fashion_mnist_recipe.gin,
+# normalized update, EMA), at the same reference.
+run k${K}_linear --gin_file=fashion_mnist_recipe.gin "${search[@]}"
+# The GN-WS CNN head: learning rate (momentum 0.9, normalized update), then width.
+for lr in 0.5 1 2; do
+  run k${K}_gnws_lr$lr "$gnws" --gin_param=LEARNING_RATE=$lr "${search[@]}"
+done
+run k${K}_gnws_w64_lr1 "$gnws" --gin_param=LEARNING_RATE=1 --gin_param=WIDTH=64 "${search[@]}"
