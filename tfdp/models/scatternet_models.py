@@ -85,6 +85,16 @@ def _feature_normalization(x, groups, feature_mean, feature_variance):
     return x
 
 
+def _logits_model(inputs, x, num_classes, name, *, flatten=True):
+    """The head's last layers, as a model: flatten (unless `flatten=False`) and dense logits."""
+    if flatten:
+        x = keras.layers.Flatten(name="flatten")(x)
+    logits = keras.layers.Dense(
+        num_classes, kernel_initializer=torch_default_initializer(), name="logits"
+    )(x)
+    return keras.Model(inputs, logits, name=name)
+
+
 def _check_feature_shape(input_shape):
     if len(input_shape) != 3 or any(d is None or d < 1 for d in input_shape):
         raise ValueError(
@@ -130,11 +140,7 @@ def build_scatternet_linear(
     _check_feature_shape(input_shape)
     inputs = keras.Input(shape=tuple(input_shape), name="features")
     x = _feature_normalization(inputs, groups, feature_mean, feature_variance)
-    x = keras.layers.Flatten(name="flatten")(x)
-    logits = keras.layers.Dense(
-        num_classes, kernel_initializer=torch_default_initializer(), name="logits"
-    )(x)
-    return keras.Model(inputs, logits, name=name)
+    return _logits_model(inputs, x, num_classes, name)
 
 
 @gin.configurable(module="tfdp.models")
@@ -215,14 +221,10 @@ def build_scatternet_cnn(
         x = keras.layers.Dense(
             32, activation="tanh", kernel_initializer=torch_default_initializer(), name="fc1"
         )(x)
-    else:
-        config = (64, "M", 64) if architecture == "cifar10" else (16, 16, "M", 32, 32)
-        x = conv_tanh_stack(x, config)
-        x = keras.layers.Flatten(name="flatten")(x)
-    logits = keras.layers.Dense(
-        num_classes, kernel_initializer=torch_default_initializer(), name="logits"
-    )(x)
-    return keras.Model(inputs, logits, name=name)
+        return _logits_model(inputs, x, num_classes, name, flatten=False)
+    config = (64, "M", 64) if architecture == "cifar10" else (16, 16, "M", 32, 32)
+    x = conv_tanh_stack(x, config)
+    return _logits_model(inputs, x, num_classes, name)
 
 
 @gin.configurable(module="tfdp.models")
@@ -294,11 +296,7 @@ def build_scatternet_gnws_cnn(
     for index, strides in enumerate((1, 2)):
         x = WSConv2D(width, 3, strides=strides, padding="same", name=f"conv{index}")(x)
         x = norm_act(x, f"conv{index}", norm_groups, norm_order)
-    x = keras.layers.Flatten(name="flatten")(x)
-    logits = keras.layers.Dense(
-        num_classes, kernel_initializer=torch_default_initializer(), name="logits"
-    )(x)
-    return keras.Model(inputs, logits, name=name)
+    return _logits_model(inputs, x, num_classes, name)
 
 
 def build_scatternet_classifier(head, input_shape, *, name="scatternet_classifier"):
