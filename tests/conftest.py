@@ -1,6 +1,8 @@
 """Fixtures shared by the end-to-end and data tests."""
 
 import contextlib
+import ctypes
+import ctypes.util
 import fcntl
 import gc
 import logging
@@ -49,6 +51,19 @@ def pytest_runtest_protocol(item, nextitem):
     if nextitem is None or nextitem.module is not item.module:
         gc.collect()
         gc.freeze()
+        _return_free_heap_to_the_os()
+
+
+def _return_free_heap_to_the_os():
+    """glibc's `malloc_trim(0)`: a worker's resident memory falls back after a heavy test file.
+
+    Without it, a worker that ran the Keras applications' slow tests (7.6 GB at the peak)
+    stayed at 3.8 GB; with it, 2.6 GB (2026-11-27). A no-op where libc has no malloc_trim.
+    """
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 @pytest.fixture(scope="session")
