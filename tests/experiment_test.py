@@ -131,8 +131,44 @@ def test_runs_of_a_study_compose_in_the_ledger(tmp_path, run_smoke):
 
     expected = accounting.epsilon_of_event(dp_accounting.ComposedDpEvent(events), delta=1e-5)
     assert reports[1]["study"]["epsilon"] == pytest.approx(expected)
-    assert set(reports[1]["study"]["runs"]) == {"run_a", "run_b"}
+    assert set(reports[1]["study"]["runs"]) == {str(tmp_path / "run_a"), str(tmp_path / "run_b")}
     assert reports[1]["study"]["epsilon"] > reports[1]["epsilon"]
+
+
+def _study_runs(study):
+    from tfdp import accounting  # pylint: disable=g-import-not-at-top
+
+    return {r["run"]: r["mechanism"] for r in accounting.read_runs(str(study))}
+
+
+def test_two_runs_whose_workdirs_share_a_name_are_two_runs_of_the_study(tmp_path, run_smoke):
+    # Keyed by the folder's last name, b/run was one line with a/run: a/run's epsilon was lost.
+    study = tmp_path / "study"
+    for parent, sigma in (("a", 1.0), ("b", 2.0)):
+        report = run_smoke(tmp_path / parent / "run", ["fashion_mnist.gin"], [
+            "TARGET_EPSILON = None", f"NOISE_MULTIPLIER = {sigma}",
+            f"tfdp.PrivacyConfig.study_dir = '{study}'"])
+    runs = _study_runs(study)
+    assert {path: m.noise_multiplier for path, m in runs.items()} == {
+        str(tmp_path / "a" / "run"): 1.0, str(tmp_path / "b" / "run"): 2.0}
+    assert report["study"]["epsilon"] > report["epsilon"]
+
+
+def test_a_study_run_that_stops_after_starting_is_in_the_study(tmp_path, run_smoke, monkeypatch):
+    # Its checkpoints and evaluations are functions of the private data: the study counts it
+    # at its planned steps from the start, not only once it has finished.
+    from tfdp import experiment  # pylint: disable=g-import-not-at-top
+
+    def stopped(*args, **kwargs):
+        raise KeyboardInterrupt("stopped during training")
+
+    monkeypatch.setattr(experiment, "_fit", stopped)
+    study = tmp_path / "study"
+    with pytest.raises(KeyboardInterrupt):
+        run_smoke(tmp_path / "stopped", ["fashion_mnist.gin"], [
+            f"tfdp.PrivacyConfig.study_dir = '{study}'"])
+    (mechanism,) = _study_runs(study).values()
+    assert (mechanism.num_steps, mechanism.batch_size) == (2, 16)
 
 
 # End to end (two ScatterNet smoke runs, 20-50 s on 2 cores): under -m slow. The default suite

@@ -30,6 +30,7 @@ from absl import logging
 from tfdp import accounting
 from tfdp import configs
 from tfdp import planning
+from tfdp import storage
 from tfdp.dp import coins
 from tfdp.dp import precision
 from tfdp.export import privacy_report
@@ -91,6 +92,18 @@ class PrivateTraining:
     def prepare_train(self, train):
         """The training split as this mode trains on it (unchanged)."""
         return train
+
+    def start(self, plan, *, workdir, chief):
+        """Before the first step: a study run enters the study's ledger at its planned steps.
+
+        So a run that is stopped, or crashes, after its first step is still in
+        the study's epsilon (its checkpoints and evaluations are functions of
+        the private data); at the end, `report` writes the same line again.
+        The chief only; no-op without `study_dir`.
+        """
+        if self.privacy.study_dir and chief:
+            _record_in_study(self.privacy.study_dir, workdir, plan,
+                             sampling_seed=self.privacy.sampling_seed)
 
     def check_resume(self, latest, plan):
         """`(steps, saved_config)` of checkpoint `latest`, refused if not of this mechanism."""
@@ -237,6 +250,9 @@ class NonPrivateTraining:
     def prepare_train(self, train):
         return train
 
+    def start(self, plan, *, workdir, chief):
+        del plan, workdir, chief  # no study: plan() refuses study_dir without privacy
+
     def check_resume(self, latest, plan):
         return callbacks_lib.check_non_private_ledger(latest, plan.num_steps)
 
@@ -296,10 +312,21 @@ def privacy_settings_given():
     return dict(bound)
 
 
+def study_run_name(workdir):
+    """A run's name in its study's ledger: its workdir's real path (or its URL).
+
+    One name per workdir, so that a rerun or resume replaces its own line and
+    two runs never share one: with the workdir's last folder name, `a/run1`
+    and `b/run1` of one study were one line, and the study's epsilon counted
+    one of them.
+    """
+    return workdir if storage.is_url(workdir) else os.path.realpath(workdir)
+
+
 def _record_in_study(study_dir, workdir, mechanism, *, sampling_seed):
     """Appends this run's mechanism to the study ledger; returns the study's epsilon."""
     accounting.append_run(
-        study_dir, run_name=os.path.basename(os.path.normpath(workdir)),
+        study_dir, run_name=study_run_name(workdir),
         mechanism=mechanism, sampling_seed=sampling_seed)
     epsilon, runs = accounting.study_epsilon(study_dir, delta=mechanism.delta,
                                              accountant=mechanism.accountant)
