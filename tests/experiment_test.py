@@ -288,3 +288,41 @@ def test_a_model_narrower_than_the_classes_is_refused_before_training(tmp_path, 
 def test_binding_what_the_trainer_sets_is_refused_not_ignored(tmp_path, run_smoke):
     with pytest.raises(ValueError, match="num_classes is bound in the gin config"):
         run_smoke(tmp_path, ["fashion_mnist.gin"], ["tfdp.models.build_tramer_cnn.num_classes = 5"])
+
+
+def _study_mechanism(batch_size=16):
+    from tfdp import accounting  # pylint: disable=g-import-not-at-top
+
+    return accounting.DPMechanism(num_examples=64, batch_size=batch_size, num_steps=2,
+                                  noise_multiplier=1.0, l2_clip_norm=0.1, delta=1e-5)
+
+
+def test_a_fresh_run_in_a_workdir_the_study_counts_already_is_refused(tmp_path):
+    # The workdir of an earlier run was removed and the name used again: replacing that
+    # run's line would forget its privacy. A resume of the same workdir replaces its own line.
+    from tfdp import modes  # pylint: disable=g-import-not-at-top
+
+    study, workdir = tmp_path / "study", tmp_path / "trial"
+    modes._record_in_study(study, workdir, _study_mechanism(), sampling_seed=None, fresh=True)
+    ledger = (study / "ledger.jsonl").read_text()
+    with pytest.raises(ValueError, match="already counts a run in .*trial.*new workdir"):
+        modes._record_in_study(study, workdir, _study_mechanism(), sampling_seed=None,
+                               fresh=True)
+    assert (study / "ledger.jsonl").read_text() == ledger
+    modes._record_in_study(study, workdir, _study_mechanism(), sampling_seed=None, fresh=False)
+    assert len(_study_runs(study)) == 1
+
+
+def test_a_run_the_study_cannot_compose_leaves_the_ledger_as_it_was(tmp_path):
+    # Two runs with one fixed sampling seed and other batch sizes cannot be composed: the
+    # refused run's line must not stay behind, or every later run of the study would fail.
+    from tfdp import modes  # pylint: disable=g-import-not-at-top
+
+    study = tmp_path / "study"
+    modes._record_in_study(study, tmp_path / "a", _study_mechanism(), sampling_seed=7)
+    before = (study / "ledger.jsonl").read_text()
+    with pytest.raises(ValueError, match="share a fixed sampling seed"):
+        modes._record_in_study(study, tmp_path / "b", _study_mechanism(8), sampling_seed=7)
+    assert (study / "ledger.jsonl").read_text() == before
+    modes._record_in_study(study, tmp_path / "c", _study_mechanism(8), sampling_seed=None)
+    assert len(_study_runs(study)) == 2

@@ -91,7 +91,8 @@ def train_and_evaluate(workdir, *, model_fn=gin.REQUIRED, privacy="dp", audit=No
                   data_fingerprint=fingerprints) as run:
         if run.finished_report is not None:
             return run.finished_report
-        mode.start(plan, workdir=run.workdir, chief=run.chief)
+        mode.start(plan, workdir=run.workdir, chief=run.chief,
+                   resuming=run.latest is not None)
         built = _build(config, mode, plan, run, strategy, model_fn, train, test, fingerprints)
         manager, start_step = run.restore(built.dp_model, built.ledger)
         _fit(config, mode, plan, run, strategy, built, manager, start_step)

@@ -93,17 +93,23 @@ class PrivateTraining:
         """The training split as this mode trains on it (unchanged)."""
         return train
 
-    def start(self, plan, *, workdir, chief):
+    def start(self, plan, *, workdir, chief, resuming):
         """Before the first step: a study run enters the study's ledger at its planned steps.
 
         So a run that is stopped, or crashes, after its first step is still in
         the study's epsilon (its checkpoints and evaluations are functions of
         the private data); at the end, `report` writes the same line again.
         The chief only; no-op without `study_dir`.
+
+        Raises:
+          ValueError: a fresh run (not `resuming`) whose workdir already has a
+            line in the study (an earlier run there, since removed: its line
+            is kept, and this run is refused), or a study that this run's
+            record cannot be composed with (the ledger is left as it was).
         """
         if self.privacy.study_dir and chief:
             _record_in_study(self.privacy.study_dir, workdir, plan,
-                             sampling_seed=self.privacy.sampling_seed)
+                             sampling_seed=self.privacy.sampling_seed, fresh=not resuming)
 
     def check_resume(self, latest, plan):
         """`(steps, saved_config)` of checkpoint `latest`, refused if not of this mechanism."""
@@ -250,8 +256,8 @@ class NonPrivateTraining:
     def prepare_train(self, train):
         return train
 
-    def start(self, plan, *, workdir, chief):
-        del plan, workdir, chief  # no study: plan() refuses study_dir without privacy
+    def start(self, plan, *, workdir, chief, resuming):
+        del plan, workdir, chief, resuming  # no study: plan() refuses study_dir without privacy
 
     def check_resume(self, latest, plan):
         return callbacks_lib.check_non_private_ledger(latest, plan.num_steps)
@@ -323,12 +329,33 @@ def study_run_name(workdir):
     return workdir if storage.is_url(workdir) else os.path.realpath(workdir)
 
 
-def _record_in_study(study_dir, workdir, mechanism, *, sampling_seed):
-    """Appends this run's mechanism to the study ledger; returns the study's epsilon."""
-    accounting.append_run(
-        study_dir, run_name=study_run_name(workdir),
-        mechanism=mechanism, sampling_seed=sampling_seed)
-    epsilon, runs = accounting.study_epsilon(study_dir, delta=mechanism.delta,
-                                             accountant=mechanism.accountant)
+def _record_in_study(study_dir, workdir, mechanism, *, sampling_seed, fresh=False):
+    """Records this run's mechanism in the study ledger; returns the study's epsilon.
+
+    A `fresh` run is refused if its name is in the ledger already (replacing
+    that line would forget an earlier run's privacy). If the study's epsilon
+    cannot be computed with this run's line (runs sharing a fixed sampling
+    seed with other batch sizes), the ledger is put back as it was.
+    """
+    name = study_run_name(workdir)
+    path = accounting.ledger.ledger_path(study_dir)
+    before = storage.read_text(path) if os.path.exists(path) else None
+    if fresh and before is not None and any(
+            record["run"] == name for record in accounting.read_runs(study_dir)):
+        raise ValueError(
+            f"The study {study_dir} already counts a run in {name}: an earlier run in this "
+            "workdir, since removed. Its privacy stays spent, and this run would replace its "
+            "line in the study. Give this run a new workdir.")
+    accounting.append_run(study_dir, run_name=name, mechanism=mechanism,
+                          sampling_seed=sampling_seed)
+    try:
+        epsilon, runs = accounting.study_epsilon(study_dir, delta=mechanism.delta,
+                                                 accountant=mechanism.accountant)
+    except ValueError:
+        if before is None:
+            os.remove(path)
+        else:
+            storage.write_whole(path, before)
+        raise
     return {"dir": str(study_dir), "epsilon": epsilon, "delta": mechanism.delta,
             "runs": {name: eps for name, eps in runs}}
