@@ -61,3 +61,16 @@ def test_weight_decay_is_in_the_serialized_config():
 def test_settings_that_would_be_ignored_are_refused(kwargs, match):
     with pytest.raises(ValueError, match=match):
         optimizers.build_optimizer(learning_rate=0.1, **kwargs)
+
+
+@pytest.mark.parametrize("name", optimizers.OPTIMIZERS)
+def test_an_integer_learning_rate_is_a_learning_rate(name):
+    # `--gin_param=LEARNING_RATE=1` binds the int 1, which Keras refused with a traceback.
+    opt = optimizers.build_optimizer(name, learning_rate=2)
+    assert float(opt.learning_rate) == 2.0
+
+
+@pytest.mark.parametrize("learning_rate", [0, -0.1, float("nan"), "0.1", True, None])
+def test_a_learning_rate_that_is_not_a_positive_number_is_refused(learning_rate):
+    with pytest.raises(ValueError, match="learning_rate must be a positive number"):
+        optimizers.build_optimizer("momentum", learning_rate=learning_rate)
