@@ -1,5 +1,6 @@
 """End to end under smoke.gin on mock data: every workdir output is written."""
 
+import dataclasses
 import glob
 import json
 import os
@@ -141,19 +142,6 @@ def _study_runs(study):
     return {r["run"]: r["mechanism"] for r in accounting.read_runs(str(study))}
 
 
-def test_two_runs_whose_workdirs_share_a_name_are_two_runs_of_the_study(tmp_path, run_smoke):
-    # Keyed by the folder's last name, b/run was one line with a/run: a/run's epsilon was lost.
-    study = tmp_path / "study"
-    for parent, sigma in (("a", 1.0), ("b", 2.0)):
-        report = run_smoke(tmp_path / parent / "run", ["fashion_mnist.gin"], [
-            "TARGET_EPSILON = None", f"NOISE_MULTIPLIER = {sigma}",
-            f"tfdp.PrivacyConfig.study_dir = '{study}'"])
-    runs = _study_runs(study)
-    assert {path: m.noise_multiplier for path, m in runs.items()} == {
-        str(tmp_path / "a" / "run"): 1.0, str(tmp_path / "b" / "run"): 2.0}
-    assert report["study"]["epsilon"] > report["epsilon"]
-
-
 def test_a_study_run_that_stops_after_starting_is_in_the_study(tmp_path, run_smoke, monkeypatch):
     # Its checkpoints and evaluations are functions of the private data: the study counts it
     # at its planned steps from the start, not only once it has finished.
@@ -167,6 +155,8 @@ def test_a_study_run_that_stops_after_starting_is_in_the_study(tmp_path, run_smo
     with pytest.raises(KeyboardInterrupt):
         run_smoke(tmp_path / "stopped", ["fashion_mnist.gin"], [
             f"tfdp.PrivacyConfig.study_dir = '{study}'"])
+    # Named by its workdir's real path, as modes.study_run_name says (unit tests below).
+    assert _study_runs(study).keys() == {os.path.realpath(tmp_path / "stopped")}
     (mechanism,) = _study_runs(study).values()
     assert (mechanism.num_steps, mechanism.batch_size) == (2, 16)
 
@@ -295,6 +285,22 @@ def _study_mechanism(batch_size=16):
 
     return accounting.DPMechanism(num_examples=64, batch_size=batch_size, num_steps=2,
                                   noise_multiplier=1.0, l2_clip_norm=0.1, delta=1e-5)
+
+
+def test_two_runs_whose_workdirs_share_a_name_are_two_runs_of_the_study(tmp_path):
+    # Keyed by the folder's last name, b/run was one line with a/run: a/run's epsilon was lost.
+    from tfdp import modes  # pylint: disable=g-import-not-at-top
+
+    study = tmp_path / "study"
+    for parent, sigma in (("a", 1.0), ("b", 2.0)):
+        mechanism = dataclasses.replace(_study_mechanism(), noise_multiplier=sigma)
+        result = modes._record_in_study(study, tmp_path / parent / "run", mechanism,
+                                        sampling_seed=None, fresh=True)
+    runs = _study_runs(study)
+    assert {path: m.noise_multiplier for path, m in runs.items()} == {
+        str(tmp_path / "a" / "run"): 1.0, str(tmp_path / "b" / "run"): 2.0}
+    assert len(result["runs"]) == 2
+    assert result["epsilon"] > max(result["runs"].values())
 
 
 def test_a_fresh_run_in_a_workdir_the_study_counts_already_is_refused(tmp_path):

@@ -8,9 +8,11 @@ path) on batches split by `tfdp.training.distribute`. It writes the weight
 updates to .npy files that the tests below check. The noise and the
 microbatch-sensitivity scenarios run on both input layouts: whole logical
 batches (`distribute_logical_batches`) and the path the trainer runs,
-accumulation chunks (`distribute_chunks` -> `ChunkedInput`, a = 2).
+accumulation chunks (`distribute_chunks` -> `ChunkedInput`, a = 2). The
+default suite runs R = 1 and 2; R = 4 runs under `-m slow`.
 """
 
+import functools
 import json
 import logging
 import os
@@ -273,33 +275,45 @@ for r in replica_counts:
 '''
 
 
+def _run_replica_script(counts, out):
+    script = out / "replicas.py"
+    script.write_text(_SCRIPT)
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    done = subprocess.run([sys.executable, str(script), str(out), counts], env=env,
+                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+
+
 @pytest.fixture(scope="module")
 def replica_runs(once_per_session):
-    """Runs `_SCRIPT` for R = 1, 2, 4; returns a loader of its .npy files.
+    """A loader of `_SCRIPT`'s .npy files (`name_R`), running the script on first use.
 
-    Two processes, side by side: R = 4 gets its own, because MirroredStrategy's
-    collective group keys clash when strategies over 2 and then 4 of the same
-    devices are created in one process (R = 1 never all-reduces).
+    R = 1 and 2 in one process, R = 4 in another (MirroredStrategy's collective
+    group keys clash when strategies over 2 and then 4 of the same devices are
+    created in one process; R = 1 never all-reduces), each once for both xdist
+    workers. The R = 4 process starts only when an R = 4 test (`-m slow`) asks.
     """
-    # Once per session: pytest-xdist gives the tests of this module to both workers, and
-    # each ran the two processes (75 s a worker on the 2-core host).
-    def run(out):
-        script = out / "replicas.py"
-        script.write_text(_SCRIPT)
-        env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
-        procs = [subprocess.Popen([sys.executable, str(script), str(out), counts], env=env,
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-                 for counts in ("1,2", "4")]
-        for proc in procs:
-            _, stderr = proc.communicate(timeout=600)
-            assert proc.returncode == 0, stderr[-4000:]
+    folders = {}
 
-    out = once_per_session("distribute_replicas", run)
-    return lambda name: np.load(out / f"{name}.npy")
+    def load(name):
+        counts = "4" if name.endswith("_4") else "1,2"
+        if counts not in folders:
+            folders[counts] = once_per_session(f"distribute_replicas_{counts}",
+                                               functools.partial(_run_replica_script, counts))
+        return np.load(folders[counts] / f"{name}.npy")
+
+    return load
+
+
+# The default suite runs R = 1 and 2; R = 4 (its own process: 20 s of the 2 cores, beside the
+# other xdist worker and the R = 1, 2 process) runs under -m slow. R = 2 already splits every
+# logical batch, chunk and microbatch over replicas: R = 4 checks the same arithmetic.
+REPLICA_PARAMS = [pytest.param(r, marks=[pytest.mark.slow] if r == 4 else []) for r in REPLICAS]
 
 
 @pytest.mark.parametrize("layout", ["batches", "chunks"])
-@pytest.mark.parametrize("replicas", REPLICAS)
+@pytest.mark.parametrize("replicas", REPLICA_PARAMS)
 def test_summed_noise_has_std_sigma_c_over_b_for_every_replica_count(replica_runs, replicas,
                                                                    layout):
     # Zero gradients (all-zero mask), SGD at lr 1: the update is -(sum of the R
@@ -314,7 +328,7 @@ def test_summed_noise_has_std_sigma_c_over_b_for_every_replica_count(replica_run
         assert stats.kstest(deltas, "norm", args=(0, wrong)).pvalue < 1e-6
 
 
-@pytest.mark.parametrize("replicas", REPLICAS[1:])
+@pytest.mark.parametrize("replicas", REPLICA_PARAMS[1:])
 def test_without_noise_replicas_give_the_single_replica_update(replica_runs, replicas):
     # 4 updates on batches of 7, 3, 0 and 5 examples, accumulation_steps = 2.
     np.testing.assert_allclose(replica_runs(f"update_{replicas}"), replica_runs("update_1"),
@@ -347,7 +361,7 @@ def test_masked_padding_contributes_nothing():
 
 
 @pytest.mark.parametrize("layout", ["batches", "chunks"])
-@pytest.mark.parametrize("replicas", REPLICAS)
+@pytest.mark.parametrize("replicas", REPLICA_PARAMS)
 def test_microbatched_sensitivity_is_2c_across_replicas(replica_runs, replicas, layout):
     # Adjacent batches built by hand (tests/training/dp_model_test.py has the same with
     # 1, 2 and 4 accumulation chunks of one batch): adding one example moves the others
@@ -361,7 +375,7 @@ def test_microbatched_sensitivity_is_2c_across_replicas(replica_runs, replicas, 
     assert deltas.max() >= 2.0 * clipped_to - 3e-6
 
 
-@pytest.mark.parametrize("replicas", REPLICAS[1:])
+@pytest.mark.parametrize("replicas", REPLICA_PARAMS[1:])
 def test_ema_copies_stay_identical_and_equal_the_single_replica_ema(replica_runs, replicas):
     copies = replica_runs(f"ema_{replicas}")  # [replicas, num_ema_values]
     assert copies.shape[0] == replicas
