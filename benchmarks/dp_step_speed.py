@@ -82,6 +82,8 @@ MODELS = {
                        (7, 7, 81)),
     "scatternet_gnws_cnn": (lambda: models.build_scatternet_gnws_cnn((7, 7, 81), 10),
                             (7, 7, 81)),
+    "scatternet_gnws_cnn_w64": (
+        lambda: models.build_scatternet_gnws_cnn((7, 7, 81), 10, width=64), (7, 7, 81)),
 }
 VARIANTS = ("plain", "ghost", "vectorized")
 XLA = "+xla"  # variant suffix: that variant's step compiled with XLA

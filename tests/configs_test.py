@@ -46,6 +46,7 @@ PUBLISHED_EPSILON = {
     "fashion_mnist_scatternet_cnn.gin": 3.0,
     "fashion_mnist_recipe.gin": 3.0,
     "fashion_mnist_recipe_cnn.gin": 3.0,
+    "fashion_mnist_best.gin": 3.0,
     "cifar10_scatternet_linear.gin": 3.0,
     "cifar10_scatternet_cnn.gin": 3.0,
     "cifar10_tramer_cnn.gin": 3.0,
@@ -217,8 +218,11 @@ def _smoke_param(config):
     # fashion_mnist_scatternet_linear.gin (15-45 s): fashion_mnist_recipe.gin includes it and
     # only adds settings (normalize_update, accumulation, EMA) and another learning rate, so
     # the recipe's default-suite run reads every binding of it, on the same features and model.
+    # fashion_mnist_best.gin (GN-WS head on ScatterNet features): its builder's tests are in
+    # tests/models/scatternet_models_test.py; the recipe's settings run in the recipe's run.
     if config in ("fashion_mnist_scatternet_cnn.gin", "cifar10_scatternet_cnn.gin",
-                  "cifar10_scatternet_linear.gin", "fashion_mnist_scatternet_linear.gin"):
+                  "cifar10_scatternet_linear.gin", "fashion_mnist_scatternet_linear.gin",
+                  "fashion_mnist_best.gin"):
         return _param(config, pytest.mark.slow)
     return _param(config)
 

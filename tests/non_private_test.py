@@ -170,6 +170,7 @@ def test_the_report_of_a_whole_split_has_no_slice_sentence():
     "fashion_mnist_recipe_cnn.gin",  # augmult views, EMA, AugTest
     pytest.param("fashion_mnist_scatternet_cnn.gin", marks=pytest.mark.slow),
     pytest.param("fashion_mnist_scatternet_linear.gin", marks=pytest.mark.slow),
+    pytest.param("fashion_mnist_best.gin", marks=pytest.mark.slow),
     "fashion_mnist_public_pretrain.gin",
 ])
 def test_every_fashion_mnist_config_runs_without_privacy(tmp_path, run_smoke, config):
