@@ -60,3 +60,4 @@ run recipe fashion_mnist_recipe.gin
 run recipe_cnn fashion_mnist_recipe_cnn.gin
 run scatternet_cnn fashion_mnist_scatternet_cnn.gin
 run scatternet_linear fashion_mnist_scatternet_linear.gin
+run best fashion_mnist_best.gin
