@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 38's search for the best private Fashion-MNIST model, tuned honestly:
+# The search for the best private Fashion-MNIST model (issue 38), tuned honestly:
 #   * every run trains on train[:50000] and is scored on train[50000:] (the validation
 #     split); the test set is never read here;
 #   * every run is a TAN simulation (Sander et al. 2023, Sec. 3.4) of one reference
