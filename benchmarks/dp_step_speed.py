@@ -77,7 +77,8 @@ MODELS = {
     # WRN-16-4 with GroupNorm and weight standardization, 2.75M parameters.
     "wrn16_4": (lambda: models.build_wide_resnet(16, 4, 10), (32, 32, 3)),
     # Heads on Fashion-MNIST's 7x7x81 ScatterNet features: Tramer & Boneh's CNN (33,066
-    # parameters) and the GN-WS head of fashion_mnist_best.gin (261,770 at width 128).
+    # parameters) and the GN-WS head at width 128 (261,770) and at fashion_mnist_best.gin's
+    # width 64 (94,026).
     "scatternet_cnn": (lambda: models.build_scatternet_cnn((7, 7, 81), 10, groups=27),
                        (7, 7, 81)),
     "scatternet_gnws_cnn": (lambda: models.build_scatternet_gnws_cnn((7, 7, 81), 10),

@@ -16,7 +16,7 @@ run main --gin_file=fashion_mnist.gin
 # Issue 4: ScatterNet models (Tramer & Boneh Table 13 settings).
 run scatternet_linear --gin_file=fashion_mnist_scatternet_linear.gin
 run scatternet_cnn --gin_file=fashion_mnist_scatternet_cnn.gin
-# Issue 3: the recipe on ScatterNet + linear (the best config), then the ablation on the CNN:
+# Issue 3: the recipe on ScatterNet + linear, then the ablation on the CNN:
 # augmult K x EMA (both evaluated in every run), 4 accumulation chunks.
 run recipe --gin_file=fashion_mnist_recipe.gin
 # One more seed of the recipe and of its no-recipe twin, for their run-to-run noise.

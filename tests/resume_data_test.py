@@ -102,9 +102,11 @@ def test_a_checkpoint_without_a_data_record_is_not_resumed(stopped, dirs, run_sm
                   [*PARAMS, _data_dir(dirs['original']), "NUM_STEPS = 4"], mock=False)
 
 
-# Two CLI processes (14 s in the suite): under -m slow. The default suite checks the same
-# refusal in process (test_a_resume_on_other_labels_is_refused_naming_the_split), and
-# tests/main_test.py that a CLI error exits 2 in one line without a traceback.
+# Two CLI processes (14 s in the suite): under -m slow. The default suite checks the refusal
+# in process with the data_dir binding switched (test_a_resume_on_other_labels_is_refused_
+# naming_the_split), not $TFDS_DATA_DIR (read once per process by TFDS): the fingerprint is
+# of the files' contents, whichever way their folder was named. tests/main_test.py checks that
+# a CLI error exits 2 in one line without a traceback.
 @pytest.mark.slow
 def test_switching_tfds_data_dir_is_refused_through_the_cli(dirs, tmp_path):
     # Before: no binding changed, so nothing was even logged.

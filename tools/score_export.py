@@ -4,8 +4,8 @@
 The accuracy a user of the export gets: the SavedModel is loaded with
 `tf.saved_model.load` (not Keras), its `serve` signature gets the split's uint8
 images, and the argmax of its logits is compared with the labels. This is how
-`benchmarks/fashion_mnist.sh` scores the final runs of fashion_mnist_best.gin
-on Fashion-MNIST's 10,000 test images, once each.
+the final runs of fashion_mnist_best.gin (`benchmarks/fashion_mnist.sh`) are
+scored on Fashion-MNIST's 10,000 test images.
 
     python tools/score_export.py WORKDIR/export --dataset fashion_mnist --split test
     python tools/score_export.py WORKDIR/export --dataset fashion_mnist --split test --json

@@ -1,10 +1,10 @@
 """DP-SGD under tf.distribute: exact noise, replica invariance, masking, EMA, strategies.
 
 Logical CPU devices must be configured before TensorFlow initializes, so the
-multi-replica scenarios run ONCE in a subprocess (`_SCRIPT`) that splits the
+multi-replica scenarios run once per session in subprocesses (`_SCRIPT`) that split the
 CPU into 4 logical devices and, for R = 1, 2 and 4 replicas of a
-`MirroredStrategy`, trains a DPModel through `fit` (Keras' own distribution
-path) on batches split by `tfdp.training.distribute`. It writes the weight
+`MirroredStrategy`, train a DPModel through `fit` (Keras' own distribution
+path) on batches split by `tfdp.training.distribute`. They write the weight
 updates to .npy files that the tests below check. The noise and the
 microbatch-sensitivity scenarios run on both input layouts: whole logical
 batches (`distribute_logical_batches`) and the path the trainer runs,
@@ -299,8 +299,14 @@ def replica_runs(once_per_session):
     def load(name):
         counts = "4" if name.endswith("_4") else "1,2"
         if counts not in folders:
-            folders[counts] = once_per_session(f"distribute_replicas_{counts}",
-                                               functools.partial(_run_replica_script, counts))
+            try:
+                folders[counts] = once_per_session(
+                    f"distribute_replicas_{counts}",
+                    functools.partial(_run_replica_script, counts))
+            except (AssertionError, subprocess.TimeoutExpired) as failed:
+                folders[counts] = failed  # the next tests fail at once, not after another run
+        if isinstance(folders[counts], Exception):
+            raise folders[counts]
         return np.load(folders[counts] / f"{name}.npy")
 
     return load

@@ -70,7 +70,8 @@ def test_an_integer_learning_rate_is_a_learning_rate(name):
     assert float(opt.learning_rate) == 2.0
 
 
-@pytest.mark.parametrize("learning_rate", [0, -0.1, float("nan"), "0.1", True, None])
+@pytest.mark.parametrize("learning_rate",
+                         [0, -0.1, float("nan"), float("inf"), "0.1", True, None])
 def test_a_learning_rate_that_is_not_a_positive_number_is_refused(learning_rate):
-    with pytest.raises(ValueError, match="learning_rate must be a positive number"):
+    with pytest.raises(ValueError, match="learning_rate must be a positive, finite number"):
         optimizers.build_optimizer("momentum", learning_rate=learning_rate)

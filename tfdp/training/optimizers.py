@@ -5,6 +5,7 @@ Every optimizer here only ever sees the noisy, clipped gradient that
 costs no privacy (Abadi et al. 2016; De et al. 2022, App. C.3).
 """
 
+import math
 import numbers
 
 import gin
@@ -49,15 +50,17 @@ def build_optimizer(name="sgd", *, learning_rate=gin.REQUIRED, momentum=0.9,
 
     Raises:
       ValueError: for an unknown name (the message lists OPTIMIZERS), a
-        learning_rate that is not a positive number, a negative weight_decay, or a weight_decay that `name` would not apply.
+        learning_rate that is not a positive, finite number, a negative weight_decay, or a weight_decay that `name` would not apply.
         (`READS` lists the arguments each name reads; from gin, a bound
         argument that `name` does not read is refused before the run,
         `tfdp.main`.)
     """
     if (isinstance(learning_rate, bool) or not isinstance(learning_rate, numbers.Real)
-            or not learning_rate > 0):
-        raise ValueError(f"learning_rate must be a positive number, got {learning_rate!r}.")
-    learning_rate = float(learning_rate)  # Keras refuses an int: LEARNING_RATE=1 from the CLI
+            or not 0 < learning_rate < math.inf):
+        raise ValueError(
+            f"learning_rate must be a positive, finite number, got {learning_rate!r}.")
+    # Keras refuses an int, which `--gin_param=LEARNING_RATE=1` binds.
+    learning_rate = float(learning_rate)
     if not weight_decay >= 0:
         raise ValueError(f"weight_decay must be >= 0, got {weight_decay!r}.")
     if name in ("sgd", "momentum"):
