@@ -11,6 +11,7 @@
 #
 #   bash benchmarks/fashion_mnist_search.sh OUT_DIR [NAME ...]   # all runs, or the named
 #   K=4 bash benchmarks/fashion_mnist_search.sh OUT_DIR ...      # another simulation factor
+#   K=1 bash benchmarks/fashion_mnist_search.sh OUT_DIR ...      # the reference itself
 #   python benchmarks/summarize.py OUT_DIR                       # the table
 #
 # Needs the prepared dataset (python tools/prepare_fashion_mnist.py). What each run writes,
@@ -26,10 +27,18 @@ N=50000 REFERENCE_BATCH=8192 STEPS=250
 sigma=$(python "$here/../tools/privacy.py" calibrate --num_examples $N \
   --batch_size $REFERENCE_BATCH --steps $STEPS --delta 1e-5 --target_epsilon 3 --json |
   tail -n 1 | python -c "import json, sys; print(json.load(sys.stdin)['noise_multiplier'])")
-mapfile -t simulation < <(python "$here/../tools/privacy.py" simulate --num_examples $N \
-  --reference_batch_size $REFERENCE_BATCH --reference_noise_multiplier "$sigma" \
-  --steps $STEPS --batch_size $((REFERENCE_BATCH / K)) --delta 1e-5 --json | tail -n 1 |
-  python -c "import json, sys; print('\n'.join(json.load(sys.stdin)['gin_params']))")
+if [ "$K" = 1 ]; then
+  # K = 1: the reference itself, at full compute (how well the K > 1 runs predicted it).
+  simulation=(--gin_param=BATCH_SIZE=$REFERENCE_BATCH --gin_param=NOISE_MULTIPLIER="$sigma"
+              --gin_param=TARGET_EPSILON=None)
+else
+  # A command substitution, not `< <(...)`: set -e stops the script if simulate fails.
+  params=$(python "$here/../tools/privacy.py" simulate --num_examples $N \
+    --reference_batch_size $REFERENCE_BATCH --reference_noise_multiplier "$sigma" \
+    --steps $STEPS --batch_size $((REFERENCE_BATCH / K)) --delta 1e-5 --json | tail -n 1 |
+    python -c "import json, sys; print('\n'.join(json.load(sys.stdin)['gin_params']))")
+  mapfile -t simulation <<< "$params"
+fi
 search=(
   --gin_param=NUM_EXAMPLES=$N
   "--gin_param=tfdp.DataConfig.train_split='train[:$N]'"
