@@ -39,13 +39,13 @@ else
     python -c "import json, sys; print('\n'.join(json.load(sys.stdin)['gin_params']))")
   mapfile -t simulation <<< "$params"
 fi
-search=(
+validation=(
   --gin_param=NUM_EXAMPLES=$N
   "--gin_param=tfdp.DataConfig.train_split='train[:$N]'"
   "--gin_param=tfdp.DataConfig.test_split='train[$N:]'"
   "--gin_param=tfdp.PrivacyConfig.study_dir='$out/study'"
-  "${simulation[@]}"
 )
+search=("${validation[@]}" "${simulation[@]}")
 gnws=--gin_file=$here/fashion_mnist_search/scatternet_gnws_cnn.gin
 
 # The baseline: Tramer & Boneh's ScatterNet + linear with the recipe (fashion_mnist_recipe.gin,
@@ -59,4 +59,28 @@ done
 # (1,127 examples/s against 2,670 at width 64: benchmarks/dp_step_speed.py, BUILD.md).
 for lr in 0.25 0.5 1 2; do
   run k${K}_gnws_w64_lr$lr "$gnws" --gin_param=LEARNING_RATE=$lr --gin_param=WIDTH=64 "${search[@]}"
+done
+
+# The ablation (BUILD.md): each element of the chosen config (width 64, lr 0.5) removed in
+# turn, 2 seeds each (tfdp.RuntimeConfig.seed: initialization; the batches and the noise are
+# secret coins in every run). Without EMA: the same runs' last parameters. Seed 0 of the
+# chosen config and of linear is k${K}_gnws_w64_lr0.5 and k${K}_linear, above.
+best=("$gnws" --gin_param=LEARNING_RATE=0.5 --gin_param=WIDTH=64)
+run k${K}_linear_seed1 --gin_file=fashion_mnist_recipe.gin "${search[@]}" \
+  --gin_param=tfdp.RuntimeConfig.seed=1
+run k${K}_gnws_w64_lr0.5_seed1 "${best[@]}" "${search[@]}" --gin_param=tfdp.RuntimeConfig.seed=1
+for seed in 0 1; do
+  # T&B's GroupNorm of the ScatterNet features (App. C.3), off.
+  run k${K}_ablate_feature_gn_seed$seed "${best[@]}" "${search[@]}" \
+    --gin_param=tfdp.models.build_scatternet_gnws_cnn.groups=None \
+    --gin_param=tfdp.RuntimeConfig.seed=$seed
+  # TAN's ReLU-then-GroupNorm order (Sec. 4.4), replaced by De et al.'s GroupNorm-then-ReLU.
+  run k${K}_ablate_relu_gn_seed$seed "${best[@]}" "${search[@]}" \
+    --gin_param=tfdp.models.build_scatternet_gnws_cnn.norm_order="'conv_gn_relu'" \
+    --gin_param=tfdp.RuntimeConfig.seed=$seed
+  # The large batch (De et al. Sec. 3.3): B = 8192 / K itself at epsilon = 3 (not a
+  # simulation), the same compute as the simulations.
+  [ "$K" = 1 ] || run b$((REFERENCE_BATCH / K))_ablate_large_batch_seed$seed "${best[@]}" \
+    "${validation[@]}" --gin_param=BATCH_SIZE=$((REFERENCE_BATCH / K)) \
+    --gin_param=tfdp.RuntimeConfig.seed=$seed
 done
