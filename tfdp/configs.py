@@ -63,8 +63,10 @@ class DataConfig:
         for ImageNet, whose images differ in size), or None.
       features: None (train on pixels) or "scatternet": the fixed ScatterNet
         features (Tramer & Boneh 2021, App. C.1) of every image, computed
-        once and held in memory; `model_fn` builds the head on them and the
-        export composes ScatterNet + head, so it still serves uint8 images.
+        once, held in memory and cached in the workdir until the run finishes
+        (`tfdp.features.cached_features`); `model_fn` builds the head on them
+        and the export composes ScatterNet + head, so it still serves uint8
+        images.
 
     Raises:
       ValueError: a num_examples that is not a positive int, or unknown features.

@@ -135,7 +135,8 @@ def _build(config, mode, plan, run, strategy, model_fn, train, test, fingerprint
             config.data.features, model_fn, train, augmult=aug.augmult,
             augmentation=aug.augmentation)
     train, test, head_kwargs = features_lib.cached_features(
-        train, test, extractor, plan.data_normalization, run.workdir)
+        train, test, extractor, plan.data_normalization, run.workdir,
+        fingerprints=fingerprints, write_cache=run.chief)
     with strategy.scope():
         if extractor is not None:
             # The head on features: the fine-tuning model's own, or model_fn's (ScatterNet).
@@ -201,5 +202,7 @@ def _finish(config, mode, plan, run, built):
     if built.backbone is not None:  # outside this run's guarantee: the report says whence
         report["backbone"] = built.backbone
     run.finish(report, built.dp_model, built.export_model, image_shape=built.image_shape)
+    if run.chief:  # features of private examples: kept no longer than the run needs them
+        features_lib.remove_feature_cache(run.workdir)
     mode.say_done(report, run.export_dir)
     return report

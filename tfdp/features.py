@@ -3,22 +3,28 @@
 A frozen public feature extractor (ScatterNet, Tramer & Boneh 2021, App.
 C.1; or a fine-tuning model's frozen trunk, De et al. 2022, Table 20)
 computes every image's features once; the head trains on them, and the
-export composes the two. The private data normalization of ScatterNet
+export composes the two. The features of the private data are private state
+of the run: cached in its workdir until it finishes, checked against the
+data and the extractor before a resume reuses them, never exported. The
+private data normalization of ScatterNet
 features (Tramer & Boneh 2021, App. B) is released once per workdir. A
 pretrained backbone is checked against the run's private data.
 """
 
 import dataclasses
+import hashlib
 import json
 import os
 
 import gin
 import numpy as np
+import tensorflow as tf
 from absl import logging
 
 from tfdp import data
 from tfdp import models
 from tfdp import storage
+from tfdp.data import fingerprint
 
 DATA_NORMALIZATION_FILE = "data_normalization.json"
 
@@ -188,15 +194,21 @@ def _backbone_not_comparable(backbone, train):
     return None
 
 
-def cached_features(train, test, extractor, data_normalization, workdir):
+def cached_features(train, test, extractor, data_normalization, workdir, *,
+                    fingerprints=None, write_cache=True):
     """Replaces pixels by cached features, privately normalized if asked.
 
-    The features of every image are computed once by the frozen extractor
-    and held in memory (`tfdp.data.ArraySource`): fine for the small
-    datasets the ScatterNet and fine-tuning configs use (Fashion-MNIST,
-    CIFAR-10: about 1 GB of float32 ScatterNet features, far less for a
-    backbone's pooled features), not meant for ImageNet. Without an
-    extractor, the splits stay on disk.
+    The features of every image are computed once by the frozen extractor,
+    held in memory (`tfdp.data.ArraySource`) and kept in the workdir's
+    feature cache (`FEATURE_CACHE_DIR`, see `read_feature_cache`), which a
+    resumed or rerun run reads instead of computing them again: fine for the
+    small datasets the ScatterNet and fine-tuning configs use (Fashion-MNIST:
+    1.1 GB of float32 ScatterNet features; CIFAR-10: about 1 GB; a
+    backbone's pooled features far less), not meant for ImageNet. The cache
+    holds features of private examples: it is part of the run's private
+    state, in the workdir under its lock, never in the export, and removed
+    when the run finishes (`remove_feature_cache`). Without an extractor, the
+    splits stay on disk.
 
     The private mean and variance are released once per run: they are saved,
     with the sigma and bounds they were released under, to
@@ -209,7 +221,12 @@ def cached_features(train, test, extractor, data_normalization, workdir):
       extractor: None or a `tfdp.models.FrozenFeatureExtractor`.
       data_normalization: None, or the mechanism's `DataNormalization`
         (ScatterNet only: the head builder takes the released statistics).
-      workdir: where the release is kept.
+      workdir: where the release and the feature cache are kept.
+      fingerprints: `{"train": ..., "test": ...}`, the splits'
+        `tfdp.data.fingerprint.split_fingerprint`s if already computed (None:
+        computed here); the cache records them.
+      write_cache: False on a worker that is not the chief: it reads a valid
+        cache but writes none.
 
     Returns:
       `(train, test, head_kwargs)`: the sources (`ArraySource`s of float32
@@ -218,8 +235,10 @@ def cached_features(train, test, extractor, data_normalization, workdir):
       builder.
 
     Raises:
-      ValueError: data normalization without ScatterNet features, or a
-        saved release whose settings differ from `data_normalization`.
+      ValueError: data normalization without ScatterNet features, a saved
+        release whose settings differ from `data_normalization`, or a feature
+        cache that does not hold this data's features under this extractor
+        (`read_feature_cache`).
     """
     if data_normalization and (extractor is None or extractor.head is not None):
         raise ValueError("data_normalization needs features='scatternet'.")
@@ -237,20 +256,30 @@ def cached_features(train, test, extractor, data_normalization, workdir):
                 f"{settings}. Reusing it would misstate the privacy cost, and releasing "
                 "another would spend privacy twice in one workdir: restore the original "
                 "settings, or use a new workdir.")
-    logging.info("Computing the features of the %s for %d + %d images once.",
-                 extractor.name, train.num_examples, test.num_examples)
+    splits = {"train": train, "test": test}
+    if fingerprints is None:
+        fingerprints = {role: fingerprint.split_fingerprint(source)
+                        for role, source in splits.items()}
     pure_tf = train.pure_tf  # the features keep the input's sampler (numpy or in-graph)
-    train, test = (data.read_split(source) for source in (train, test))
-    train = train._replace(images=extractor.compute_features(train.images))
-    test = test._replace(images=extractor.compute_features(test.images))
-    sources = data.ArraySource(*train, pure_tf=pure_tf), data.ArraySource(*test, pure_tf=pure_tf)
+    arrays = {role: data.read_split(source) for role, source in splits.items()}
+    computed = read_feature_cache(workdir, extractor, splits, fingerprints,
+                                  arrays["train"].images)
+    if computed is None:
+        logging.info("Computing the features of the %s for %d + %d images once.",
+                     extractor.name, train.num_examples, test.num_examples)
+        computed = {role: extractor.compute_features(split.images)
+                    for role, split in arrays.items()}
+        if write_cache:
+            write_feature_cache(workdir, extractor, fingerprints, computed)
+    train, test = (data.ArraySource(*arrays[role]._replace(images=computed[role]),
+                                    pure_tf=pure_tf) for role in ("train", "test"))
     if not data_normalization:
-        return (*sources, {})
+        return train, test, {}
     if released is None:
         from tfdp.dp import data_normalization as data_norm  # pylint: disable=g-import-not-at-top
 
         mean, variance = data_norm.private_channel_mean_and_var(
-            train.images,
+            computed["train"],
             l2_clip_norm_mean=data_normalization.l2_clip_norm_mean,
             l2_clip_norm_square=data_normalization.l2_clip_norm_square,
             noise_multiplier=data_normalization.noise_multiplier,
@@ -261,5 +290,164 @@ def cached_features(train, test, extractor, data_normalization, workdir):
                     "released_with": dataclasses.asdict(data_normalization)}
         storage.makedirs(workdir)
         storage.write_whole(path, json.dumps(released))
-    return (*sources, {k: np.asarray(released[k], np.float32)
-                       for k in ("feature_mean", "feature_variance")})
+    return train, test, {k: np.asarray(released[k], np.float32)
+                         for k in ("feature_mean", "feature_variance")}
+
+
+# -- The feature cache: private state of the run, in its workdir (issue 38) ----------------
+FEATURE_CACHE_DIR = "feature_cache"
+FEATURE_CACHE_RECORD = "cache.json"  # written last: without it, the cache is not there
+# The extractor is checked by running it again on the first PROBE_EXAMPLES training
+# images and comparing with the cached features, to PROBE_TOLERANCE of their largest
+# magnitude: the same code and weights give the same features (the same batch shape, so
+# the same kernels), another host's vector units differ in the last bits, and another
+# extractor (other weights, another Kymatio) differs far more.
+PROBE_EXAMPLES = 8
+PROBE_TOLERANCE = 1e-4
+
+
+def _array_record(array):
+    array = np.ascontiguousarray(array)
+    return {"shape": list(array.shape), "dtype": array.dtype.str,
+            "sha256": hashlib.sha256(array.data).hexdigest()}
+
+
+def _extractor_versions():
+    """The versions the features may depend on, recorded for the messages (not compared)."""
+    versions = {"tensorflow": tf.__version__}
+    try:
+        import kymatio  # pylint: disable=g-import-not-at-top
+
+        versions["kymatio"] = kymatio.__version__
+    except ImportError:
+        pass
+    return versions
+
+
+def write_feature_cache(workdir, extractor, fingerprints, computed):
+    """Writes `computed` (`{"train": features, "test": features}`) to the workdir's cache.
+
+    Each array is written whole (`tfdp.storage.write_array`), then
+    `cache.json`, which records the extractor's name, the versions, the data's
+    fingerprints and each array's shape, dtype and SHA-256: a cache without
+    it (a kill while writing) is no cache, and is written again. A failed
+    write (a full disk) is logged and the run goes on without a cache: it is
+    an optimization, and the next checkpoint's write reports the disk.
+
+    Args:
+      workdir: the run's workdir (held under its lock by the caller).
+      extractor: the `tfdp.models.FrozenFeatureExtractor` that computed them.
+      fingerprints: `{"train": ..., "test": ...}` split fingerprints.
+      computed: `{"train": np.float32 [N, ...], "test": np.float32 [M, ...]}`.
+    """
+    folder = storage.join(workdir, FEATURE_CACHE_DIR)
+    record = {"extractor": extractor.name, "versions": _extractor_versions(),
+              "data": fingerprints,
+              "arrays": {role: _array_record(array) for role, array in computed.items()}}
+    try:
+        storage.makedirs(folder)
+        for role, array in computed.items():
+            storage.write_array(storage.join(folder, f"{role}.npy"), array)
+        storage.write_whole(storage.join(folder, FEATURE_CACHE_RECORD),
+                            json.dumps(record, indent=1, sort_keys=True))
+    except Exception as e:  # pylint: disable=broad-except  (OSError, tf.errors.OpError)
+        logging.warning("The feature cache %s could not be written (%s); the run goes on "
+                        "without it, and a resume computes the features again.", folder, e)
+        return
+    logging.info("Kept the %s features in %s (private state of this run: never exported, "
+                 "removed when the run finishes).", extractor.name, folder)
+
+
+def read_feature_cache(workdir, extractor, splits, fingerprints, train_images):
+    """The cached features of this run's splits, checked; None when there is no cache.
+
+    A cache is reused only when it holds this data's features under this
+    extractor:
+      - the data: the fingerprints it recorded equal the splits' now
+        (`tfdp.data.fingerprint.compare`, as a resume's check);
+      - the arrays: each one's shape, dtype and SHA-256 equal what
+        `cache.json` recorded (a truncated or edited file);
+      - the extractor: run again on the first `PROBE_EXAMPLES` training
+        images, it gives the cached features to `PROBE_TOLERANCE`.
+    A cache that fails a check is refused, never replaced: this run did not
+    write it.
+
+    Args:
+      workdir: the run's workdir.
+      extractor: this run's `tfdp.models.FrozenFeatureExtractor`.
+      splits: `{"train": source, "test": source}`, the opened splits.
+      fingerprints: their fingerprints now.
+      train_images: the training split's images (uint8 [N, H, W, C]).
+
+    Returns:
+      `{"train": np.float32 [N, ...], "test": np.float32 [M, ...]}`, or None.
+
+    Raises:
+      ValueError: a cache of other data, a corrupt one, or one computed by
+        another extractor; the message says what to do.
+    """
+    folder = storage.join(workdir, FEATURE_CACHE_DIR)
+    record_path = storage.join(folder, FEATURE_CACHE_RECORD)
+    if not storage.exists(record_path):
+        return None
+    fix = (f"Delete {folder} to compute the features again (the run's checkpoints and "
+           "privacy ledger are kept; the extractor is public, so this spends no privacy), "
+           "or use a new workdir.")
+    record = json.loads(storage.read_text(record_path))
+    changed = fingerprint.compare(record.get("data", {}), splits, current=fingerprints)
+    if changed:
+        raise ValueError(
+            f"The feature cache {folder} holds the features of other data than this run "
+            f"reads: {'; '.join(changed)}. Use the data it was computed from (the same "
+            f"data_dir and splits), or a new workdir.")
+    computed = {}
+    for role, expected in record.get("arrays", {}).items():
+        try:
+            array = storage.read_array(storage.join(folder, f"{role}.npy"))
+        except (OSError, ValueError, EOFError, tf.errors.OpError) as e:
+            raise ValueError(f"The feature cache {folder}: {role}.npy cannot be read ({e}). "
+                             f"{fix}") from None
+        if _array_record(array) != expected:
+            raise ValueError(
+                f"The feature cache {folder}: {role}.npy is not what {FEATURE_CACHE_RECORD} "
+                f"recorded (shape {list(array.shape)}, dtype {array.dtype.str}, "
+                f"expected {expected.get('shape')}, {expected.get('dtype')} and its SHA-256): "
+                f"it was truncated or changed. {fix}")
+        computed[role] = array
+    if sorted(computed) != ["test", "train"]:
+        raise ValueError(f"The feature cache {folder} records {sorted(computed)}, not the "
+                         f"train and test features. {fix}")
+    probe = np.asarray(extractor.compute_features(train_images[:PROBE_EXAMPLES]), np.float32)
+    cached = computed["train"][:PROBE_EXAMPLES]
+    scale = float(np.max(np.abs(cached), initial=0.0))
+    difference = (float(np.max(np.abs(probe - cached), initial=0.0))
+                  if probe.shape == cached.shape else float("inf"))
+    if extractor.name != record.get("extractor") or not difference <= PROBE_TOLERANCE * scale:
+        raise ValueError(
+            f"The feature cache {folder} was computed by another extractor than this run's "
+            f"{extractor.name}: {record.get('extractor')!r} with {record.get('versions')}; "
+            f"now {_extractor_versions()}, and its features of the first "
+            f"{PROBE_EXAMPLES} training images differ by up to {difference:.3g} (tolerance "
+            f"{PROBE_TOLERANCE:g} x {scale:.3g}). The run's steps so far trained on the "
+            f"cached features. Restore the extractor they were computed with; or: {fix}")
+    logging.info("Read the %s features of %d + %d images from the feature cache %s.",
+                 extractor.name, len(computed["train"]), len(computed["test"]), folder)
+    return computed
+
+
+def remove_feature_cache(workdir):
+    """Removes the workdir's feature cache, once the run is finished (a rerun does not read it).
+
+    Features of private examples are kept no longer than the run needs them.
+    Only tfdp's own files are removed (the arrays, the record, an interrupted
+    write's temporaries); the folder too if it is then empty.
+    """
+    folder = storage.join(workdir, FEATURE_CACHE_DIR)
+    if not storage.isdir(folder):
+        return
+    storage.remove(storage.join(folder, FEATURE_CACHE_RECORD))  # first: no half a cache
+    for role in ("train", "test"):
+        storage.remove(storage.join(folder, f"{role}.npy"))
+    for path in storage.glob(folder, "*.tmp-*"):
+        storage.remove_any(path)
+    storage.rmdir_if_empty(folder)

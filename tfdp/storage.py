@@ -159,6 +159,42 @@ def write_whole(path, content):
             os.unlink(tmp)
 
 
+def write_array(path, array):
+    """Writes a NumPy array as a .npy file so that no reader sees a part of it.
+
+    As `write_whole`, without a second copy of the array in memory: locally to
+    `path.tmp-PID`, flushed to disk (fsync) and renamed over `path`; on a URL,
+    one object.
+    """
+    import numpy as np  # pylint: disable=g-import-not-at-top
+
+    if is_url(path):
+        if scheme(path) == "ram" and _gfile().exists(path):
+            _gfile().remove(path)  # ram:// would append (see write_whole)
+        with _gfile().GFile(path, "wb") as f:
+            np.save(f, array, allow_pickle=False)
+        return
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            np.save(f, array, allow_pickle=False)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+
+
+def read_array(path):
+    """The NumPy array of a .npy file written by `write_array` (no pickled objects)."""
+    import numpy as np  # pylint: disable=g-import-not-at-top
+
+    opener = _gfile().GFile if is_url(path) else open
+    with opener(path, "rb") as f:
+        return np.load(f, allow_pickle=False)
+
+
 def append_text(path, text):
     """Appends a line (or more) to a text file. On an object store the object is rewritten."""
     if is_url(path):

@@ -11,6 +11,7 @@ import tensorflow as tf
 
 from tfdp import accounting
 from tfdp import data
+from tfdp import features as features_lib
 from tfdp import models
 from tfdp.export import privacy_report
 from tfdp.export import saved_model
@@ -360,6 +361,11 @@ def test_train_and_evaluate_fine_tunes_a_workdir_backbone(
     assert report["steps"] == 2
     # Features of the train and test splits, computed once each, or never.
     assert computed == ([(64, 28, 28, 1)] * 2 if cached else [])
+    # The feature cache (private state) is gone once the run is finished, and was never
+    # exported: the export holds the SavedModel and the report only.
+    assert not (workdir / features_lib.FEATURE_CACHE_DIR).exists()
+    assert not [name for _, _, names in os.walk(workdir / "export") for name in names
+                if name.endswith(".npy") or name == features_lib.FEATURE_CACHE_RECORD]
     checkpoint = tf.train.latest_checkpoint(str(workdir / "checkpoints"))
     trained = [name for name, _ in tf.train.list_variables(checkpoint)
                if name.startswith("optimizer/_trainable_variables/")]
@@ -377,6 +383,36 @@ def test_train_and_evaluate_fine_tunes_a_workdir_backbone(
         reader = tf.train.load_checkpoint(checkpoint)
         kernel, bias = (reader.get_tensor(name) for name in sorted(trained))
         np.testing.assert_allclose(logits, features @ kernel + bias, atol=1e-5)
+
+
+def test_a_resume_reads_the_feature_cache_instead_of_computing_the_features(
+        pretrain_workdir, run_smoke, tmp_path, monkeypatch):
+    # Issue 38: the features live in the workdir, and a resumed run reads them (after
+    # checking them against the data and the extractor: tests/feature_cache_test.py).
+    from tfdp.models import finetune  # pylint: disable=g-import-not-at-top
+
+    computed = []
+
+    def counting(trunk, images, **kwargs):
+        computed.append(images.shape[0])
+        return models.compute_model_features(trunk, images, **kwargs)
+
+    monkeypatch.setattr(finetune, "compute_model_features", counting)
+    params = [f'PRETRAINED_BACKBONE = "{pretrain_workdir}"', 'TRAINABLE = "head"',
+              "tfdp.DataConfig.train_split = 'train'", "TARGET_EPSILON = None",
+              "NOISE_MULTIPLIER = 1.0"]
+    workdir = tmp_path / "finetune"
+    # A run stopped after its checkpoint at step 2 still holds its cache: here, a finished
+    # run whose cache was kept, extended to 4 steps.
+    with monkeypatch.context() as keep:
+        keep.setattr(features_lib, "remove_feature_cache", lambda workdir: None)
+        run_smoke(workdir, ["fashion_mnist_finetune.gin"], params)
+    assert computed == [64, 64]
+    assert (workdir / features_lib.FEATURE_CACHE_DIR / features_lib.FEATURE_CACHE_RECORD).exists()
+    report = run_smoke(workdir, ["fashion_mnist_finetune.gin"], [*params, "NUM_STEPS = 4"])
+    assert report["steps"] == 4
+    assert computed == [64, 64, features_lib.PROBE_EXAMPLES]  # the probe only
+    assert not (workdir / features_lib.FEATURE_CACHE_DIR).exists()
 
 
 # -- The backbone's data: outside the fine-tuning guarantee, so public or disjoint ---------
