@@ -12,6 +12,8 @@
 #   bash benchmarks/fashion_mnist_search.sh OUT_DIR [NAME ...]   # all runs, or the named
 #   K=4 bash benchmarks/fashion_mnist_search.sh OUT_DIR ...      # another simulation factor
 #   K=1 bash benchmarks/fashion_mnist_search.sh OUT_DIR ...      # the reference itself
+#   STEPS=500 bash benchmarks/fashion_mnist_search.sh OUT_DIR ...  # a reference of 500 steps
+#     (sigma calibrated to epsilon = 3 for them); the run names gain _s500
 #   python benchmarks/summarize.py OUT_DIR                       # the table
 #
 # Needs the prepared dataset (python tools/prepare_fashion_mnist.py). What each run writes,
@@ -22,7 +24,8 @@ set -euo pipefail
 start_runs "${1:?usage: bash benchmarks/fashion_mnist_search.sh OUT_DIR [NAME ...]}" "${@:2}"
 here=$(dirname "$0")
 K=${K:-8}
-N=50000 REFERENCE_BATCH=8192 STEPS=250
+N=50000 REFERENCE_BATCH=8192 STEPS=${STEPS:-250}
+tag=$([ "$STEPS" = 250 ] || echo "_s$STEPS")
 
 sigma=$(python "$here/../tools/privacy.py" calibrate --num_examples $N \
   --batch_size $REFERENCE_BATCH --steps $STEPS --delta 1e-5 --target_epsilon 3 --json |
@@ -40,7 +43,7 @@ else
   mapfile -t simulation <<< "$params"
 fi
 validation=(
-  --gin_param=NUM_EXAMPLES=$N
+  --gin_param=NUM_EXAMPLES=$N --gin_param=NUM_STEPS=$STEPS
   "--gin_param=tfdp.DataConfig.train_split='train[:$N]'"
   "--gin_param=tfdp.DataConfig.test_split='train[$N:]'"
   "--gin_param=tfdp.PrivacyConfig.study_dir='$out/study'"
@@ -50,15 +53,15 @@ gnws=--gin_file=$here/fashion_mnist_search/scatternet_gnws_cnn.gin
 
 # The baseline: Tramer & Boneh's ScatterNet + linear with the recipe (fashion_mnist_recipe.gin,
 # normalized update, EMA), at the same reference.
-run k${K}_linear --gin_file=fashion_mnist_recipe.gin "${search[@]}"
+run k${K}${tag}_linear --gin_file=fashion_mnist_recipe.gin "${search[@]}"
 # The GN-WS CNN head: learning rate (momentum 0.9, normalized update), then width.
 for lr in 0.5 1 2; do
-  run k${K}_gnws_lr$lr "$gnws" --gin_param=LEARNING_RATE=$lr "${search[@]}"
+  run k${K}${tag}_gnws_lr$lr "$gnws" --gin_param=LEARNING_RATE=$lr "${search[@]}"
 done
 # Width 64: a full run at width 128 takes about 30 minutes of DP steps alone on the 2-core host
 # (1,127 examples/s against 2,670 at width 64: benchmarks/dp_step_speed.py, BUILD.md).
 for lr in 0.25 0.5 1 2; do
-  run k${K}_gnws_w64_lr$lr "$gnws" --gin_param=LEARNING_RATE=$lr --gin_param=WIDTH=64 "${search[@]}"
+  run k${K}${tag}_gnws_w64_lr$lr "$gnws" --gin_param=LEARNING_RATE=$lr --gin_param=WIDTH=64 "${search[@]}"
 done
 
 # The ablation (BUILD.md): each element of the chosen config (width 64, lr 0.5) removed in
@@ -66,21 +69,21 @@ done
 # secret coins in every run). Without EMA: the same runs' last parameters. Seed 0 of the
 # chosen config and of linear is k${K}_gnws_w64_lr0.5 and k${K}_linear, above.
 best=("$gnws" --gin_param=LEARNING_RATE=0.5 --gin_param=WIDTH=64)
-run k${K}_linear_seed1 --gin_file=fashion_mnist_recipe.gin "${search[@]}" \
+run k${K}${tag}_linear_seed1 --gin_file=fashion_mnist_recipe.gin "${search[@]}" \
   --gin_param=tfdp.RuntimeConfig.seed=1
-run k${K}_gnws_w64_lr0.5_seed1 "${best[@]}" "${search[@]}" --gin_param=tfdp.RuntimeConfig.seed=1
+run k${K}${tag}_gnws_w64_lr0.5_seed1 "${best[@]}" "${search[@]}" --gin_param=tfdp.RuntimeConfig.seed=1
 for seed in 0 1; do
   # T&B's GroupNorm of the ScatterNet features (App. C.3), off.
-  run k${K}_ablate_feature_gn_seed$seed "${best[@]}" "${search[@]}" \
+  run k${K}${tag}_ablate_feature_gn_seed$seed "${best[@]}" "${search[@]}" \
     --gin_param=tfdp.models.build_scatternet_gnws_cnn.groups=None \
     --gin_param=tfdp.RuntimeConfig.seed=$seed
   # TAN's ReLU-then-GroupNorm order (Sec. 4.4), replaced by De et al.'s GroupNorm-then-ReLU.
-  run k${K}_ablate_relu_gn_seed$seed "${best[@]}" "${search[@]}" \
+  run k${K}${tag}_ablate_relu_gn_seed$seed "${best[@]}" "${search[@]}" \
     --gin_param=tfdp.models.build_scatternet_gnws_cnn.norm_order="'conv_gn_relu'" \
     --gin_param=tfdp.RuntimeConfig.seed=$seed
   # The large batch (De et al. Sec. 3.3): B = 8192 / K itself at epsilon = 3 (not a
   # simulation), the same compute as the simulations.
-  [ "$K" = 1 ] || run b$((REFERENCE_BATCH / K))_ablate_large_batch_seed$seed "${best[@]}" \
+  [ "$K" = 1 ] || run b$((REFERENCE_BATCH / K))${tag}_ablate_large_batch_seed$seed "${best[@]}" \
     "${validation[@]}" --gin_param=BATCH_SIZE=$((REFERENCE_BATCH / K)) \
     --gin_param=tfdp.RuntimeConfig.seed=$seed
 done
