@@ -67,23 +67,25 @@ def draws(monkeypatch):
 def test_the_release_is_drawn_once_and_reused_on_restart(tmp_path, draws):
     train, test = _split(0), _split(1)
     workdir = tmp_path / "run"
-    *sources, first = features.cached_features(train, test, _Extractor(), _normalization(),
-                                               str(workdir))
+    first = features.cached_features(train, test, _Extractor(), _normalization(),
+                                     str(workdir))
     path = workdir / features.DATA_NORMALIZATION_FILE
     released = path.read_text()
     assert json.loads(released)["released_with"] == dataclasses.asdict(_normalization())
     assert draws == [8.0]
-    assert sources[0].num_examples == 32 and set(first) == {"feature_mean", "feature_variance"}
+    assert first.train.num_examples == 32
+    first = first.head_kwargs
+    assert set(first) == {"feature_mean", "feature_variance"}
     # The restart: the same settings, the same workdir.
-    *_, again = features.cached_features(train, test, _Extractor(), _normalization(),
-                                         str(workdir))
+    again = features.cached_features(train, test, _Extractor(), _normalization(),
+                                     str(workdir)).head_kwargs
     assert draws == [8.0]  # no second noisy release
     assert path.read_text() == released
     for name in first:
         np.testing.assert_array_equal(again[name], first[name])
     # The check can fail: a new workdir draws a release of its own, and it is noisy.
-    *_, other = features.cached_features(train, test, _Extractor(), _normalization(),
-                                         str(tmp_path / "other"))
+    other = features.cached_features(train, test, _Extractor(), _normalization(),
+                                     str(tmp_path / "other")).head_kwargs
     assert draws == [8.0, 8.0]
     assert not np.array_equal(other["feature_mean"], first["feature_mean"])
 

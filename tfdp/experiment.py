@@ -90,11 +90,16 @@ def train_and_evaluate(workdir, *, model_fn=gin.REQUIRED, privacy="dp", audit=No
     with Run.open(workdir, mode, plan, strategy=strategy, splits={"train": train, "test": test},
                   data_fingerprint=fingerprints) as run:
         if run.finished_report is not None:
+            if run.chief:  # what a kill between FINISHED and the cache's removal left
+                features_lib.remove_feature_cache(run.workdir)
             return run.finished_report
         mode.start(plan, workdir=run.workdir, chief=run.chief,
                    resuming=run.latest is not None)
         built = _build(config, mode, plan, run, strategy, model_fn, train, test, fingerprints)
         manager, start_step = run.restore(built.dp_model, built.ledger)
+        if run.chief and built.features.unsaved is not None:  # checkpoint 0 exists now
+            features_lib.write_feature_cache(run.workdir, built.extractor, fingerprints,
+                                             built.features.unsaved)
         _fit(config, mode, plan, run, strategy, built, manager, start_step)
         return _finish(config, mode, plan, run, built)
 
@@ -122,7 +127,9 @@ def _build(config, mode, plan, run, strategy, model_fn, train, test, fingerprint
     """Features (frozen public extractors), the model and its DP (or plain) step, the ledger.
 
     Returns a namespace: `train`, `test` (the sources the model reads: pixels,
-    or cached features), `dp_model`, `ledger`, `backbone` (provenance or None),
+    or cached features), `extractor` and `features` (`tfdp.features.Features`,
+    whose `unsaved` features the chief caches once checkpoint 0 exists),
+    `dp_model`, `ledger`, `backbone` (provenance or None),
     `image_shape` (of the pixels), `test_examples` (each evaluation's) and
     `export_model` (takes images).
     """
@@ -134,9 +141,9 @@ def _build(config, mode, plan, run, strategy, model_fn, train, test, fingerprint
         extractor, model, backbone = features_lib.feature_extractor(
             config.data.features, model_fn, train, augmult=aug.augmult,
             augmentation=aug.augmentation)
-    train, test, head_kwargs = features_lib.cached_features(
-        train, test, extractor, plan.data_normalization, run.workdir,
-        fingerprints=fingerprints, write_cache=run.chief)
+    features = features_lib.cached_features(
+        train, test, extractor, plan.data_normalization, run.workdir, fingerprints=fingerprints)
+    train, test, head_kwargs = features.train, features.test, features.head_kwargs
     with strategy.scope():
         if extractor is not None:
             # The head on features: the fine-tuning model's own, or model_fn's (ScatterNet).
@@ -150,6 +157,7 @@ def _build(config, mode, plan, run, strategy, model_fn, train, test, fingerprint
                               data=json.dumps(fingerprints, sort_keys=True),
                               seed=config.runtime.seed)
     return types.SimpleNamespace(train=train, test=test, dp_model=dp_model, ledger=ledger, backbone=backbone,
+                                 extractor=extractor, features=features,
                                  image_shape=image_shape, test_examples=test_examples,
                                  export_model=extractor.compose(model) if extractor else model)
 
@@ -201,8 +209,8 @@ def _finish(config, mode, plan, run, built):
                          steps_done=steps_done, workdir=run.workdir, chief=run.chief)
     if built.backbone is not None:  # outside this run's guarantee: the report says whence
         report["backbone"] = built.backbone
-    run.finish(report, built.dp_model, built.export_model, image_shape=built.image_shape)
     if run.chief:  # features of private examples: kept no longer than the run needs them
         features_lib.remove_feature_cache(run.workdir)
+    run.finish(report, built.dp_model, built.export_model, image_shape=built.image_shape)
     mode.say_done(report, run.export_dir)
     return report

@@ -409,9 +409,18 @@ def test_a_resume_reads_the_feature_cache_instead_of_computing_the_features(
         run_smoke(workdir, ["fashion_mnist_finetune.gin"], params)
     assert computed == [64, 64]
     assert (workdir / features_lib.FEATURE_CACHE_DIR / features_lib.FEATURE_CACHE_RECORD).exists()
+    kept = tmp_path / "kept_cache"
+    shutil.copytree(workdir / features_lib.FEATURE_CACHE_DIR, kept)
     report = run_smoke(workdir, ["fashion_mnist_finetune.gin"], [*params, "NUM_STEPS = 4"])
     assert report["steps"] == 4
     assert computed == [64, 64, features_lib.PROBE_EXAMPLES]  # the probe only
+    assert not (workdir / features_lib.FEATURE_CACHE_DIR).exists()
+    # A finished workdir that still holds a cache (a kill after FINISHED, a tfdp that removed
+    # it later): the same command again returns the finished run and removes the cache.
+    shutil.copytree(kept, workdir / features_lib.FEATURE_CACHE_DIR)
+    again = run_smoke(workdir, ["fashion_mnist_finetune.gin"], [*params, "NUM_STEPS = 4"])
+    assert again["epsilon"] == report["epsilon"]
+    assert computed == [64, 64, features_lib.PROBE_EXAMPLES]
     assert not (workdir / features_lib.FEATURE_CACHE_DIR).exists()
 
 
