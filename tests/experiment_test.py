@@ -217,18 +217,30 @@ def test_a_fixed_sampling_seed_reproduces_the_batches_and_is_reported(tmp_path, 
     assert "assumes this seed stays secret" in (tmp_path / "a" / "privacy_report.md").read_text()
 
 
+FIXED_SIGMA = ["TARGET_EPSILON = None", "NOISE_MULTIPLIER = 1.0"]
+
+
+@pytest.fixture(scope="module")
+def fixed_sigma_run(tmp_path_factory, run_smoke_module):
+    """A finished 2-step run of fashion_mnist.gin at sigma = 1 (copy it before changing it)."""
+    workdir = tmp_path_factory.mktemp("fixed_sigma") / "wd"
+    run_smoke_module(workdir, ["fashion_mnist.gin"], FIXED_SIGMA)
+    return workdir
+
+
 @pytest.mark.parametrize("change, field", [
     ("tfdp.PrivacyConfig.accountant = 'pld'", "accountant"),
     ("tfdp.PrivacyConfig.normalize_update = True", "normalize_update"),
     ("tfdp.PrivacyConfig.num_microbatches = 4", "num_microbatches"),
     ("tfdp.PrivacyConfig.sampling_seed = 3", "fixed_seeds"),
 ])
-def test_resuming_under_another_mechanism_is_refused_naming_the_field(tmp_path, run_smoke,
-                                                                      change, field):
+def test_resuming_under_another_mechanism_is_refused_naming_the_field(
+        tmp_path, run_smoke, fixed_sigma_run, change, field):
     # Before, only sigma, q, C and delta were compared: a switch from RDP to PLD on a
     # half-finished run silently changed the epsilon series in metrics.jsonl.
-    params = ["TARGET_EPSILON = None", "NOISE_MULTIPLIER = 1.0"]
-    run_smoke(tmp_path, ["fashion_mnist.gin"], params)
+    params = FIXED_SIGMA
+    tmp_path = tmp_path / "wd"
+    shutil.copytree(fixed_sigma_run, tmp_path)  # one finished 2-step run, a copy per case
     before = (tmp_path / "metrics.jsonl").read_text()
     with pytest.raises(ValueError, match=rf"another privacy mechanism:\n  {field}"):
         run_smoke(tmp_path, ["fashion_mnist.gin"], [*params, "NUM_STEPS = 4", change])

@@ -106,9 +106,13 @@ def test_cli_required_macro_left_unset_names_the_gin_param_to_add(tmp_path):
     assert not os.path.exists(tmp_path / "wd")
 
 
+# One name in the default suite (each CLI test starts TensorFlow: about 5 s); the other, and
+# the CLI's unclosed bracket (its message is test_an_unclosed_bracket_names_its_file_or_param's,
+# in process), under -m slow.
 @pytest.mark.parametrize("param, message", [
     ("tfdp.OptimizationConfig.sampling='possion'", "Unknown sampling scheme 'possion'"),
-    ("tfdp.PrivacyConfig.accountant='rpd'", "Unknown accountant 'rpd'"),
+    pytest.param("tfdp.PrivacyConfig.accountant='rpd'", "Unknown accountant 'rpd'",
+                 marks=pytest.mark.slow),
 ])
 def test_cli_error_is_printed_once_without_gin_s_location(tmp_path, param, message):
     # Unknown names used to surface after data loading and compilation, leaving a
@@ -138,6 +142,7 @@ def test_an_unclosed_bracket_names_its_file_or_param(tmp_path):
         gin.clear_config()
 
 
+@pytest.mark.slow
 def test_cli_unclosed_bracket_exits_2_without_a_traceback(tmp_path):
     result = _run(tmp_path, "--gin_file=fashion_mnist.gin", "--gin_param=NUM_STEPS = (3")
     assert result.returncode == 2

@@ -90,7 +90,7 @@ def train_and_evaluate(workdir, *, model_fn=gin.REQUIRED, privacy="dp", audit=No
     with Run.open(workdir, mode, plan, strategy=strategy, splits={"train": train, "test": test},
                   data_fingerprint=fingerprints) as run:
         if run.finished_report is not None:
-            if run.chief:  # what a kill between FINISHED and the cache's removal left
+            if run.chief:  # a cache left behind (removal failed, or an older tfdp's)
                 features_lib.remove_feature_cache(run.workdir)
             return run.finished_report
         mode.start(plan, workdir=run.workdir, chief=run.chief,

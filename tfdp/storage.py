@@ -139,18 +139,23 @@ def write_whole(path, content):
     URL: one object, uploaded in one write.
     """
     data = content.encode("utf-8") if isinstance(content, str) else bytes(content)
+    _write_with(path, lambda f: f.write(data))
+
+
+def _write_with(path, write):
+    """`write(f)` into a binary file object that replaces `path` whole (see `write_whole`)."""
     if is_url(path):
         if scheme(path) == "ram" and _gfile().exists(path):
             # TensorFlow's ram:// appends to an existing file instead of replacing it
             # (measured with TF 2.21); an object store replaces the object.
             _gfile().remove(path)
         with _gfile().GFile(path, "wb") as f:
-            f.write(data)
+            write(f)
         return
     tmp = f"{path}.tmp-{os.getpid()}"
     try:
         with open(tmp, "wb") as f:
-            f.write(data)
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -168,22 +173,7 @@ def write_array(path, array):
     """
     import numpy as np  # pylint: disable=g-import-not-at-top
 
-    if is_url(path):
-        if scheme(path) == "ram" and _gfile().exists(path):
-            _gfile().remove(path)  # ram:// would append (see write_whole)
-        with _gfile().GFile(path, "wb") as f:
-            np.save(f, array, allow_pickle=False)
-        return
-    tmp = f"{path}.tmp-{os.getpid()}"
-    try:
-        with open(tmp, "wb") as f:
-            np.save(f, array, allow_pickle=False)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
+    _write_with(path, lambda f: np.save(f, array, allow_pickle=False))
 
 
 def read_array(path):
