@@ -75,6 +75,9 @@ def test_an_old_binding_in_an_included_file_is_named(tmp_path):
         gin.clear_config()
 
 
+# Three processes that start TensorFlow (11 s): under -m slow. The default suite checks the
+# rewrite itself on every shipped config (test_migrating_an_old_style_config_gives_the_shipped_one).
+@pytest.mark.slow
 def test_the_migration_tool_rewrites_a_file_and_the_result_parses(tmp_path):
     path = tmp_path / "mine.gin"
     shipped = open(main.shipped_gin_configs()["fashion_mnist_scatternet_linear.gin"]).read()

@@ -135,6 +135,10 @@ def test_the_indexer_refuses_files_that_are_not_images_and_classes_that_differ(c
         jpeg_folder.index_split(copy, "validation")
 
 
+# Three processes that start TensorFlow (13 s): under -m slow. The default suite runs the tool
+# in the three tests below, and the check's finding in process
+# (test_a_changed_folder_is_found_at_open_and_by_the_check).
+@pytest.mark.slow
 def test_the_tool_indexes_checks_and_exits_1_on_a_mismatch(copy):
     os.remove(jpeg_folder.index_path(copy, "train"))
     tool = [sys.executable, "tools/index_jpeg_folder.py", f"--data_dir={copy}"]
