@@ -158,7 +158,9 @@ def test_a_changed_or_truncated_cache_is_refused_with_what_to_do(tmp_path, damag
         _features(tmp_path, _Extractor())
 
 
-@pytest.mark.parametrize("record", ["{not json", "[]", '{"data": {}}'])
+@pytest.mark.parametrize("record", ["{not json", "[]", '{"data": {}}',
+                                    '{"data": ["train"], "arrays": {"train": {}, "test": {}}}',
+                                    '{"data": {}, "arrays": {"train": 1, "test": {}}}'])
 def test_an_unreadable_record_is_refused_with_what_to_do(tmp_path, record):
     _features(tmp_path, _Extractor())
     (_cache(tmp_path) / "cache.json").write_text(record)

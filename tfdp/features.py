@@ -434,6 +434,9 @@ def read_feature_cache(workdir, extractor, splits, fingerprints, train_images):
         record = json.loads(storage.read_text(record_path))
         saved = record["data"]
         expected = {role: record["arrays"][role] for role in ROLES}
+        if not isinstance(saved, dict) or not all(isinstance(e, dict)
+                                                  for e in (*saved.values(), *expected.values())):
+            raise TypeError("its data and arrays must be JSON objects")
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ValueError(f"The feature cache {folder}: {FEATURE_CACHE_RECORD} cannot be read "
                          f"({type(e).__name__}: {e}). {fix}") from None
