@@ -108,11 +108,11 @@ def set_form(form):
     if form == "auto":
         ghost_norms.choose_form = set_form.real
     elif form == "bu":
-        ghost_norms.choose_form = lambda rows, fan_in, fan_out: (
+        ghost_norms.choose_form = lambda rows, fan_in, fan_out, *_: (
             ghost_norms.DIRECT if rows is None or 2 * rows * rows > fan_in * fan_out
             else ghost_norms.GRAM)
     else:
-        ghost_norms.choose_form = lambda rows, fan_in, fan_out: form
+        ghost_norms.choose_form = lambda rows, fan_in, fan_out, *_: form
 
 
 def batch_of(model_name, batch, res, seed=0):
@@ -256,10 +256,10 @@ def export_layers(case, out_dir, plan="tf32", first=None):
         fn = tf.function(_layer_rule(layer, is_conv, ws, batch), jit_compile=True)
         t = math.prod(out_shape[1:-1])
         p, d = math.prod(kernel.shape[:-1]), kernel.shape[-1]
-        form = getattr(set_form, "real", ghost_norms.choose_form)(t, p, d)  # tfdp's own pick
+        form = getattr(set_form, "real", ghost_norms.choose_form)(t, p, d, ws)  # tfdp's own pick
         meta = write_step(out_dir, f"{name}_layer{index:02d}", fn, (a, g), {
             "layer": layer.name, "T": t, "p": p, "d": d, "ws": ws, "tfdp_form": form,
-            "rule_form": ghost_norms.choose_form(t, p, d),
+            "rule_form": ghost_norms.choose_form(t, p, d, ws),
             "bu_form": "direct" if 2 * t * t > p * d else "gram", "batch": batch})
         metas.append(meta)
     return metas

@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 import tensorflow as tf
+from hypothesis import given, settings, strategies as st
 
 from tfdp.dp import ghost_norms
 from tfdp.dp import precision
@@ -20,6 +21,16 @@ def form(request, monkeypatch):
     """Runs a test once per kernel form, whatever the shapes would choose."""
     monkeypatch.setattr(ghost_norms, "choose_form", lambda *_: request.param)
     return request.param
+
+
+@pytest.fixture(params=["direct", "direct_grouped", "gram"])
+def conv_form(request, monkeypatch):
+    """As `form`, for convolutions: the direct form from patches, or from one grouped
+    convolution (`conv2d_example_gradients`, a GPU's or a TPU's route), or the Gram form."""
+    form = ghost_norms.GRAM if request.param == "gram" else ghost_norms.DIRECT
+    monkeypatch.setattr(ghost_norms, "choose_form", lambda *_: form)
+    monkeypatch.setattr(ghost_norms, "GROUPED_CONV_GRADIENTS", request.param == "direct_grouped")
+    return form
 
 
 def _per_example(loss_of_example, variable, batch):
@@ -135,7 +146,7 @@ CONV_CASES = [  # (kernel, strides, padding, input size)
 
 @pytest.mark.parametrize("kernel_size, strides, padding, size", CONV_CASES)
 @pytest.mark.parametrize("num_views", [1, 2])
-def test_conv2d_kernel(form, kernel_size, strides, padding, size, num_views):
+def test_conv2d_kernel(conv_form, kernel_size, strides, padding, size, num_views):
     batch, channels, filters = 3, 3, 5
     x = _normal(batch * num_views, size, size, channels)
     kernel = tf.Variable(_normal(*kernel_size, channels, filters))
@@ -163,8 +174,8 @@ def _standardize(kernel, epsilon):
 
 @pytest.mark.parametrize("kernel_size, strides, padding, size", CONV_CASES[:3])
 @pytest.mark.parametrize("num_views", [1, 2])
-def test_ws_kernel_chains_through_the_standardization(form, kernel_size, strides, padding, size,
-                                                      num_views):
+def test_ws_kernel_chains_through_the_standardization(conv_form, kernel_size, strides, padding,
+                                                      size, num_views):
     # The gradient wrt the VARIABLE W, not wrt the standardized kernel U = WS(W).
     batch, channels, filters, epsilon = 3, 3, 4, 1e-4
     x = _normal(batch * num_views, size, size, channels)
@@ -390,14 +401,57 @@ def test_a_zero_factor_drops_a_non_finite_gradient():
 # -- Choices -------------------------------------------------------------------
 
 
+WRN_16_4_KERNELS = [  # (R, fan_in, fan_out, weight-standardized) of WRN-16-4 at 32x32
+    (1024, 27, 16, True), (1024, 144, 64, True), (1024, 16, 64, True), (1024, 576, 64, True),
+    (256, 576, 128, True), (256, 64, 128, True), (256, 1152, 128, True),
+    (64, 1152, 256, True), (64, 128, 256, True), (64, 2304, 256, True), (1, 256, 10, False)]
+
+
 def test_form_choice_follows_the_costs():
-    # WRN-16-4, per example: stage 1 (R = 1024 positions, 3x3x64 -> 64) direct;
-    # stage 3 (R = 64, 3x3x256 -> 256: 590k > 2 * 64 * 2560 = 328k) Gram; a dense
-    # layer on one row (R = 1) Gram; unknown positions direct.
+    # CPU (float32 plan, one pass per product): WRN-16-4's stage 3 (R = 64, 3x3x256 ->
+    # 256) was Gram by the textbook count (590k > 2 * 64 * 2560), but its Grams alone
+    # are 64^2 * 2560 = 10.5M per example against the direct form's extra 2 * 590k:
+    # direct. A dense layer on one row (R = 1): Gram (it holds 266 floats, not 2,560).
     assert ghost_norms.choose_form(1024, 576, 64) == ghost_norms.DIRECT
-    assert ghost_norms.choose_form(64, 2304, 256) == ghost_norms.GRAM
+    assert ghost_norms.choose_form(64, 2304, 256) == ghost_norms.DIRECT
+    assert ghost_norms.choose_form(64, 2304, 256, True) == ghost_norms.DIRECT
     assert ghost_norms.choose_form(1, 256, 10) == ghost_norms.GRAM
+    assert ghost_norms.choose_form(4, 512, 512) == ghost_norms.GRAM  # 16k vs 8 * 262k
     assert ghost_norms.choose_form(None, 2304, 256) == ghost_norms.DIRECT
+    assert not ghost_norms.grouped_conv_gradients()  # patches on a CPU
+
+
+@pytest.mark.parametrize("device", [precision.TF32, precision.BF16])
+def test_form_choice_counts_the_split_passes(device):
+    # On a GPU or a TPU every Gram product is six passes: R = 4 (16k x 6 + 5 x 4 x 262k
+    # = 5.3M > 8 x 262k) becomes direct, and every WRN-16-4 kernel but the dense head
+    # is direct (XLA: 1.05x the plain step's flops instead of 3.4x, BUILD.md). A large
+    # head on one row stays Gram: the direct form would hold 2M floats per example.
+    with precision.emulate(device):
+        assert ghost_norms.choose_form(4, 512, 512) == ghost_norms.DIRECT
+        assert ghost_norms.choose_form(1, 2048, 1000) == ghost_norms.GRAM
+        assert ghost_norms.choose_form(1, 2048, 1000, True) == ghost_norms.DIRECT
+        forms = [ghost_norms.choose_form(*kernel) for kernel in WRN_16_4_KERNELS]
+        assert forms == [ghost_norms.DIRECT] * 10 + [ghost_norms.GRAM]
+        assert ghost_norms.grouped_conv_gradients()  # grouped convolutions there
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(st.integers(1, 4096), st.integers(1, 5000), st.integers(1, 5000), st.booleans(),
+       st.sampled_from([precision.FLOAT32, precision.TF32]))
+def test_the_gram_form_holds_less_and_costs_at_most_4x_more(rows, fan_in, fan_out,
+                                                            standardized, device):
+    # What the docstring promises, against the work the rules do, counted here
+    # independently: a Gram pick never holds more per example than the direct form,
+    # nor does more than 4x its extra work; a direct pick fails one of the two.
+    passes = 6 if device is precision.TF32 else 1
+    with precision.emulate(device):
+        form = ghost_norms.choose_form(rows, fan_in, fan_out, standardized)
+    grams = passes * rows**2 * (fan_in + fan_out)
+    sums = (passes - 1 + (passes if standardized else 0)) * rows * fan_in * fan_out
+    fits = (rows * (fan_in + fan_out) < fan_in * fan_out
+            and grams + sums <= 8 * fan_in * fan_out)
+    assert form == (ghost_norms.GRAM if fits else ghost_norms.DIRECT)
 
 
 def test_rules_match_their_exact_class_only():
@@ -415,8 +469,6 @@ def test_rules_match_their_exact_class_only():
 # -- Rounding: norms never come out too small (issue 18, §1) ------------------------
 
 from unittest import mock  # noqa: E402
-
-from hypothesis import given, settings, strategies as st  # noqa: E402
 
 
 def _exact_sq_norms(a, g, num_views, unit=None, scale=None):
@@ -681,3 +733,95 @@ def test_rules_trace_with_a_dynamic_batch(form):
     assert all(s.shape == (3,) for s in squares)
     assert ghost_norms.example_rows(g).shape[1] == 4
     np.testing.assert_allclose(squares[0].numpy(), eager[0].numpy(), rtol=2e-4)
+
+
+# -- Per-example conv gradients as one grouped convolution (issue 35) -------------------
+
+
+@st.composite
+def _conv_geometries(draw):
+    """A convolution's geometry, its input and output gradients; adversarial levels: near-
+    constant images at 0 and 255, huge and tiny ranges."""
+    kh, kw = draw(st.integers(1, 5)), draw(st.integers(1, 5))
+    stride = draw(st.integers(1, 3))
+    dilation = 1 if stride > 1 else draw(st.integers(1, 3))
+    padding = draw(st.sampled_from(["same", "valid"]))
+    height = draw(st.integers((kh - 1) * dilation + 1, 13))
+    width = draw(st.integers((kw - 1) * dilation + 1, 13))
+    batch, views = draw(st.integers(1, 3)), draw(st.integers(1, 3))
+    channels, filters = draw(st.integers(1, 3)), draw(st.integers(1, 3))
+    level = draw(st.sampled_from([0.0, 255.0, 1e-20, 1e20]))
+    spread = draw(st.sampled_from([1.0, 1e-3, 1e-20, 1e20]))
+    seed = draw(st.integers(0, 2**16))
+    rng = np.random.default_rng(seed)
+    x = level + spread * rng.normal(size=(batch * views, height, width, channels))
+    out_h = -(-height // stride) if padding == "same" else (height - (kh - 1) * dilation - 1) // stride + 1
+    out_w = -(-width // stride) if padding == "same" else (width - (kw - 1) * dilation - 1) // stride + 1
+    g = rng.normal(size=(batch * views, out_h, out_w, filters)) * draw(
+        st.sampled_from([1.0, 1e-20, 1e15]))
+    return ((kh, kw), (stride, stride), (dilation, dilation), padding, views,
+            x.astype(np.float32), g.astype(np.float32))
+
+
+def _conv_gradients_float64(x, g, kernel_size, strides, dilation, padding, views):
+    """Each example's kernel gradient, a loop over offsets in float64 (numpy)."""
+    (kh, kw), (s, _), (d, _) = kernel_size, strides, dilation
+    if padding == "same":
+        pad = [(0, 0), ghost_norms._same_padding(x.shape[1], kh, s, d),
+               ghost_norms._same_padding(x.shape[2], kw, s, d), (0, 0)]
+        x = np.pad(x.astype(np.float64), pad)
+    x, g = x.astype(np.float64), g.astype(np.float64)
+    out_h, out_w = g.shape[1:3]
+    result = np.zeros((len(x) // views, kh, kw, x.shape[-1], g.shape[-1]))
+    for y in range(kh):
+        for z in range(kw):
+            window = x[:, y * d:y * d + (out_h - 1) * s + 1:s, z * d:z * d + (out_w - 1) * s + 1:s]
+            per_image = np.einsum("npqc,npqo->nco", window, g)
+            result[:, y, z] = per_image.reshape(-1, views, *per_image.shape[1:]).sum(axis=1)
+    return result
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(_conv_geometries(), st.booleans())
+def test_grouped_conv_gradients_are_the_per_example_gradients(case, jit):
+    # The route a GPU or TPU takes for direct-form conv kernels, eagerly and under XLA,
+    # against a float64 loop: the same gradients up to float32 rounding of their terms
+    # (strides, dilations, both paddings, space-to-depth patch orders, views).
+    kernel_size, strides, dilation, padding, views, x, g = case
+    expected = _conv_gradients_float64(x, g, kernel_size, strides, dilation, padding, views)
+    terms = _conv_gradients_float64(np.abs(x), np.abs(g), kernel_size, strides, dilation,
+                                    padding, views)
+
+    def grouped(x, g):
+        rows = ghost_norms.conv2d_patches(x, kernel_size=kernel_size, strides=strides,
+                                          dilation_rate=dilation, padding=padding)
+        return rows.to_kernel_rows(tf.transpose(rows.gradients(g, views), [2, 0, 1]))
+
+    got = tf.function(grouped, jit_compile=jit)(tf.constant(x), tf.constant(g)).numpy()
+    got = np.transpose(got, [1, 0, 2]).reshape(expected.shape)  # [batch, kh, kw, c, o]
+    finite = np.isfinite(terms) & (terms < 1e38)
+    rounding = 2.0**-24 * (np.prod(g.shape[1:3]) * views + 2) * terms
+    assert np.all(np.abs(got - expected)[finite] <= rounding[finite] + 1e-37)
+
+
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(_conv_geometries())
+def test_grouped_route_adds_no_more_than_its_norms(case):
+    # The rule's contract on the grouped route: the vector each example adds (one-hot
+    # factors) is within its squares (or `NORM_FLOOR`, which the clipped sum counts for a
+    # square that flushes to 0: `tfdp.dp.precision`, "Range"), on adversarial levels.
+    kernel_size, strides, dilation, padding, views, x, g = case
+    batch = len(x) // views
+    with mock.patch.object(ghost_norms, "choose_form", lambda *_: ghost_norms.DIRECT), \
+            mock.patch.object(ghost_norms, "GROUPED_CONV_GRADIENTS", True):
+        squares, weighted_sum = ghost_norms.conv2d_kernel_sq_norms(
+            tf.constant(x), tf.constant(g), kernel_size=kernel_size, strides=strides,
+            dilation_rate=dilation, padding=padding, num_views=views)
+    squares = squares.numpy().astype(np.float64)
+    for i in range(batch):
+        added = weighted_sum(tf.one_hot(i, batch, dtype=tf.float32)).numpy().astype(np.float64)
+        if np.isfinite(squares[i]):  # a square that flushes to 0 counts as NORM_FLOOR
+            bound = max(np.sqrt(squares[i]) * (1 + 1e-6), precision.NORM_FLOOR)
+            assert np.sqrt(np.sum(added ** 2)) <= bound, (i, squares)
+        else:  # an inf square gets factor 0 (`clipping.clip_factors`): nothing is added
+            assert np.all(weighted_sum(tf.zeros([batch])).numpy() == 0)

@@ -28,11 +28,14 @@ gradient is the sum over all of them (its loss is the mean over views, whose
 the views' norms. Every rule therefore takes `num_views` and treats the K
 consecutive rows of the flattened `[batch * K, ...]` tensors jointly.
 
-Kernel gradients have two forms, and `choose_form` picks the cheaper for
-the static shapes: the DIRECT form builds the per-example gradient
-`[batch, fan_in, fan_out]` (cost R * fan_in * fan_out per example) and the
-GRAM form never does, summing `(A A^T) * (G G^T)` over the R x R row pairs
-(cost R^2 * (fan_in + fan_out); Li et al. 2022, eq. (4)).
+Kernel gradients have two forms, and `choose_form` picks one for the static
+shapes and the device's plan (by what each rule really computes and holds):
+the DIRECT form builds the per-example gradient `[batch, fan_in, fan_out]`
+(cost R * fan_in * fan_out per example, as the plain step's kernel gradient)
+and the GRAM form never does, summing `(A A^T) * (G G^T)` over the R x R row
+pairs (cost R^2 * (fan_in + fan_out), six passes on a GPU or TPU; Li et al.
+2022, eq. (4)). A convolution's direct form comes from its patches on a CPU
+and from one grouped convolution on a GPU or TPU (`conv2d_example_gradients`).
 
 Every rule returns `(squares, weighted_sum)`: float32 `[batch]`, per
 example an upper bound on the squared norm of what `weighted_sum` adds for
@@ -132,21 +135,47 @@ def _static_rows(tensor: tf.Tensor, num_views: int) -> Optional[int]:
     return num_views * math.prod(inner.as_list())
 
 
-def choose_form(rows: Optional[int], fan_in: int, fan_out: int) -> str:
-    """`GRAM` when R (fan_in + fan_out) < fan_in * fan_out / 2, else `DIRECT`.
+def choose_form(rows: Optional[int], fan_in: int, fan_out: int,
+                standardized: bool = False) -> str:
+    """`GRAM` where it holds less per example and costs at most 4x the direct form's extra work.
 
-    The direct form builds every example's gradient (R fan_in fan_out per
-    example, in float32) and holds it until the clip factors are known: the
-    clipped sum then adds exactly the vectors whose norms were clipped. The
-    Gram form costs R^2 (fan_in + fan_out) per example for the norms (exact
-    float32 products: six bf16 passes on a GPU or TPU, `tfdp.dp.precision`),
-    and an R fan_in fan_out contraction for the clipped sum (as a plain
-    step's filter gradient); it is used where it is more than twice cheaper
-    and the per-example gradients would take the most memory: large kernels
-    over few positions (WRN-16-4's last stage: 590k vs 164k per example). An
-    unknown R (dynamic positions) takes the direct form.
+    Per example, with R rows, F = fan_in, O = fan_out and P the passes of an
+    exact product on the planned device (6 where `precision.splits()`: a GPU's
+    TF32 or a TPU's bf16 matmuls; else 1):
+
+    | form   | held until the clip factors are known | work beyond the plain step's kernel gradient |
+    |--------|----------------------------------------|-----------------------------------------------|
+    | direct | the gradient, F O floats               | its squares and its weighted sum: 2 F O       |
+    | Gram   | the rows and output gradients, R (F + O) | the Grams, P R^2 (F + O); the weighted sum's extra passes, (P - 1) R F O; with weight standardization its rows' products with the unit kernel, P R F O |
+
+    The direct form's gradient costs R F O, as the plain step's kernel
+    gradient it replaces. The Gram form is taken where it holds less AND its
+    extra work is at most 4x the direct form's: few rows (a dense layer, R =
+    1: a large classifier head at a large batch holds F O floats per example
+    in the direct form). Counting what the rules really compute, not the
+    textbook R^2 (F + O) against R F O (Li et al. 2022; Bu et al. 2022's
+    mixed ghost clipping), matters on a GPU or TPU, where every Gram product
+    is six passes: on WRN-16-4 the textbook pick cost 3.4x the plain step's
+    XLA flops and this one 1.05x (BUILD.md, "XLA's cost of the DP step").
+    An unknown R (dynamic positions) takes the direct form.
+
+    Args:
+      rows: R (positions times views), or None if not static.
+      fan_in, fan_out: the kernel's F and O.
+      standardized: a weight-standardized kernel (`ws_kernel_sq_norms`).
+
+    Returns:
+      `DIRECT` or `GRAM`.
     """
-    if rows is not None and fan_in * fan_out > 2 * rows * (fan_in + fan_out):
+    if rows is None:
+        return DIRECT
+    passes = 6 if precision.splits() else 1
+    kernel = rows * fan_in * fan_out
+    held_direct, held_gram = fan_in * fan_out, rows * (fan_in + fan_out)
+    extra_direct = 2 * fan_in * fan_out
+    extra_gram = (passes * rows * rows * (fan_in + fan_out) + (passes - 1) * kernel
+                  + (passes * kernel if standardized else 0))
+    if held_gram < held_direct and extra_gram <= 4 * extra_direct:
         return GRAM
     return DIRECT
 
@@ -183,6 +212,11 @@ class Rows:
       rebuild: None, or a callable `factors [batch * K] -> Rows` that builds
         the same rows from the input times one factor per image: cheaper
         than scaling every block (a 3x3 patch is 9 input entries).
+      gradients: None, or a callable `(output_grads, num_views) -> [batch,
+        fan_out, F]`: every example's `h^T = sum_r g_r a_r^T` (a's column
+        order) without building the rows, e.g. one grouped convolution
+        (`conv2d_patches`); the direct form uses it where
+        `grouped_conv_gradients()` says so.
     """
 
     blocks: Tuple[Callable[[], tf.Tensor], ...]
@@ -191,6 +225,7 @@ class Rows:
     row_sums: Optional[Callable[[], tf.Tensor]] = None
     magnitude: Optional[Callable[[], tf.Tensor]] = None
     rebuild: Optional[Callable[[tf.Tensor], "Rows"]] = None
+    gradients: Optional[Callable[[tf.Tensor, int], tf.Tensor]] = None
 
     @classmethod
     def of(cls, inputs: tf.Tensor) -> "Rows":
@@ -325,11 +360,20 @@ def _summer(blocks, squares, finish=None):
     rounding per product (`precision.weighted_sum`) when every example's
     `squares` is finite; otherwise `clipping.weighted_sum`, where a zero
     factor drops even an inf or nan gradient (also one rounding per product).
+    Where the products split (a GPU or TPU, whose `precision.weighted_sum` is
+    elementwise too), always `clipping.weighted_sum`.
     """
     blocks = blocks if isinstance(blocks, list) else [blocks]
 
     def weighted_sum(factors):
         factors = tf.cast(factors, blocks[0].dtype)
+        if precision.splits():
+            # Elementwise products either way there (`precision.weighted_sum`): one
+            # multiply_no_nan pass, no cond, whose two branches XLA computes both (a select:
+            # 2.1 of WRN-16-4's 7.8 GB at B = 32, issue 35).
+            summed = [clipping.weighted_sum(factors, b) for b in blocks]
+            summed = summed[0] if len(summed) == 1 else tf.concat(summed, axis=-1)
+            return summed if finish is None else finish(summed)
         finite = tf.reduce_all(tf.math.is_finite(squares))
         summed = [tf.cond(finite, lambda b=b: precision.weighted_sum(factors, b),
                           lambda b=b: clipping.weighted_sum(factors, b)) for b in blocks]
@@ -351,7 +395,12 @@ def _direct_products(rows: Rows, output_grads: tf.Tensor, num_views: int,
     TRANSPOSED (`g^T a` is 20-40% faster than `a^T g` on CPU), one pass at
     the device's precision: these are held, and the norm is theirs. With
     `row_means`, of the rows centred over their columns (`_centred_columns`).
+    Where `rows.gradients` exists and `grouped_conv_gradients()`, one block
+    from it instead (held all the same: how it is computed does not matter
+    for the bound).
     """
+    if row_means is None and rows.gradients is not None and grouped_conv_gradients():
+        return [rows.gradients(output_grads, num_views)]
     g = example_rows(output_grads, num_views)
     return _one_block_at_a_time(
         rows, num_views, lambda a: precision.matmul(g, _centred_columns(a, row_means),
@@ -725,8 +774,123 @@ def conv2d_patches(inputs: tf.Tensor, *, kernel_size, strides, dilation_rate,
 
     if out_h * out_w * fan_in <= _BLOCK_FLOATS:
         slices = [[piece for row in slices for piece in row]]
+    gradients = None
+    if dh == dw:  # depthwise convolutions take one stride and one dilation
+        def gradients(output_grads, num_views):
+            h = conv2d_example_gradients(read, output_grads, kernel_size=kernel_size,
+                                         strides=strides, dilation_rate=dilation_rate,
+                                         num_views=num_views)
+            h = tf.reshape(h, [-1, fan_in, h.shape[-1]])  # [batch, F, O], kernel order
+            h = tf.transpose(h, [0, 2, 1])
+            return h if order is None else tf.gather(h, order, axis=2)  # a's column order
     return Rows(tuple(block(row) for row in slices), fan_in, order, row_sums,
-                lambda: _largest_entry(read), rebuild)
+                lambda: _largest_entry(read), rebuild, gradients)
+
+
+# Where the direct form of a convolution's kernel builds its per-example gradients with one
+# grouped convolution (`conv2d_example_gradients`) instead of patches: None follows the
+# device (`grouped_conv_gradients`); True or False forces it (tests, benchmarks).
+GROUPED_CONV_GRADIENTS: Optional[bool] = None
+
+
+def grouped_conv_gradients() -> bool:
+    """Whether direct-form conv kernels use `conv2d_example_gradients` (read at trace time).
+
+    `GROUPED_CONV_GRADIENTS` if set, else `precision.splits()`: on a GPU or a
+    TPU (whose matmuls round their inputs), where a grouped convolution is the
+    device's own kernel and patches cost memory and bandwidth (issue 35);
+    not on a CPU, where TensorFlow's and XLA's grouped convolutions were 1-30x
+    slower than the patches here (BUILD.md, "Per-example conv gradients").
+    """
+    if GROUPED_CONV_GRADIENTS is not None:
+        return GROUPED_CONV_GRADIENTS
+    return precision.splits()
+
+
+def conv2d_example_gradients(inputs: tf.Tensor, output_grads: tf.Tensor, *, kernel_size,
+                             strides, dilation_rate, num_views: int = 1) -> tf.Tensor:
+    """Every example's kernel gradient of a 2D convolution, as grouped convolutions.
+
+    Example i's gradient `dW[y, x, c, o] = sum_{p, q} a_i[p s + y d, q s + x d, c]
+    g_i[p, q, o]` (stride s, dilation d, the input already padded) is a
+    correlation of its input with its output gradient as the filter; with
+    the batch as channels it is a depthwise convolution
+    (`tf.nn.depthwise_conv2d`; under XLA a convolution with
+    `feature_group_count` = batch, as JAX's `vmap` of a kernel gradient
+    lowers): no patches, and the multiply-adds of the plain step's kernel
+    gradient (Rochette et al. 2019; the issue's XLA direction). A stride s
+    takes one such convolution per phase of the kernel offsets (at most s^2),
+    each over its input phase `a[r::s, t::s]`. The K views of an example are
+    summed, one view at a time. One pass at the device's precision, like any
+    held vector (`_direct_products`).
+
+    Args:
+      inputs: float32 `[batch * K, height, width, channels]`, padded: the
+        region the convolution's windows read (`conv2d_patches`' `read`).
+      output_grads: float32 `[batch * K, out_height, out_width, filters]`.
+      kernel_size, strides, dilation_rate: pairs of ints, the convolution's;
+        strides and dilations equal on both axes, not both above 1.
+      num_views: K.
+
+    Returns:
+      float32 `[batch, kh, kw, channels, filters]`.
+
+    Raises:
+      ValueError: unequal strides or dilations, or both above 1 (a depthwise
+        convolution takes one or the other).
+    """
+    (kh, kw), (sh, sw), (dh, dw) = kernel_size, strides, dilation_rate
+    if sh != sw or dh != dw or (sh > 1 and dh > 1):
+        raise ValueError(f"conv2d_example_gradients: strides {strides} and dilation_rate "
+                         f"{dilation_rate} must be equal on both axes and not both above 1.")
+    channels, filters = inputs.shape[-1], output_grads.shape[-1]
+    s = sh
+    # Stride s: offset y = s * alpha + r reads input row (p + alpha) s + r, row p + alpha of
+    # the input's phase r (`a[r::s]`): one stride-1 correlation per phase (r, t), each of
+    # the offsets it owns only (a dilated filter would compute every phase for every
+    # offset: 4x the work of a strided 1x1 convolution), interleaved afterwards.
+    phases_h, phases_w = range(min(s, kh)), range(min(s, kw))
+    total = None
+    for view in range(num_views):
+        a = inputs[view::num_views] if num_views > 1 else inputs
+        g = output_grads[view::num_views] if num_views > 1 else output_grads
+        kernel = precision.device_rounded(tf.transpose(g, [1, 2, 0, 3]))  # [oh, ow, batch, O]
+        out = {}
+        for r in phases_h:
+            for t in phases_w:
+                phase = a[:, r::s, t::s] if s > 1 else a
+                lhs = precision.device_rounded(tf.transpose(phase, [3, 1, 2, 0]))  # [C, H, W, n]
+                # Offset (y, x) reads input (p s + y d): the input strided by d.
+                out[r, t] = tf.nn.depthwise_conv2d(lhs, kernel, strides=[1, dh, dh, 1],
+                                                   padding="VALID")  # [C, ka_r, kb_t, n O]
+        if s > 1:
+            out = _interleave_phases(out, s, kh, kw)
+        else:
+            out = out[0, 0]
+        total = out if total is None else total + out  # [channels, kh, kw, batch * filters]
+    total = tf.reshape(total, [channels, kh, kw, -1, filters])
+    return tf.transpose(total, [3, 1, 2, 0, 4])
+
+
+def _interleave_phases(out: dict, s: int, kh: int, kw: int) -> tf.Tensor:
+    """`{(r, t): [C, ka_r, kb_t, n]}` (offsets s alpha + r, s beta + t) -> `[C, kh, kw, n]`."""
+    ka, kb = -(-kh // s), -(-kw // s)
+    first = out[0, 0]
+    rows = []
+    for r in range(s):
+        row = []
+        for t in range(s):
+            if (r, t) in out:
+                block = out[r, t]
+                pad = [[0, 0], [0, ka - block.shape[1]], [0, kb - block.shape[2]], [0, 0]]
+                row.append(tf.pad(block, pad))
+            else:  # a phase past the kernel: no offsets (cropped below)
+                row.append(tf.zeros_like(first))
+        rows.append(tf.stack(row, axis=3))  # [C, ka, kb, s(t), n]
+    grid = tf.stack(rows, axis=2)  # [C, ka, s(r), kb, s(t), n]
+    shape = tf.shape(first)
+    grid = tf.reshape(grid, [shape[0], ka * s, kb * s, shape[3]])
+    return grid[:, :kh, :kw]
 
 
 def conv2d_kernel_sq_norms(
@@ -846,7 +1010,7 @@ def ws_kernel_sq_norms(
     # P_o removes the direction 1 from h_o: centring every row over its columns first
     # removes it from h exactly, so that a nearly constant input (h nearly parallel to 1)
     # leaves nothing large for P_o to cancel in float32.
-    form = choose_form(_static_rows(output_grads, num_views), fan_in, fan_out)
+    form = choose_form(_static_rows(output_grads, num_views), fan_in, fan_out, True)
     if form == DIRECT:  # held: its float32 projection's rounding is in the vector added
         held = project(tf.concat(_direct_products(rows, output_grads, num_views), axis=-1)
                        * scale[:, None])

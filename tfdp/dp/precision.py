@@ -367,6 +367,16 @@ def _device_rounded(t: tf.Tensor) -> tf.Tensor:
     return _round_mantissa(t, _emulation.device.bits)
 
 
+def device_rounded(t: tf.Tensor) -> tf.Tensor:
+    """What the device multiplies for the float32 matmul or convolution input `t`.
+
+    `t` itself on a real device (which rounds by itself); inside `emulate`,
+    `t` rounded to the emulated device's significant bits. For one-pass
+    products outside `einsum` and `matmul` (a grouped convolution).
+    """
+    return _device_rounded(t)
+
+
 def bf16_pieces(t: tf.Tensor):
     """`(t1, t2, t3)`, float32 tensors exactly representable in bfloat16, `t ~ t1 + t2 + t3`.
 
