@@ -781,7 +781,7 @@ def _conv_gradients_float64(x, g, kernel_size, strides, dilation, padding, views
     return result
 
 
-@settings(max_examples=60, deadline=None, derandomize=True)
+@settings(max_examples=40, deadline=None, derandomize=True)
 @given(_conv_geometries(), st.booleans())
 def test_grouped_conv_gradients_are_the_per_example_gradients(case, jit):
     # The route a GPU or TPU takes for direct-form conv kernels, eagerly and under XLA,
