@@ -141,6 +141,7 @@ CONV_CASES = [  # (kernel, strides, padding, input size)
     ((4, 4), (2, 2), "same", 8),  # space-to-depth patch order
     ((3, 3), (2, 2), "same", 7),
     ((1, 1), (2, 2), "valid", 6),
+    ((3, 2), (2, 1), "same", 7),  # unequal strides: patches on every route (no grouped one)
 ]
 
 
@@ -648,10 +649,23 @@ def _rule_results(a, g, views, form, seed):
                          dtype=tf.float32)
     ids = tf.constant(np.random.default_rng(seed).integers(0, 3, a.shape[:2]))
     per_channel = g[..., :1] * tf.ones_like(a)
+    images, image_grads = a[:, None], g[:, None]  # [n, 1, R, F]: a 1 x 3 conv over the rows
+    conv = dict(kernel_size=(1, 3), strides=(1, 1), dilation_rate=(1, 1), padding="same")
+    strided = dict(kernel_size=(1, 2), strides=(2, 2), dilation_rate=(1, 1), padding="same")
+    conv_kernel = tf.Variable(np.random.default_rng(seed).normal(size=(1, 3, fan_in, fan_out)),
+                              dtype=tf.float32)
     with mock.patch.object(ghost_norms, "choose_form", lambda *_: form):
         yield "kernel", ghost_norms.kernel_sq_norms(ghost_norms.Rows.of(a), g, num_views=views)
         yield "ws", ghost_norms.ws_kernel_sq_norms(ghost_norms.Rows.of(a), g, kernel,
                                                    epsilon=1e-4, num_views=views)
+        # Under `emulate` the direct form of these takes the grouped route (`splits()`).
+        yield "conv", ghost_norms.conv2d_kernel_sq_norms(images, image_grads, **conv,
+                                                         num_views=views)
+        yield "ws conv", ghost_norms.ws_kernel_sq_norms(
+            ghost_norms.conv2d_patches(images, **conv), image_grads, conv_kernel,
+            epsilon=1e-4, num_views=views)
+        yield "strided conv", ghost_norms.conv2d_kernel_sq_norms(
+            images, image_grads[:, :, :-(-a.shape[1] // 2)], **strided, num_views=views)
     yield "scale", ghost_norms.broadcast_sq_norms(per_channel, (fan_in,), inputs=a,
                                                   num_views=views)
     yield "depthwise", ghost_norms.depthwise_kernel_sq_norms(
@@ -735,6 +749,58 @@ def test_rules_trace_with_a_dynamic_batch(form):
     np.testing.assert_allclose(squares[0].numpy(), eager[0].numpy(), rtol=2e-4)
 
 
+@pytest.mark.parametrize("jit", [False, True])
+def test_conv_rules_trace_with_a_dynamic_batch(conv_form, jit):
+    # The same for convolutions, on each route (the grouped one takes the batch as its
+    # channels): a stride-2 conv and a WS conv, against the static batch.
+    x, g = _normal(3, 7, 6, 2), _normal(3, 4, 3, 5)
+    kernel = tf.Variable(_normal(3, 3, 2, 5))
+    geometry = dict(kernel_size=(3, 3), strides=(2, 2), dilation_rate=(1, 1), padding="same")
+
+    def rules(x, g):
+        plain = ghost_norms.conv2d_kernel_sq_norms(x, g, **geometry)
+        ws = ghost_norms.ws_kernel_sq_norms(ghost_norms.conv2d_patches(x, **geometry), g,
+                                            kernel, epsilon=1e-4)
+        factors = tf.ones([tf.shape(x)[0]])
+        return [plain[0], ws[0]], [plain[1](factors), ws[1](factors)]
+
+    dynamic = tf.function(rules, jit_compile=jit, input_signature=[
+        tf.TensorSpec([None, 7, 6, 2]), tf.TensorSpec([None, 4, 3, 5])])
+    for got, expected in zip(tf.nest.flatten(dynamic(x, g)), tf.nest.flatten(rules(x, g))):
+        np.testing.assert_allclose(got.numpy(), expected.numpy(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_grouped_route_isolates_non_finite_pixels(monkeypatch, jit):
+    # On a GPU's or TPU's plan: an inf that no window reads (odd rows and columns under a
+    # 1x1 stride-2 conv) changes nothing; an inf that one is read makes that example's
+    # squares inf only, and with its factor 0 the others' sum is unchanged.
+    monkeypatch.setattr(ghost_norms, "GROUPED_CONV_GRADIENTS", True)
+    monkeypatch.setattr(ghost_norms, "choose_form", lambda *_: ghost_norms.DIRECT)
+    x, g = _normal(3, 6, 6, 2).numpy(), _normal(3, 3, 3, 4)
+    geometry = dict(kernel_size=(1, 1), strides=(2, 2), dilation_rate=(1, 1), padding="valid")
+
+    @tf.function(jit_compile=jit)
+    def rule(x, factors):
+        squares, weighted_sum = ghost_norms.conv2d_kernel_sq_norms(x, g, **geometry)
+        return squares, weighted_sum(factors)
+
+    factors = tf.constant([0.0, 1.0, 0.5])
+    clean_squares, clean_sum = rule(tf.constant(x), factors)
+    unread = x.copy()
+    unread[0, 1::2] = np.inf
+    unread[0, :, 1::2] = np.nan
+    squares, summed = rule(tf.constant(unread), factors)
+    np.testing.assert_array_equal(squares.numpy(), clean_squares.numpy())
+    np.testing.assert_array_equal(summed.numpy(), clean_sum.numpy())
+    read = x.copy()
+    read[0, 2, 2] = np.inf
+    squares, summed = rule(tf.constant(read), factors)
+    assert np.isinf(squares[0]) and np.all(np.isfinite(squares[1:]))
+    np.testing.assert_array_equal(squares.numpy()[1:], clean_squares.numpy()[1:])
+    np.testing.assert_array_equal(summed.numpy(), clean_sum.numpy())
+
+
 # -- Per-example conv gradients as one grouped convolution (issue 35) -------------------
 
 
@@ -746,8 +812,9 @@ def _conv_geometries(draw):
     stride = draw(st.integers(1, 3))
     dilation = 1 if stride > 1 else draw(st.integers(1, 3))
     padding = draw(st.sampled_from(["same", "valid"]))
-    height = draw(st.integers((kh - 1) * dilation + 1, 13))
-    width = draw(st.integers((kw - 1) * dilation + 1, 13))
+    smallest = 1 if padding == "same" else None  # "same" pads inputs smaller than the kernel
+    height = draw(st.integers(smallest or (kh - 1) * dilation + 1, 13))
+    width = draw(st.integers(smallest or (kw - 1) * dilation + 1, 13))
     batch, views = draw(st.integers(1, 3)), draw(st.integers(1, 3))
     channels, filters = draw(st.integers(1, 3)), draw(st.integers(1, 3))
     level = draw(st.sampled_from([0.0, 255.0, 1e-20, 1e20]))
@@ -766,9 +833,11 @@ def _conv_geometries(draw):
 def _conv_gradients_float64(x, g, kernel_size, strides, dilation, padding, views):
     """Each example's kernel gradient, a loop over offsets in float64 (numpy)."""
     (kh, kw), (s, _), (d, _) = kernel_size, strides, dilation
-    if padding == "same":
-        pad = [(0, 0), ghost_norms._same_padding(x.shape[1], kh, s, d),
-               ghost_norms._same_padding(x.shape[2], kw, s, d), (0, 0)]
+    if padding == "same":  # TensorFlow's rule: out = ceil(n / s), the extra pad after
+        def same(n, k):
+            total = max((-(-n // s) - 1) * s + (k - 1) * d + 1 - n, 0)
+            return total // 2, total - total // 2
+        pad = [(0, 0), same(x.shape[1], kh), same(x.shape[2], kw), (0, 0)]
         x = np.pad(x.astype(np.float64), pad)
     x, g = x.astype(np.float64), g.astype(np.float64)
     out_h, out_w = g.shape[1:3]
