@@ -751,6 +751,8 @@ def test_rules_trace_with_a_dynamic_batch(form):
 
 @pytest.mark.parametrize("jit", [False, True])
 def test_conv_rules_trace_with_a_dynamic_batch(conv_form, jit):
+    if jit and conv_form == ghost_norms.GRAM:
+        pytest.skip("XLA with a dynamic batch: the direct routes (the Gram form's is above)")
     # The same for convolutions, on each route (the grouped one takes the batch as its
     # channels): a stride-2 conv and a WS conv, against the static batch.
     x, g = _normal(3, 7, 6, 2), _normal(3, 4, 3, 5)
@@ -850,7 +852,7 @@ def _conv_gradients_float64(x, g, kernel_size, strides, dilation, padding, views
     return result
 
 
-@settings(max_examples=40, deadline=None, derandomize=True)
+@settings(max_examples=30, deadline=None, derandomize=True)
 @given(_conv_geometries(), st.booleans())
 def test_grouped_conv_gradients_are_the_per_example_gradients(case, jit):
     # The route a GPU or TPU takes for direct-form conv kernels, eagerly and under XLA,
