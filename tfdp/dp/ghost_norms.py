@@ -799,8 +799,8 @@ def grouped_conv_gradients() -> bool:
     `GROUPED_CONV_GRADIENTS` if set, else `precision.splits()`: on a GPU or a
     TPU (whose matmuls round their inputs), where a grouped convolution is the
     device's own kernel and patches cost memory and bandwidth (issue 35);
-    not on a CPU, where TensorFlow's and XLA's grouped convolutions were 1-30x
-    slower than the patches here (BUILD.md, "Per-example conv gradients").
+    not on a CPU, where TensorFlow's and XLA's grouped convolutions were 1.3-24x
+    slower than the patches (BUILD.md, "Per-example conv gradients on this CPU").
     """
     if GROUPED_CONV_GRADIENTS is not None:
         return GROUPED_CONV_GRADIENTS
