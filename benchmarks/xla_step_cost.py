@@ -31,6 +31,14 @@ targets (<= 1.6x flops, <= 2x bytes, <= 1.5x temp memory).
     python benchmarks/xla_step_cost.py --jax_python=/tmp/vjax/bin/python \\
         --cases=wrn16_4:32,wrn16_4:128,nf_resnet50:8@224 --out_dir=/tmp/xla_cost
 
+Where the DP step recomputes per-example gradients in while loops over
+chunks of the batch (a GPU's or TPU's plan, `ghost_norms._recomputed`),
+XLA's cost analysis counts a loop's body once, not once per trip: the case
+is then also exported with half as many chunks (`CASE_dp_coarse`), and the
+flops and bytes in the table are the step's with every trip counted
+(`loop_corrected`; the reported ones are printed beside them). Temp memory
+is the default chunking's, as XLA assigns it.
+
 A case is MODEL:B or MODEL:B@RES (square input RES x RES): MODEL one of
 `wrn16_4` (WRN-16-4, GroupNorm + WS, 32x32x3, 10 classes), `nf_resnet50`
 (NF-ResNet-50, 224x224x3, 1000 classes), `tramer_cnn` (28x28x1; tiny, for
@@ -161,6 +169,7 @@ def export_case(case, out_dir, plan="tf32"):
     import keras
     import tensorflow as tf
     from tfdp import accounting
+    from tfdp.dp import ghost_norms
     from tfdp.training.dp_model import DPModel
     model_name, batch, res, name = parse_case(case)
     os.makedirs(out_dir, exist_ok=True)
@@ -183,11 +192,43 @@ def export_case(case, out_dir, plan="tf32"):
     dp = DPModel(model, mechanism, clipping="auto", noise_seed=0)
     dp.compile(optimizer=keras.optimizers.SGD(0.01), jit_compile=True)
     fn = tf.function(lambda x, y, m: dp.train_step((x, y, m)), jit_compile=True)
-    metas.append(write_step(
-        out_dir, f"{name}_dp", fn, (tf.constant(x), tf.constant(y), tf.ones([batch])),
-        {"case": case, "kind": "dp", "batch": batch, "clipping_path": dp.clipping_path,
-         "plan": plan}))
+    args = (tf.constant(x), tf.constant(y), tf.ones([batch]))
+    chunks = ghost_norms.recompute_chunk_count(batch) if ghost_norms.recomputed_gradients() else 1
+    metas.append(write_step(out_dir, f"{name}_dp", fn, args,
+                            {"case": case, "kind": "dp", "batch": batch,
+                             "clipping_path": dp.clipping_path, "plan": plan,
+                             "recompute_chunks": chunks}))
+    if chunks > 1:
+        # XLA's cost analysis counts a while loop's body once (HloCostAnalysis::HandleWhile),
+        # whatever its trip count: the same step with coarser chunks gives the loops' work.
+        saved = ghost_norms.RECOMPUTE_CHUNKS
+        ghost_norms.RECOMPUTE_CHUNKS = chunks // 2
+        try:
+            coarse = ghost_norms.recompute_chunk_count(batch)
+            fn = tf.function(lambda x, y, m: dp.train_step((x, y, m)), jit_compile=True)
+            metas.append(write_step(out_dir, f"{name}_dp_coarse", fn, args,
+                                    {"case": case, "kind": "dp_coarse", "batch": batch,
+                                     "plan": plan, "recompute_chunks": coarse}))
+        finally:
+            ghost_norms.RECOMPUTE_CHUNKS = saved
     return metas
+
+
+def loop_corrected(dp, coarse, chunks, coarse_chunks):
+    """The DP step's flops and bytes with its recompute loops' bodies counted once per trip.
+
+    XLA reports `A + W / n` for a step whose recompute loops do work W in n
+    trips (the body of n-th the batch counted once); two chunkings n > n'
+    give W = (R(n') - R(n)) / (1/n' - 1/n), and the step's cost is A + W.
+    The loops' per-trip constants (the weighted sum's [O, F] accumulator,
+    about 8 bytes per recomputed parameter per trip) are in A, counted once.
+    """
+    out = dict(dp)
+    for key in ("GFLOP", "GB_accessed"):
+        work = (coarse[key] - dp[key]) / (1.0 / coarse_chunks - 1.0 / chunks)
+        out[key] = dp[key] + work * (1.0 - 1.0 / chunks)
+        out[f"{key}_reported"] = dp[key]
+    return out
 
 
 # -- Per-layer analysis (issue 35, item 3) ---------------------------------------------------
@@ -377,6 +418,15 @@ def main(argv=None):
         costs = run_jax(args.jax_python, args.out_dir, [m["name"] for m in metas],
                         args.replay_seconds)
         backend = costs.pop("_backend", {})
+        coarse = [m for m in metas if m["kind"] == "dp_coarse"]
+        if coarse:
+            dp_meta = next(m for m in metas if m["kind"] == "dp")
+            dp_name = dp_meta["name"]
+            costs[dp_name] = loop_corrected(costs[dp_name], costs.pop(coarse[0]["name"]),
+                                            dp_meta["recompute_chunks"],
+                                            coarse[0]["recompute_chunks"])
+            print(json.dumps({"name": dp_name, "loop_corrected": {
+                k: round(v, 4) for k, v in costs[dp_name].items() if "GFLOP" in k or "GB" in k}}))
         if args.layers:
             lines, total = layer_table(metas, costs, parse_case(case)[1])
             print(f"{case}: each kernel's ghost rule (plan {args.plan}, forms {args.form}), XLA on {backend}")

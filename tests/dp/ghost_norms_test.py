@@ -1,5 +1,7 @@
 """Tests for tfdp.dp.ghost_norms: each rule against per-example gradients taken one by one."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -23,13 +25,17 @@ def form(request, monkeypatch):
     return request.param
 
 
-@pytest.fixture(params=["direct", "direct_grouped", "gram"])
+@pytest.fixture(params=["direct", "direct_grouped", "direct_recomputed", "gram"])
 def conv_form(request, monkeypatch):
     """As `form`, for convolutions: the direct form from patches, or from one grouped
-    convolution (`conv2d_example_gradients`, a GPU's or a TPU's route), or the Gram form."""
+    convolution (`conv2d_example_gradients`, a GPU's or a TPU's route), held or recomputed
+    chunk by chunk (`_recomputed`, one example per chunk), or the Gram form."""
     form = ghost_norms.GRAM if request.param == "gram" else ghost_norms.DIRECT
     monkeypatch.setattr(ghost_norms, "choose_form", lambda *_: form)
-    monkeypatch.setattr(ghost_norms, "GROUPED_CONV_GRADIENTS", request.param == "direct_grouped")
+    monkeypatch.setattr(ghost_norms, "GROUPED_CONV_GRADIENTS",
+                        request.param in ("direct_grouped", "direct_recomputed"))
+    monkeypatch.setattr(ghost_norms, "RECOMPUTED_GRADIENTS", request.param == "direct_recomputed")
+    monkeypatch.setattr(ghost_norms, "RECOMPUTE_CHUNK_EXAMPLES", 1)
     return form
 
 
@@ -666,6 +672,12 @@ def _rule_results(a, g, views, form, seed):
             epsilon=1e-4, num_views=views)
         yield "strided conv", ghost_norms.conv2d_kernel_sq_norms(
             images, image_grads[:, :, :-(-a.shape[1] // 2)], **strided, num_views=views)
+        if form == ghost_norms.DIRECT:  # the same WS conv, recomputed chunk by chunk
+            with mock.patch.object(ghost_norms, "RECOMPUTED_GRADIENTS", True), \
+                    mock.patch.object(ghost_norms, "RECOMPUTE_CHUNK_EXAMPLES", 1):
+                yield "recomputed ws conv", ghost_norms.ws_kernel_sq_norms(
+                    ghost_norms.conv2d_patches(images, **conv), image_grads, conv_kernel,
+                    epsilon=1e-4, num_views=views)
     yield "scale", ghost_norms.broadcast_sq_norms(per_channel, (fan_in,), inputs=a,
                                                   num_views=views)
     yield "depthwise", ghost_norms.depthwise_kernel_sq_norms(
@@ -753,6 +765,9 @@ def test_rules_trace_with_a_dynamic_batch(form):
 def test_conv_rules_trace_with_a_dynamic_batch(conv_form, jit):
     if jit and conv_form == ghost_norms.GRAM:
         pytest.skip("XLA with a dynamic batch: the direct routes (the Gram form's is above)")
+    if ghost_norms.RECOMPUTED_GRADIENTS:
+        pytest.skip("a dynamic batch keeps the gradients held (the grouped route above; "
+                    "test_recomputed_where_the_gradient_holds_more_than_what_it_reads)")
     # The same for convolutions, on each route (the grouped one takes the batch as its
     # channels): a stride-2 conv and a WS conv, against the static batch.
     x, g = _normal(3, 7, 6, 2), _normal(3, 4, 3, 5)
@@ -876,15 +891,18 @@ def test_grouped_conv_gradients_are_the_per_example_gradients(case, jit):
 
 
 @settings(max_examples=25, deadline=None, derandomize=True)
-@given(_conv_geometries())
-def test_grouped_route_adds_no_more_than_its_norms(case):
-    # The rule's contract on the grouped route: the vector each example adds (one-hot
-    # factors) is within its squares (or `NORM_FLOOR`, which the clipped sum counts for a
-    # square that flushes to 0: `tfdp.dp.precision`, "Range"), on adversarial levels.
+@given(_conv_geometries(), st.booleans())
+def test_grouped_route_adds_no_more_than_its_norms(case, recompute):
+    # The rule's contract on the grouped route, held or recomputed (chunks of one example):
+    # the vector each example adds (one-hot factors) is within its squares (or
+    # `NORM_FLOOR`, which the clipped sum counts for a square that flushes to 0:
+    # `tfdp.dp.precision`, "Range"), on adversarial levels.
     kernel_size, strides, dilation, padding, views, x, g = case
     batch = len(x) // views
     with mock.patch.object(ghost_norms, "choose_form", lambda *_: ghost_norms.DIRECT), \
-            mock.patch.object(ghost_norms, "GROUPED_CONV_GRADIENTS", True):
+            mock.patch.object(ghost_norms, "GROUPED_CONV_GRADIENTS", True), \
+            mock.patch.object(ghost_norms, "RECOMPUTED_GRADIENTS", recompute), \
+            mock.patch.object(ghost_norms, "RECOMPUTE_CHUNK_EXAMPLES", 1):
         squares, weighted_sum = ghost_norms.conv2d_kernel_sq_norms(
             tf.constant(x), tf.constant(g), kernel_size=kernel_size, strides=strides,
             dilation_rate=dilation, padding=padding, num_views=views)
@@ -896,3 +914,112 @@ def test_grouped_route_adds_no_more_than_its_norms(case):
             assert np.sqrt(np.sum(added ** 2)) <= bound, (i, squares)
         else:  # an inf square gets factor 0 (`clipping.clip_factors`): nothing is added
             assert np.all(weighted_sum(tf.zeros([batch])).numpy() == 0)
+
+
+# -- Recomputed per-example gradients: book-keeping's memory for held vectors (issue 35) ----
+
+
+def test_recompute_chunks_divide_the_batch_into_at_most_8_chunks_of_8_or_more():
+    for batch in range(1, 1100):
+        n = ghost_norms.recompute_chunk_count(batch)
+        assert batch % n == 0 and 1 <= n <= ghost_norms.RECOMPUTE_CHUNKS
+        assert n == 1 or batch // n >= ghost_norms.RECOMPUTE_CHUNK_EXAMPLES
+    assert [ghost_norms.recompute_chunk_count(b) for b in (4, 32, 128, 512, 96, 17)] == [
+        1, 4, 8, 8, 8, 1]
+
+
+def test_recomputed_where_the_gradient_holds_more_than_what_it_reads():
+    # WRN-16-4 on a GPU's plan: stage 1's 3x3 convs hold 37k floats per example, less than
+    # their input region and output gradients (139k): held; stages 2 and 3 hold 147k and
+    # 590k against 74k and 33k: recomputed. A dynamic batch keeps them held.
+    def chunks(size, channels, filters, batch=32):
+        x = tf.zeros([batch, size, size, channels])
+        rows = ghost_norms.conv2d_patches(x, kernel_size=(3, 3), strides=(1, 1),
+                                          dilation_rate=(1, 1), padding="same")
+        return ghost_norms._recompute_chunks(rows, tf.zeros([batch, size, size, filters]), 1)
+
+    assert chunks(16, 128, 128) == 0  # float32 plan: patches, held
+    with precision.emulate(precision.TF32):
+        assert ghost_norms.recomputed_gradients()
+        assert chunks(32, 64, 64) == 0
+        assert chunks(16, 128, 128) == 4 and chunks(8, 256, 256) == 4
+        assert chunks(8, 256, 256, batch=512) == 8
+
+        @tf.function(input_signature=[tf.TensorSpec([None, 8, 8, 256])])
+        def dynamic(x):
+            rows = ghost_norms.conv2d_patches(x, kernel_size=(3, 3), strides=(1, 1),
+                                              dilation_rate=(1, 1), padding="same")
+            return tf.constant(ghost_norms._recompute_chunks(rows, x, 1))
+
+        assert int(dynamic(tf.zeros([4, 8, 8, 256]))) == 0
+
+
+_FLOATS = st.one_of(st.sampled_from([0.0, 1e-45, 1e-39, 1.17e-38, 1.0, 3.4e38, np.inf, np.nan]),
+                    st.floats(0.0, float(np.finfo(np.float32).max), width=32))
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(st.lists(st.tuples(_FLOATS, _FLOATS, st.floats(1e-30, 1e30)),
+                min_size=1, max_size=8))
+def test_reclip_factors_keep_what_is_added_within_the_first_norm(cases):
+    # What a recomputed example adds is at most fl(f s) sqrt(again) (`held_squares`' bound
+    # for any factor): never above f sqrt(first), the norm its factor came from, whatever
+    # the second build returned (larger, 0, a denormal, inf, nan); the same squares give 1.
+    first, again, f = (np.array(c, np.float32) for c in zip(*cases))
+    first = np.where(np.isnan(first), np.float32(1.0), first)  # squares the clip accepted
+    factor = ghost_norms.reclip_factors(tf.constant(f), tf.constant(first),
+                                        tf.constant(again)).numpy()
+    assert np.all((factor >= 0) & (factor <= f))
+    assert np.all(factor[first == again] == f[first == again])
+    s = factor / f
+    factor = factor.astype(np.float64)
+    added = factor * np.sqrt(again.astype(np.float64))
+    # A square below float32's normals may be read as 0 (flushed): the clipped sum counts
+    # every example's total as at least `NORM_FLOOR`^2 (`tfdp.dp.precision`, "Range").
+    counted = np.maximum(first.astype(np.float64), precision.NORM_FLOOR**2)
+    ok = (factor == 0) | (added <= f.astype(np.float64) * np.sqrt(counted))
+    assert np.all(ok), (first, again, s)
+    # A non-finite recompute adds nothing, unless the first squares were inf (factor 0).
+    assert np.all((s == 0) | np.isfinite(again) | np.isinf(first))
+
+
+@settings(max_examples=20, deadline=None, derandomize=True)
+@given(_conv_geometries(), st.lists(st.sampled_from([1.0, 1.0 + 2.0**-20, 1.5, 1e30, -3.0,
+                                                     0.0, np.inf, np.nan]),
+                                    min_size=3, max_size=3), st.integers(0, 2**16))
+def test_a_recompute_that_differs_adds_no_more_than_the_first_norm(case, scales, seed):
+    # A device whose second build of a chunk's gradients is not its first (another conv
+    # algorithm, a rewrite): scaled, shifted, inf or nan per chunk (one example each). What
+    # each example adds stays within f sqrt(squares) of the FIRST build, and an example
+    # whose recompute is not finite adds nothing (the others' sum stays finite).
+    kernel_size, strides, dilation, padding, views, x, g = case
+    batch = len(x) // views
+    rows = ghost_norms.conv2d_patches(tf.constant(x), kernel_size=kernel_size, strides=strides,
+                                      dilation_rate=dilation, padding=padding)
+    calls = []
+
+    def changed(output_grads, num_views, source=None):  # eager: one call per chunk
+        h = rows.gradients(output_grads, num_views, source=source)
+        calls.append(None)
+        if len(calls) <= batch:
+            return h
+        chunk = (len(calls) - 1) % batch
+        noise = np.random.default_rng(seed + chunk).normal(size=h.shape).astype(np.float32)
+        return h * scales[chunk % 3] + tf.reduce_max(tf.abs(h)) * 1e-3 * noise
+
+    lying = dataclasses.replace(rows, gradients=changed)
+    with mock.patch.object(ghost_norms, "choose_form", lambda *_: ghost_norms.DIRECT), \
+            mock.patch.object(ghost_norms, "GROUPED_CONV_GRADIENTS", True), \
+            mock.patch.object(ghost_norms, "RECOMPUTED_GRADIENTS", True), \
+            mock.patch.object(ghost_norms, "RECOMPUTE_CHUNK_EXAMPLES", 1):
+        squares, weighted_sum = ghost_norms.kernel_sq_norms(lying, tf.constant(g),
+                                                            num_views=views)
+        squares = squares.numpy().astype(np.float64)
+        for i in range(batch):
+            if not np.isfinite(squares[i]):  # factor 0 (`clipping.clip_factors`): nothing added
+                assert np.all(weighted_sum(tf.zeros([batch])).numpy() == 0)
+                continue
+            added = weighted_sum(0.7 * tf.one_hot(i, batch)).numpy().astype(np.float64)
+            bound = np.float64(np.float32(0.7)) * max(np.sqrt(squares[i]), precision.NORM_FLOOR)
+            assert np.sqrt(np.sum(added ** 2)) <= bound, (i, scales)
+        assert np.all(np.isfinite(weighted_sum(tf.where(np.isfinite(squares), 0.5, 0.0))))

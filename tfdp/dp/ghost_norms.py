@@ -36,6 +36,12 @@ and the GRAM form never does, summing `(A A^T) * (G G^T)` over the R x R row
 pairs (cost R^2 * (fan_in + fan_out), six passes on a GPU or TPU; Li et al.
 2022, eq. (4)). A convolution's direct form comes from its patches on a CPU
 and from one grouped convolution on a GPU or TPU (`conv2d_example_gradients`).
+There, a kernel whose per-example gradient is larger than what it is built
+from (the example's input region and output gradients) is not held but
+built twice, chunk by chunk of the batch: once for its norms, once for the
+weighted sum, which clips the second build again to the first one's norm
+(`_recomputed`, `reclip_factors`): one layer's chunk of per-example
+gradients in memory at a time, the memory of Bu et al. 2023's book-keeping.
 
 Every rule returns `(squares, weighted_sum)`: float32 `[batch]`, per
 example an upper bound on the squared norm of what `weighted_sum` adds for
@@ -212,11 +218,14 @@ class Rows:
       rebuild: None, or a callable `factors [batch * K] -> Rows` that builds
         the same rows from the input times one factor per image: cheaper
         than scaling every block (a 3x3 patch is 9 input entries).
-      gradients: None, or a callable `(output_grads, num_views) -> [batch,
-        fan_out, F]`: every example's `h^T = sum_r g_r a_r^T` (a's column
-        order) without building the rows, e.g. one grouped convolution
-        (`conv2d_patches`); the direct form uses it where
-        `grouped_conv_gradients()` says so.
+      gradients: None, or a callable `(output_grads, num_views, source=None)
+        -> [batch, fan_out, F]`: every example's `h^T = sum_r g_r a_r^T` (a's
+        column order) without building the rows, e.g. one grouped
+        convolution (`conv2d_patches`); the direct form uses it where
+        `grouped_conv_gradients()` says so. `source`: the examples' slice of
+        `source` to read instead (a chunk of the batch, `_recomputed`).
+      source: None, or float32 `[batch * K, ...]`, the input region that
+        `gradients` reads.
     """
 
     blocks: Tuple[Callable[[], tf.Tensor], ...]
@@ -225,7 +234,8 @@ class Rows:
     row_sums: Optional[Callable[[], tf.Tensor]] = None
     magnitude: Optional[Callable[[], tf.Tensor]] = None
     rebuild: Optional[Callable[[tf.Tensor], "Rows"]] = None
-    gradients: Optional[Callable[[tf.Tensor, int], tf.Tensor]] = None
+    gradients: Optional[Callable[..., tf.Tensor]] = None
+    source: Optional[tf.Tensor] = None
 
     @classmethod
     def of(cls, inputs: tf.Tensor) -> "Rows":
@@ -314,7 +324,10 @@ def _one_block_at_a_time(rows: Rows, num_views: int, fn) -> list:
 #   float32 vector: a staged sum of squares, which cannot cancel, with its
 #   rounding bound (`held_squares`). How the held vector was computed (a bf16
 #   pass, a float32 backward pass) does not matter for the bound: it is the
-#   vector added.
+#   vector added. RECOMPUTED (`_recomputed`, a GPU's or TPU's large conv kernels):
+#   the vector is built again for the weighted sum, and whatever that second build
+#   returns, its own `held_squares` and `reclip_factors` scale it to at most the
+#   first build's norm (the same vector: factor unchanged).
 # - GRAM (large kernels over few positions; `choose_form`): the per-example
 #   gradient h = sum_r a_r g_r^T is never built. Its rows are first CENTRED per
 #   example over the positions: d_r = a_r - m with m the rows' mean, and
@@ -405,6 +418,141 @@ def _direct_products(rows: Rows, output_grads: tf.Tensor, num_views: int,
     return _one_block_at_a_time(
         rows, num_views, lambda a: precision.matmul(g, _centred_columns(a, row_means),
                                                     transpose_a=True))
+
+
+# Where a direct-form conv kernel on the grouped route is RECOMPUTED instead of held (issue
+# 35): None follows the device (`recomputed_gradients`); True or False forces it.
+RECOMPUTED_GRADIENTS: Optional[bool] = None
+RECOMPUTE_CHUNKS = 8  # at most this many chunks of the batch per recomputed kernel
+RECOMPUTE_CHUNK_EXAMPLES = 8  # and at least this many examples per chunk (where the batch allows)
+
+
+def recomputed_gradients() -> bool:
+    """Whether direct-form kernels that hold more than they read are recomputed (trace time).
+
+    `RECOMPUTED_GRADIENTS` if set (True: every grouped-route kernel with a
+    static batch, whatever it holds; tests), else `grouped_conv_gradients()`:
+    where the per-example gradients are grouped convolutions (a GPU or TPU),
+    whose memory, not their work, sets the DP step's cost (issue 35).
+    """
+    if RECOMPUTED_GRADIENTS is not None:
+        return RECOMPUTED_GRADIENTS
+    return grouped_conv_gradients()
+
+
+def _recompute_chunks(rows: Rows, output_grads: tf.Tensor, num_views: int) -> int:
+    """How many chunks of the batch `_recomputed` takes, or 0 where it does not pay.
+
+    It pays where the per-example gradient `F O` floats is more than what the
+    recompute keeps until the clip factors are known: the input region and the
+    output gradients of the example's K views (a WRN-16-4's stages 2 and 3:
+    147k and 590k floats against 65k and 33k). A batch size unknown at trace
+    time keeps the gradients held.
+    """
+    if (rows.gradients is None or rows.source is None or not grouped_conv_gradients()
+            or not recomputed_gradients()):
+        return 0
+    images = output_grads.shape[0]
+    reads, grads = _static_size(rows.source), _static_size(output_grads)
+    if images is None or reads is None or grads is None:
+        return 0
+    kept = num_views * (reads + grads)  # per example
+    if RECOMPUTED_GRADIENTS is None and kept >= rows.fan_in * output_grads.shape[-1]:
+        return 0  # (True forces it: tests)
+    return recompute_chunk_count(images // num_views)
+
+
+def recompute_chunk_count(batch: int) -> int:
+    """The chunks a recomputed kernel's batch of `batch` examples is cut into (a divisor of it).
+
+    The largest divisor of `batch` up to `RECOMPUTE_CHUNKS` that leaves at
+    least `RECOMPUTE_CHUNK_EXAMPLES` examples per chunk (1 for a small batch):
+    a chunk's per-example gradients are then at most 1/8 of the batch's,
+    and a GPU's grouped convolution still gets 8 or more examples at a time.
+    """
+    wanted = max(1, min(RECOMPUTE_CHUNKS, batch // RECOMPUTE_CHUNK_EXAMPLES))
+    return max(n for n in range(1, wanted + 1) if batch % n == 0)
+
+
+def reclip_factors(factors: tf.Tensor, first: tf.Tensor, again: tf.Tensor) -> tf.Tensor:
+    """The factors for a recomputed held vector v': `fl(f s)`, with `fl(f s) |v'| <= f sqrt(first)`.
+
+    `factors` f: the clip factors, computed from `first`, the squares the
+    first build returned; `again`: the `held_squares` of the vector built
+    again now (all float32 `[n]`). s is 1 where `again <= first` (the same
+    vector computed again: the usual case, and then the factors are returned
+    unchanged), 0 where `again` is not finite, else `sqrt(first / again) (1 -
+    16 u)`; a product `f s < 1` that lands below float32's normals (where its
+    rounding is no longer relative) is 0. With `held_squares`' bound (for any
+    factor), what the example adds is then at most `f sqrt(first)`,
+    whatever the recompute returned (a device whose second convolution
+    differs from its first: another algorithm, a rewrite).
+    """
+    ratio = tf.sqrt(first / again) * np.float32(1.0 - 16 * _U)
+    # A non-finite ratio (again flushed to 0 in the division, or 0 / 0) drops the example.
+    shrunk = tf.where(tf.math.is_finite(ratio) & tf.math.is_finite(again),
+                      tf.minimum(ratio, 1.0), tf.zeros_like(ratio))
+    product = factors * shrunk
+    product = tf.where(product < np.finfo(np.float32).tiny, tf.zeros_like(product), product)
+    return tf.where(again <= first, factors, product)
+
+
+def _recomputed(rows: Rows, output_grads: tf.Tensor, num_views: int, chunks: int,
+                transform: Callable[[tf.Tensor], tf.Tensor],
+                finish: Callable[[tf.Tensor], tf.Tensor]):
+    """`(squares, weighted_sum)` of the direct form, its gradients built twice, chunk by chunk.
+
+    Book-keeping's memory (Bu et al. 2023: one layer's per-example tensors
+    alive at a time) for a held vector: the squares come from `chunks`
+    consecutive slices of the batch, one after the other (a while loop),
+    each chunk's per-example gradients `transform(rows.gradients(...))`
+    dropped after its norm; `weighted_sum(factors)` builds them again the
+    same way, chunk by chunk, and adds `fl(f_i s_i) v_i` with `fl(f_i s_i)
+    = reclip_factors(f, first, again)`, `again` the recomputed vector's own
+    `held_squares`. So the bound of `held_squares` holds for what is added
+    even if the second build differs from the first (s_i < 1 then; s_i = 1
+    where it is the same vector). The chunks' sums are added in float32, as
+    any batch's (not counted: see "Rounding").
+    """
+    batch = output_grads.shape[0] // num_views
+    size = batch // chunks
+
+    def split(t):
+        return tf.reshape(t, [chunks, size * num_views, *t.shape[1:]])
+
+    source, grads = split(rows.source), split(output_grads)
+
+    def held(i):
+        return transform(rows.gradients(grads[i], num_views, source=source[i]))
+
+    shape = []  # the held vector's static shape, from the first trace
+
+    def squares_of(i, out):
+        vector = held(i)
+        shape[:] = vector.shape[1:]
+        return i + 1, out.write(i, held_squares(vector))
+
+    _, out = tf.while_loop(lambda i, _: i < chunks, squares_of,
+                           (tf.constant(0), tf.TensorArray(NORM_DTYPE, size=chunks,
+                                                           element_shape=[size])),
+                           parallel_iterations=1)
+    squares = tf.reshape(out.stack(), [batch])
+
+    def weighted_sum(factors):
+        factors = tf.reshape(tf.cast(factors, tf.float32), [chunks, size])
+        first = tf.reshape(squares, [chunks, size])
+
+        def add(i, total):
+            vector = held(i)
+            chunk_factors = reclip_factors(factors[i], first[i], held_squares(vector))
+            return i + 1, total + clipping.weighted_sum(chunk_factors, vector)
+
+        _, total = tf.while_loop(lambda i, _: i < chunks, add,
+                                 (tf.constant(0), tf.zeros(shape, tf.float32)),
+                                 parallel_iterations=1)
+        return finish(total)
+
+    return squares, weighted_sum
 
 
 def _rows_with_mean(a: tf.Tensor, mean: Optional[tf.Tensor]) -> tf.Tensor:
@@ -680,6 +828,10 @@ def kernel_sq_norms(rows: Rows, output_grads: tf.Tensor, *, num_views: int = 1):
     fan_out = output_grads.shape[-1]
     form = choose_form(_static_rows(output_grads, num_views), rows.fan_in, fan_out)
     if form == DIRECT:
+        finish = lambda s: rows.to_kernel_rows(tf.transpose(s))  # noqa: E731
+        chunks = _recompute_chunks(rows, output_grads, num_views)
+        if chunks:
+            return _recomputed(rows, output_grads, num_views, chunks, lambda h: h, finish)
         held = _direct_products(rows, output_grads, num_views)
         squares = held_squares(held)
         return squares, _summer(held, squares, lambda s: rows.to_kernel_rows(tf.transpose(s)))
@@ -776,15 +928,17 @@ def conv2d_patches(inputs: tf.Tensor, *, kernel_size, strides, dilation_rate,
         slices = [[piece for row in slices for piece in row]]
     gradients = None
     if dh == dw:  # depthwise convolutions take one stride and one dilation
-        def gradients(output_grads, num_views):
-            h = conv2d_example_gradients(read, output_grads, kernel_size=kernel_size,
+        def gradients(output_grads, num_views, source=None):
+            source = read if source is None else source
+            h = conv2d_example_gradients(source, output_grads, kernel_size=kernel_size,
                                          strides=strides, dilation_rate=dilation_rate,
                                          num_views=num_views)
             h = tf.reshape(h, [-1, fan_in, h.shape[-1]])  # [batch, F, O], kernel order
             h = tf.transpose(h, [0, 2, 1])
             return h if order is None else tf.gather(h, order, axis=2)  # a's column order
     return Rows(tuple(block(row) for row in slices), fan_in, order, row_sums,
-                lambda: _largest_entry(read), rebuild, gradients)
+                lambda: _largest_entry(read), rebuild, gradients,
+                read if gradients is not None else None)
 
 
 # Where the direct form of a convolution's kernel builds its per-example gradients with one
@@ -1012,6 +1166,10 @@ def ws_kernel_sq_norms(
     # leaves nothing large for P_o to cancel in float32.
     form = choose_form(_static_rows(output_grads, num_views), fan_in, fan_out, True)
     if form == DIRECT:  # held: its float32 projection's rounding is in the vector added
+        chunks = _recompute_chunks(rows, output_grads, num_views)
+        if chunks:
+            return _recomputed(rows, output_grads, num_views, chunks,
+                               lambda h: project(h * scale[:, None]), to_kernel)
         held = project(tf.concat(_direct_products(rows, output_grads, num_views), axis=-1)
                        * scale[:, None])
         squares = held_squares(held)
