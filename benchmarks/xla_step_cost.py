@@ -395,6 +395,9 @@ def main(argv=None):
                         help="the device the DP step's ghost rules plan for")
     parser.add_argument("--form", choices=("auto", "direct", "gram", "bu"), default="auto",
                         help="analysis only: force every kernel rule's form (auto: tfdp's choice)")
+    parser.add_argument("--held", action="store_true",
+                        help="analysis only: hold every direct-form gradient (no recompute; "
+                             "ghost_norms.RECOMPUTED_GRADIENTS = False)")
     parser.add_argument("--export_only", action="store_true")
     parser.add_argument("--layers", action="store_true",
                         help="per-kernel ghost-rule cost instead of the steps (analysis)")
@@ -406,6 +409,9 @@ def main(argv=None):
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     cases = [c for c in args.cases.split(",") if c]
     set_form(args.form)
+    if args.held:
+        from tfdp.dp import ghost_norms
+        ghost_norms.RECOMPUTED_GRADIENTS = False
     print(host.describe_host())
     print(f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; "
           f"{' '.join(shlex.quote(a) for a in [sys.executable, *sys.argv])}")
