@@ -1023,3 +1023,50 @@ def test_a_recompute_that_differs_adds_no_more_than_the_first_norm(case, scales,
             bound = np.float64(np.float32(0.7)) * max(np.sqrt(squares[i]), precision.NORM_FLOOR)
             assert np.sqrt(np.sum(added ** 2)) <= bound, (i, scales)
         assert np.all(np.isfinite(weighted_sum(tf.where(np.isfinite(squares), 0.5, 0.0))))
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_recomputed_chunks_of_several_examples_are_the_held_vectors(monkeypatch, jit):
+    # Chunks of 2 examples of K = 2 views (6 examples, 3 chunks), a stride-2 conv and a WS
+    # conv, eagerly and under XLA: the recomputed route gives the held route's squares and,
+    # at one-hot factors, its vectors, each within its norm; an inf pixel read by example 2
+    # makes its squares inf and leaves the others' squares and (factor 0 for it) the sum.
+    monkeypatch.setattr(ghost_norms, "GROUPED_CONV_GRADIENTS", True)
+    monkeypatch.setattr(ghost_norms, "choose_form", lambda *_: ghost_norms.DIRECT)
+    monkeypatch.setattr(ghost_norms, "RECOMPUTE_CHUNK_EXAMPLES", 2)
+    batch, views = 6, 2
+    x, g = _normal(batch * views, 7, 7, 3).numpy(), _normal(batch * views, 4, 4, 5)
+    kernel = tf.Variable(_normal(3, 3, 3, 5))
+    geometry = dict(kernel_size=(3, 3), strides=(2, 2), dilation_rate=(1, 1), padding="same")
+    factors = np.concatenate([0.7 * np.eye(batch), [[1.0, 0.5, 0.0, 1.0, 0.25, 1.0]]])
+
+    def rules(recompute):
+        @tf.function(jit_compile=jit)
+        def run(x, factors):
+            with mock.patch.object(ghost_norms, "RECOMPUTED_GRADIENTS", recompute):
+                assert ghost_norms.recompute_chunk_count(batch) == 3
+                plain = ghost_norms.conv2d_kernel_sq_norms(x, g, num_views=views, **geometry)
+                ws = ghost_norms.ws_kernel_sq_norms(ghost_norms.conv2d_patches(x, **geometry),
+                                                    g, kernel, epsilon=1e-4, num_views=views)
+            return ([plain[0], ws[0]],
+                    [tf.stack([rule[1](f) for f in tf.unstack(factors)]) for rule in (plain, ws)])
+        return lambda x: [[t.numpy() for t in part]
+                          for part in run(tf.constant(x), tf.constant(factors, tf.float32))]
+
+    held, recomputed = rules(False), rules(True)
+    (held_squares, held_sums), (squares, sums) = held(x), recomputed(x)
+    for h, r in zip(held_squares + held_sums, squares + sums):
+        np.testing.assert_allclose(r, h, rtol=1e-6, atol=1e-30)
+    for sq, summed in zip(squares, sums):
+        for i in range(batch):
+            size = np.sqrt(np.sum(summed[i].astype(np.float64) ** 2))
+            assert size <= np.float32(0.7) * np.sqrt(np.float64(sq[i])), (i, size, sq[i])
+    poisoned = x.copy()
+    poisoned[2 * views + 1, 2, 2] = np.inf  # example 2, its second view: read by the conv
+    squares_inf, sums_inf = recomputed(poisoned)
+    for clean, dirty in zip(squares, squares_inf):  # inf or nan (inf - inf): factor 0
+        assert not np.isfinite(dirty[2]) and np.all(np.isfinite(np.delete(dirty, 2)))
+        np.testing.assert_array_equal(np.delete(dirty, 2), np.delete(clean, 2))
+    assert factors[-1][2] == 0.0  # the last factor row drops example 2: the clean sum
+    for clean_sum, dirty_sum in zip(sums, sums_inf):
+        np.testing.assert_array_equal(dirty_sum[-1], clean_sum[-1])

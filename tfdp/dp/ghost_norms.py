@@ -482,18 +482,21 @@ def reclip_factors(factors: tf.Tensor, first: tf.Tensor, again: tf.Tensor) -> tf
     again now (all float32 `[n]`). s is 1 where `again <= first` (the same
     vector computed again: the usual case, and then the factors are returned
     unchanged), 0 where `again` is not finite, else `sqrt(first / again) (1 -
-    16 u)`; a product `f s < 1` that lands below float32's normals (where its
-    rounding is no longer relative) is 0. With `held_squares`' bound (for any
+    16 u)`; a quotient `first / again` or a product `f s < 1` that lands below
+    float32's normals (where rounding is no longer relative) gives 0. With `held_squares`' bound (for any
     factor), what the example adds is then at most `f sqrt(first)`,
     whatever the recompute returned (a device whose second convolution
     differs from its first: another algorithm, a rewrite).
     """
-    ratio = tf.sqrt(first / again) * np.float32(1.0 - 16 * _U)
-    # A non-finite ratio (again flushed to 0 in the division, or 0 / 0) drops the example.
-    shrunk = tf.where(tf.math.is_finite(ratio) & tf.math.is_finite(again),
+    tiny = np.finfo(np.float32).tiny  # 2^-126: below it, rounding is absolute, not relative
+    quotient = first / again
+    ratio = tf.sqrt(quotient) * np.float32(1.0 - 16 * _U)
+    # A non-finite ratio (again flushed to 0 in the division, or 0 / 0) or a quotient below
+    # the normals (a device that keeps denormals rounds it by up to 2^-150) drops the example.
+    shrunk = tf.where(tf.math.is_finite(ratio) & tf.math.is_finite(again) & (quotient >= tiny),
                       tf.minimum(ratio, 1.0), tf.zeros_like(ratio))
     product = factors * shrunk
-    product = tf.where(product < np.finfo(np.float32).tiny, tf.zeros_like(product), product)
+    product = tf.where(product < tiny, tf.zeros_like(product), product)
     return tf.where(again <= first, factors, product)
 
 
