@@ -483,9 +483,9 @@ def reclip_factors(factors: tf.Tensor, first: tf.Tensor, again: tf.Tensor) -> tf
     vector computed again: the usual case, and then the factors are returned
     unchanged), 0 where `again` is not finite, else `sqrt(first / again) (1 -
     16 u)`; a quotient `first / again` or a product `f s < 1` that lands below
-    float32's normals (where rounding is no longer relative) gives 0. With `held_squares`' bound (for any
-    factor), what the example adds is then at most `f sqrt(first)`,
-    whatever the recompute returned (a device whose second convolution
+    float32's normals (where rounding is no longer relative) gives 0. With
+    `held_squares`' bound (for any factor), what the example adds is then at
+    most `f sqrt(first)`, whatever the recompute returned (a device whose second convolution
     differs from its first: another algorithm, a rewrite).
     """
     tiny = np.finfo(np.float32).tiny  # 2^-126: below it, rounding is absolute, not relative
