@@ -931,7 +931,7 @@ def test_recompute_chunks_divide_the_batch_into_at_most_8_chunks_of_8_or_more():
 def test_recomputed_where_the_gradient_holds_more_than_what_it_reads():
     # WRN-16-4 on a GPU's plan: stage 1's 3x3 convs hold 37k floats per example, less than
     # their input region and output gradients (139k): held; stages 2 and 3 hold 147k and
-    # 590k against 74k and 33k: recomputed. A dynamic batch keeps them held.
+    # 590k against 74k and 42k: recomputed. A dynamic batch keeps them held.
     def chunks(size, channels, filters, batch=32):
         x = tf.zeros([batch, size, size, channels])
         rows = ghost_norms.conv2d_patches(x, kernel_size=(3, 3), strides=(1, 1),

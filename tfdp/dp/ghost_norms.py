@@ -446,7 +446,7 @@ def _recompute_chunks(rows: Rows, output_grads: tf.Tensor, num_views: int) -> in
     It pays where the per-example gradient `F O` floats is more than what the
     recompute keeps until the clip factors are known: the input region and the
     output gradients of the example's K views (a WRN-16-4's stages 2 and 3:
-    147k and 590k floats against 65k and 33k). A batch size unknown at trace
+    147k and 590k floats against 74k and 42k). A batch size unknown at trace
     time keeps the gradients held.
     """
     if (rows.gradients is None or rows.source is None or not grouped_conv_gradients()
