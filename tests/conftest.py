@@ -36,6 +36,48 @@ def _run_smoke(workdir, gin_files, extra_params=(), mock=True):
         gin.clear_config()
 
 
+SLOW_CASES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "slow_cases.txt")
+
+
+def read_slow_cases(path=SLOW_CASES):
+    """The test ids of `tests/slow_cases.txt` (comments and blank lines left out)."""
+    with open(path) as f:
+        return [line.strip() for line in f if line.strip() and not line.startswith("#")]
+
+
+def slow_case_matches(case, nodeid):
+    """Whether `case` (a line of slow_cases.txt) names the test `nodeid`.
+
+    `file::test` names every case of that test (not `file::test_longer`), `file::test[id]`
+    that case, and `file::test[id` cut short (no `]`) every case whose id starts with it.
+    """
+    if "[" not in case:
+        return nodeid == case or nodeid.startswith(case + "[")
+    return nodeid == case if case.endswith("]") else nodeid.startswith(case)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Marks the cases of `tests/slow_cases.txt` `slow`, before `-m` selects.
+
+    Raises:
+      pytest.UsageError: a line names no collected test of a file the collection read.
+    """
+    cases = read_slow_cases()
+    found = set()
+    for item in items:
+        for case in cases:
+            if slow_case_matches(case, item.nodeid):
+                item.add_marker(pytest.mark.slow)
+                found.add(case)
+    files = {item.nodeid.split("::")[0] for item in items}
+    stale = [case for case in cases if case not in found and case.split("::")[0] in files]
+    if stale:
+        raise pytest.UsageError(
+            "tests/slow_cases.txt names tests that were not collected (renamed or removed? "
+            "rename or remove the lines): " + "; ".join(stale))
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     """After a test file's last test: collects its cyclic garbage, then `gc.freeze()`s the rest.

@@ -1,0 +1,97 @@
+"""tests/slow_cases.txt: what the default suite leaves to `-m slow`, and what it must keep."""
+
+import importlib.util
+import os
+
+import pytest
+
+_SPEC = importlib.util.spec_from_file_location(
+    "tests_conftest_for_slow_cases", os.path.join(os.path.dirname(__file__), "conftest.py"))
+_conftest = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(_conftest)
+
+# Each privacy, accounting or workdir rule's check keeps at least one case in the default
+# suite (README's command 2, CI): slow_cases.txt may list other cases of these, never all.
+KEPT = [
+    "tests/training/distribute_test.py::test_summed_noise_has_std_sigma_c_over_b_for_every_replica_count",
+    "tests/training/distribute_test.py::test_microbatched_sensitivity_is_2c_across_replicas",
+    "tests/training/distribute_test.py::test_masked_padding_contributes_nothing",
+    "tests/training/dp_model_test.py::test_noise_std_is_sigma_c_over_b_once_per_logical_batch",
+    "tests/training/dp_model_test.py::test_per_example_sensitivity_is_c_for_any_chunking",
+    "tests/training/dp_model_test.py::test_microbatched_sensitivity_is_2c_for_any_chunking",
+    "tests/training/dp_model_test.py::test_update_divides_by_the_expected_batch_size_not_the_realized_one",
+    "tests/training/ghost_fuzz_test.py::test_fuzz_every_contribution_is_at_most_c",
+    "tests/training/ghost_fuzz_test.py::test_fuzz_every_contribution_is_at_most_c_at_emulated_device_precision",
+    "tests/training/ghost_fuzz_test.py::test_fuzz_each_block_kind",
+    "tests/training/ghost_fuzz_test.py::test_fuzz_each_pretrained_backbone_layer",
+    "tests/training/dp_model_fuzz_test.py::test_fuzz_dp_model_step",
+    "tests/training/dp_model_fuzz_test.py::test_fuzz_a_poisoned_example_moves_the_sum_by_at_most_its_own_contribution",
+    "tests/training/device_arithmetic_test.py::test_every_rounded_matmul_fails_the_float32_plan_and_holds_the_device_plan",
+    "tests/training/device_arithmetic_test.py::test_fuzz_rescaled_inputs_and_weights_contribute_at_most_c",
+    "tests/training/device_arithmetic_test.py::test_grappler_mixed_precision_is_refused_before_any_step",
+    "tests/training/dp_step_xla_test.py::test_the_compiled_dp_step_has_no_float64_and_no_host_callback",
+    "tests/training/dp_step_xla_test.py::test_the_check_sees_a_float64_op_inside_the_step",
+    "tests/training/ghost_backbones_test.py::test_grouped_conv2d_rule_equals_a_float64_loop",
+    "tests/training/ghost_clipping_test.py::test_norms_and_clipped_sum_equal_the_vectorized_path",
+    "tests/dp/ghost_norms_test.py::test_no_rule_adds_more_than_its_norm_at_emulated_device_precision",
+    "tests/dp/ghost_norms_test.py::test_recomputed_chunks_of_several_examples_are_the_held_vectors",
+    "tests/dp/ghost_norms_test.py::test_a_recompute_that_differs_adds_no_more_than_the_first_norm",
+    "tests/dp/ghost_norms_test.py::test_grouped_route_adds_no_more_than_its_norms",
+    "tests/experiment_test.py::test_sampling_coins_are_secret_by_default",
+    "tests/experiment_test.py::test_resuming_under_another_mechanism_is_refused_naming_the_field",
+    "tests/static_batch_test.py::test_a_checkpoint_from_another_privacy_plan_is_not_resumed",
+    "tests/non_private_test.py::test_a_private_workdir_is_not_resumed_without_privacy",
+    "tests/non_private_test.py::test_a_non_private_workdir_is_not_resumed_privately",
+    "tests/accounting/mechanism_test.py::test_noise_is_calibrated_to_the_target",
+    "tests/lease_test.py::test_a_run_that_ignores_sigint_stops_within_a_renewal_of_losing_its_lease",
+    "tests/workdir_test.py::test_a_full_disk_during_export_leaves_an_unfinished_workdir_that_a_rerun_finishes",
+]
+# Every case of these stays: each config's epsilon against its paper, the README example.
+ALL_CASES_KEPT = ["tests/configs_test.py::test_config_epsilon_matches_the_paper",
+                  "tests/readme_test.py::"]
+
+
+def test_a_line_names_a_test_its_cases_or_a_case_cut_short():
+    match = _conftest.slow_case_matches
+    assert match("tests/a_test.py::test_x", "tests/a_test.py::test_x")
+    assert match("tests/a_test.py::test_x", "tests/a_test.py::test_x[1-2]")
+    assert not match("tests/a_test.py::test_x", "tests/a_test.py::test_x_long")
+    assert not match("tests/a_test.py::test_x", "tests/b_test.py::test_x")
+    assert match("tests/a_test.py::test_x[1-2]", "tests/a_test.py::test_x[1-2]")
+    assert not match("tests/a_test.py::test_x[1-2]", "tests/a_test.py::test_x[1-20]")
+    assert match("tests/a_test.py::test_x[1-", "tests/a_test.py::test_x[1-20 and more]")
+    assert not match("tests/a_test.py::test_x[1-", "tests/a_test.py::test_x[2-1]")
+
+
+def test_every_line_is_a_test_id_and_no_line_is_there_twice():
+    cases = _conftest.read_slow_cases()
+    assert len(cases) == len(set(cases)) > 100
+    for case in cases:
+        path, _, name = case.partition("::")
+        assert path.startswith("tests/") and path.endswith("_test.py") and os.path.isfile(
+            os.path.join(os.path.dirname(os.path.dirname(__file__)), path)), case
+        assert name.startswith("test_"), case
+
+
+def test_the_list_leaves_a_case_of_every_privacy_check_in_the_default_suite():
+    cases = _conftest.read_slow_cases()
+    for test in KEPT:
+        assert test not in cases, f"{test}: every case would leave the default suite"
+    for test in ALL_CASES_KEPT:
+        assert not [case for case in cases if case.startswith(test)], test
+
+
+def test_the_default_suite_runs_a_case_of_each_kept_check(request):
+    # Behaviour, not the list's text: among the tests this run selected (the default suite
+    # with README's command 2), each kept check has a case without the slow mark. A run of
+    # some files only checks the checks of those files.
+    if "not slow" not in (request.config.getoption("markexpr") or ""):
+        pytest.skip("only meaningful in a run that leaves out -m slow (the default suite)")
+    items = request.session.items
+    files = {item.nodeid.split("::")[0] for item in items}
+    for test in KEPT:
+        if test.split("::")[0] not in files:
+            continue
+        running = [item for item in items if _conftest.slow_case_matches(test, item.nodeid)
+                   and item.get_closest_marker("slow") is None]
+        assert running, f"{test} has no case in the default suite"
