@@ -56,12 +56,17 @@ def slow_case_matches(case, nodeid):
     return nodeid == case if case.endswith("]") else nodeid.startswith(case)
 
 
+COLLECTED_FILES = pytest.StashKey[set]()  # test files the collection read (before -m)
+STALE_SLOW_CASES = pytest.StashKey[list]()  # lines of slow_cases.txt naming nothing collected
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     """Marks the cases of `tests/slow_cases.txt` `slow`, before `-m` selects.
 
-    Raises:
-      pytest.UsageError: a line names no collected test of a file the collection read.
+    Also stashes, for `tests/slow_cases_test.py` (a test's failure, which pytest-xdist
+    reports, where an error raised here in a worker would be dropped): the files collected,
+    and the lines that name no collected test of a collected file (a renamed test).
     """
     cases = read_slow_cases()
     found = set()
@@ -71,11 +76,9 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(pytest.mark.slow)
                 found.add(case)
     files = {item.nodeid.split("::")[0] for item in items}
-    stale = [case for case in cases if case not in found and case.split("::")[0] in files]
-    if stale:
-        raise pytest.UsageError(
-            "tests/slow_cases.txt names tests that were not collected (renamed or removed? "
-            "rename or remove the lines): " + "; ".join(stale))
+    config.stash[COLLECTED_FILES] = files
+    config.stash[STALE_SLOW_CASES] = [
+        case for case in cases if case not in found and case.split("::")[0] in files]
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -45,6 +45,14 @@ KEPT = [
     "tests/accounting/mechanism_test.py::test_noise_is_calibrated_to_the_target",
     "tests/lease_test.py::test_a_run_that_ignores_sigint_stops_within_a_renewal_of_losing_its_lease",
     "tests/workdir_test.py::test_a_full_disk_during_export_leaves_an_unfinished_workdir_that_a_rerun_finishes",
+    "tests/workdir_test.py::test_more_steps_extend_the_run",
+    "tests/non_private_test.py::test_a_private_run_keeps_the_dp_model_and_its_report",
+    "tests/training/onednn_guard_test.py::test_an_unknown_onednn_state_counts_as_on",
+    "tests/training/onednn_guard_test.py::test_a_batch_of_unknown_size_keeps_attention_on_the_ghost_path",
+    "tests/training/onednn_guard_test.py::test_the_buggy_vectorized_ops_run_one_example_at_a_time[vectorized-None]",
+    "tests/training/ghost_clipping_test.py::test_a_frozen_batch_norm_trains_under_dp_model_and_keeps_its_statistics",
+    "tests/training/dp_step_xla_test.py::test_the_wrn_step_with_views_has_no_float64_node_and_no_host_callback",
+    "tests/training/dp_model_test.py::test_a_nan_padding_row_reaches_no_statistic_and_adds_nothing[None]",
 ]
 # Every case of these stays: each config's epsilon against its paper, the README example.
 ALL_CASES_KEPT = ["tests/configs_test.py::test_config_epsilon_matches_the_paper",
@@ -81,17 +89,41 @@ def test_the_list_leaves_a_case_of_every_privacy_check_in_the_default_suite():
         assert not [case for case in cases if case.startswith(test)], test
 
 
+def _whole_files_run(config):
+    """Whether this run selects whole files (no node ids, no -k, not --lf's failures only)."""
+    return not (config.getoption("lf", False) or config.getoption("keyword")
+                or any("::" in arg for arg in config.args))
+
+
+def test_every_line_names_a_collected_test(request):
+    # A renamed or removed test must be renamed or removed in slow_cases.txt too: its old
+    # line would otherwise name nothing, and the renamed test would silently run by default.
+    if not _whole_files_run(request.config):
+        pytest.skip("this run collected parts of files: a line may name a test left out")
+    stale = request.config.stash[_loaded_conftest(request.config).STALE_SLOW_CASES]
+    assert not stale, f"lines of tests/slow_cases.txt that name no test: {stale}"
+
+
 def test_the_default_suite_runs_a_case_of_each_kept_check(request):
     # Behaviour, not the list's text: among the tests this run selected (the default suite
-    # with README's command 2), each kept check has a case without the slow mark. A run of
+    # with README's command 2), each kept check of a collected file has a case. A run of
     # some files only checks the checks of those files.
     if "not slow" not in (request.config.getoption("markexpr") or ""):
         pytest.skip("only meaningful in a run that leaves out -m slow (the default suite)")
-    items = request.session.items
-    files = {item.nodeid.split("::")[0] for item in items}
+    if not _whole_files_run(request.config):
+        pytest.skip("this run collected parts of files")
+    collected = request.config.stash[_loaded_conftest(request.config).COLLECTED_FILES]
+    selected = [item.nodeid for item in request.session.items]
     for test in KEPT:
-        if test.split("::")[0] not in files:
-            continue
-        running = [item for item in items if _conftest.slow_case_matches(test, item.nodeid)
-                   and item.get_closest_marker("slow") is None]
-        assert running, f"{test} has no case in the default suite"
+        if test.split("::")[0] in collected:
+            assert any(_conftest.slow_case_matches(test, nodeid) for nodeid in selected), (
+                f"{test} has no case in the default suite")
+
+
+def _loaded_conftest(config):
+    """tests/conftest.py as pytest loaded it: its stash keys (`_conftest` is another copy)."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "conftest.py")
+    for plugin in config.pluginmanager.get_plugins():
+        if os.path.abspath(getattr(plugin, "__file__", "") or "") == path:
+            return plugin
+    raise AssertionError("tests/conftest.py is not loaded")

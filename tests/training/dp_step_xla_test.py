@@ -99,9 +99,9 @@ def test_the_check_sees_a_float64_op_inside_the_step():
         assert_tpu_ready(nodes, hlo)
 
 
-# The WRN's XLA compile with views took 19-23 s (2 cores): it runs under -m slow; the default
-# suite compiles the views' step of the CNN (4 s), and traces the WRN's step with views
-# without compiling it (below, 3 s): every node of its graph is checked as here.
+# The WRN's XLA compile with views took 19-23 s (2 cores): it runs under -m slow, and so does
+# the CNN's (24 s in the suite; tests/slow_cases.txt). The default suite traces the WRN's step
+# with views without compiling it (below): every node of its graph is checked as here.
 @pytest.mark.parametrize("family", [
     pytest.param(family, marks=[pytest.mark.slow] if family == "wrn_gn_ws" else [])
     for family in sorted(FAST)])
