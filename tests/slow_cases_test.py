@@ -1,14 +1,8 @@
 """tests/slow_cases.txt: what the default suite leaves to `-m slow`, and what it must keep."""
 
-import importlib.util
 import os
 
 import pytest
-
-_SPEC = importlib.util.spec_from_file_location(
-    "tests_conftest_for_slow_cases", os.path.join(os.path.dirname(__file__), "conftest.py"))
-_conftest = importlib.util.module_from_spec(_SPEC)
-_SPEC.loader.exec_module(_conftest)
 
 # Each privacy, accounting or workdir rule's check keeps at least one case in the default
 # suite (README's command 2, CI): slow_cases.txt may list other cases of these, never all.
@@ -59,8 +53,18 @@ ALL_CASES_KEPT = ["tests/configs_test.py::test_config_epsilon_matches_the_paper"
                   "tests/readme_test.py::"]
 
 
-def test_a_line_names_a_test_its_cases_or_a_case_cut_short():
-    match = _conftest.slow_case_matches
+@pytest.fixture
+def conftest_module(request):
+    """tests/conftest.py as pytest loaded it: its matcher, its list reader, its stash keys."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "conftest.py")
+    for plugin in request.config.pluginmanager.get_plugins():
+        if os.path.abspath(getattr(plugin, "__file__", "") or "") == path:
+            return plugin
+    raise AssertionError("tests/conftest.py is not loaded")
+
+
+def test_a_line_names_a_test_its_cases_or_a_case_cut_short(conftest_module):
+    match = conftest_module.slow_case_matches
     assert match("tests/a_test.py::test_x", "tests/a_test.py::test_x")
     assert match("tests/a_test.py::test_x", "tests/a_test.py::test_x[1-2]")
     assert not match("tests/a_test.py::test_x", "tests/a_test.py::test_x_long")
@@ -71,8 +75,8 @@ def test_a_line_names_a_test_its_cases_or_a_case_cut_short():
     assert not match("tests/a_test.py::test_x[1-", "tests/a_test.py::test_x[2-1]")
 
 
-def test_every_line_is_a_test_id_and_no_line_is_there_twice():
-    cases = _conftest.read_slow_cases()
+def test_every_line_is_a_test_id_and_no_line_is_there_twice(conftest_module):
+    cases = conftest_module.read_slow_cases()
     assert len(cases) == len(set(cases)) > 100
     for case in cases:
         path, _, name = case.partition("::")
@@ -81,8 +85,8 @@ def test_every_line_is_a_test_id_and_no_line_is_there_twice():
         assert name.startswith("test_"), case
 
 
-def test_the_list_leaves_a_case_of_every_privacy_check_in_the_default_suite():
-    cases = _conftest.read_slow_cases()
+def test_the_list_leaves_a_case_of_every_privacy_check_in_the_default_suite(conftest_module):
+    cases = conftest_module.read_slow_cases()
     for test in KEPT:
         assert test not in cases, f"{test}: every case would leave the default suite"
     for test in ALL_CASES_KEPT:
@@ -95,16 +99,16 @@ def _whole_files_run(config):
                 or any("::" in arg for arg in config.args))
 
 
-def test_every_line_names_a_collected_test(request):
+def test_every_line_names_a_collected_test(request, conftest_module):
     # A renamed or removed test must be renamed or removed in slow_cases.txt too: its old
     # line would otherwise name nothing, and the renamed test would silently run by default.
     if not _whole_files_run(request.config):
         pytest.skip("this run collected parts of files: a line may name a test left out")
-    stale = request.config.stash[_loaded_conftest(request.config).STALE_SLOW_CASES]
+    stale = request.config.stash[conftest_module.STALE_SLOW_CASES]
     assert not stale, f"lines of tests/slow_cases.txt that name no test: {stale}"
 
 
-def test_the_default_suite_runs_a_case_of_each_kept_check(request):
+def test_the_default_suite_runs_a_case_of_each_kept_check(request, conftest_module):
     # Behaviour, not the list's text: among the tests this run selected (the default suite
     # with README's command 2), each kept check of a collected file has a case. A run of
     # some files only checks the checks of those files.
@@ -112,18 +116,11 @@ def test_the_default_suite_runs_a_case_of_each_kept_check(request):
         pytest.skip("only meaningful in a run that leaves out -m slow (the default suite)")
     if not _whole_files_run(request.config):
         pytest.skip("this run collected parts of files")
-    collected = request.config.stash[_loaded_conftest(request.config).COLLECTED_FILES]
+    collected = request.config.stash[conftest_module.COLLECTED_FILES]
     selected = [item.nodeid for item in request.session.items]
     for test in KEPT:
         if test.split("::")[0] in collected:
-            assert any(_conftest.slow_case_matches(test, nodeid) for nodeid in selected), (
+            assert any(conftest_module.slow_case_matches(test, nodeid) for nodeid in selected), (
                 f"{test} has no case in the default suite")
 
 
-def _loaded_conftest(config):
-    """tests/conftest.py as pytest loaded it: its stash keys (`_conftest` is another copy)."""
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "conftest.py")
-    for plugin in config.pluginmanager.get_plugins():
-        if os.path.abspath(getattr(plugin, "__file__", "") or "") == path:
-            return plugin
-    raise AssertionError("tests/conftest.py is not loaded")
