@@ -12,6 +12,7 @@ when TensorFlow is not yet imported and the user did not set the variable;
 `tfdp.host` says why (they are off by default on AVX2-only CPUs).
 """
 
+from tfdp import process_settings as _process_settings  # first: the settings as imported
 from tfdp import host as _host
 
 _host.enable_onednn()

@@ -224,19 +224,24 @@ def test_grappler_mixed_precision_is_refused_before_any_step(option, when,
 @pytest.mark.parametrize("flags", ["--xla_cpu_enable_fast_math=true",
                                    "--xla_gpu_enable_fast_math=1 --xla_dump_to=/tmp/x",
                                    "--xla_cpu_enable_fast_math",  # XLA reads a bare flag as true
-                                   "flagfile"])
+                                   "  --xla_cpu_fast_math_honor_nans=FALSE",
+                                   "--xla_cpu_enable_fast_min_max=true",
+                                   "file"])
 def test_xla_fast_math_is_refused(monkeypatch, tmp_path, flags):
-    if flags == "flagfile":
+    if flags == "file":  # XLA reads a value that does not start with '-' as a file's name
         path = tmp_path / "xla.flags"
-        path.write_text("--xla_cpu_enable_fast_math\n")
-        flags = f"--flagfile={path}"
+        path.write_text("--xla_cpu_enable_fast_math=true\n--xla_cpu_fast_math_honor_nans=false\n")
+        flags = str(path)
     monkeypatch.setenv("XLA_FLAGS", flags)
     with pytest.raises(precision.PrecisionRewrite, match="fast math"):
         _small_dp_model().compile(optimizer=keras.optimizers.SGD(1.0))
 
 
 @pytest.mark.parametrize("flags", ["--xla_cpu_enable_fast_math=false",
-                                   "--xla_cpu_enable_fast_math_honor_nans=true"])
+                                   "--xla_cpu_enable_fast_math --xla_cpu_enable_fast_math=0",
+                                   "--xla_cpu_fast_math_honor_nans=true",
+                                   "--xla_cpu_enable_fast_math_x=true",  # another flag's name
+                                   "--xla_dump_to=/tmp/x stop --xla_cpu_enable_fast_math"])
 def test_xla_flags_without_fast_math_are_accepted(monkeypatch, flags):
     monkeypatch.setenv("XLA_FLAGS", flags)
     precision.refuse_precision_rewrites()
@@ -430,3 +435,49 @@ def test_fuzz_rescaled_inputs_and_weights_contribute_at_most_c(case):
 @hypothesis.given(rescaled_cases())
 def test_fuzz_rescaled_inputs_and_weights_contribute_at_most_c_long(case):
     _check_rescaled(case)
+
+
+# -- Kernels narrower than their stride; the example-at-a-time path ------------------------
+
+
+def _strided_shortcut():
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((8, 8, 64))
+    hidden = keras.layers.Conv2D(64, 1, strides=2)(inputs)  # 16 positions: the Gram form
+    return keras.Model(inputs, keras.layers.Dense(3)(keras.layers.Flatten()(hidden)))
+
+
+def _unread_extremes():
+    x = np.random.RandomState(0).uniform(0, 1, (3, 8, 8, 64)).astype(np.float32)
+    x[1, 1, 3, 0] = 1e30  # pixels no 1x1 stride-2 window reads (odd row)
+    x[2, 3, 1, 1] = np.inf
+    return x, np.array([0, 1, 2])
+
+
+def test_a_pixel_no_window_reads_sets_no_scale():
+    # A 1x1 stride-2 convolution skips odd rows and columns; a 1e30 there set the Gram form's
+    # scale, and the example was over-clipped to 2.5e-16 C.
+    x, y = _unread_extremes()
+    contributions, path = one_hot_contributions(_strided_shortcut(), x, y, 1e-3)
+    assert path == "ghost"
+    np.testing.assert_array_less(contributions, 1.0 + RTOL)
+    np.testing.assert_array_less(0.999, contributions)
+
+
+def test_the_example_at_a_time_path_clips_every_example_to_c():
+    # The path a step takes where oneDNN would compute the vectorized ops wrongly
+    # (`DPModel._checked`): each example's gradient alone, an example whose gradient is not
+    # finite dropped.
+    x, y = _unread_extremes()
+    x[0, 0, 0, 0] = np.nan  # a pixel the window reads: example 0's gradient is NaN
+    dp = DPModel(_strided_shortcut(), _mechanism(1e-3, batch_size=3), clipping="vectorized")
+    dp.compile(optimizer=keras.optimizers.SGD(0.0))
+    dp._loop = True
+    clipped_sum = tf.function(lambda x, y, m: dp.clip_and_accumulate(x, y, m)[0])
+    contributions = []
+    for i in range(3):
+        contributions.append(_norm64(clipped_sum(x, y, np.eye(3, dtype=np.float32)[i])) / 1e-3)
+    assert dp.clipping_path == "loop"
+    assert contributions[0] == 0.0
+    np.testing.assert_array_less(contributions[1:], 1.0 + RTOL)
+    np.testing.assert_array_less(0.999, contributions[1:])

@@ -93,12 +93,13 @@ entries no patch reads (an inf, a 1e30) cannot set the scale.
 import contextlib
 import dataclasses
 import math
-import os
-import re
 from typing import Iterator, Optional
 
 import numpy as np
 import tensorflow as tf
+
+from tfdp import process_settings
+from tfdp.dp import compiler_checks
 
 UNIT_ROUNDOFF = 2.0**-24  # float32's u: |fl(x) - x| <= u |x| (round to nearest)
 STAGE = 32  # at most this many terms per op of a staged sum (XLA's CPU tree reduction: 32 too)
@@ -149,7 +150,6 @@ class _Emulation:
 
 
 _emulation: Optional[_Emulation] = None
-_ONEDNN_FPMATH_VARS = ("ONEDNN_DEFAULT_FPMATH_MODE", "TF_SET_ONEDNN_FPMATH_MODE")
 
 
 @contextlib.contextmanager
@@ -183,10 +183,14 @@ def device_inputs() -> MatmulInputs:
 
     `BF16` when a TPU is visible (or the current strategy is a TPUStrategy);
     `TF32` when a GPU is visible and TF32 execution is enabled (TensorFlow's
-    default); `BF16` when oneDNN's fpmath mode (`ONEDNN_DEFAULT_FPMATH_MODE`,
-    `TF_SET_ONEDNN_FPMATH_MODE`) allows lower precision; otherwise
-    `FLOAT32`. Errs towards rounding: a CPU step of a process that also sees a
-    GPU is treated as TF32 (splitting costs time, never privacy).
+    default); `BF16` when oneDNN's fpmath mode allows lower precision under
+    any of its spellings (`ONEDNN_DEFAULT_FPMATH_MODE`, the legacy
+    `DNNL_DEFAULT_FPMATH_MODE`, `TF_SET_ONEDNN_FPMATH_MODE`), set when the
+    process started, when tfdp was imported or now
+    (`tfdp.process_settings.onednn_fpmath_modes`: oneDNN keeps a mode it has
+    read); otherwise `FLOAT32`. Errs towards rounding: a CPU step of a
+    process that also sees a GPU is treated as TF32, and a mode oneDNN may
+    never have read as BF16 (splitting costs time, never privacy).
     """
     if _emulation is not None:
         return _emulation.device
@@ -196,7 +200,7 @@ def device_inputs() -> MatmulInputs:
     if tf.config.list_logical_devices("GPU") and (
             tf.config.experimental.tensor_float_32_execution_enabled()):
         return TF32
-    if any(os.environ.get(var, "").upper() not in ("", "STRICT") for var in _ONEDNN_FPMATH_VARS):
+    if process_settings.onednn_fpmath_modes():
         return BF16
     return FLOAT32
 
@@ -260,15 +264,7 @@ def clip_margin_record(l2_clip_norm: float, device: Optional[str] = None) -> dic
 
 _AMP_OPTIONS = ("auto_mixed_precision", "auto_mixed_precision_mkl",
                 "auto_mixed_precision_onednn_bfloat16", "auto_mixed_precision_cpu")
-# XLA reads a bare boolean flag as true (`--xla_cpu_enable_fast_math`), and flags may come
-# from a file (`--flagfile=`), which is read too.
-_FAST_MATH = re.compile(r"--xla_(cpu|gpu)_enable_fast_math(=(true|t|1|yes|y))?(\s|$)",
-                        re.IGNORECASE)
-_FLAGFILE = re.compile(r"--flagfile=(\S+)")
-
-
-class PrecisionRewrite(ValueError):
-    """Something would change the step's float32 arithmetic after the rules were traced."""
+PrecisionRewrite = compiler_checks.PrecisionRewrite
 
 
 def refuse_precision_rewrites() -> None:
@@ -279,12 +275,14 @@ def refuse_precision_rewrites() -> None:
     Intel's `auto_mixed_precision_onednn_bfloat16` and the v1
     `enable_mixed_precision_graph_rewrite`) rewrites the traced graph to
     bf16/fp16 after the ghost rules have planned for float32, which no plan
-    can cover (issue 34: 1.003 C). XLA's fast math (`XLA_FLAGS`) may
-    reassociate the error-free sums (`two_sum`). Keras mixed policies are
-    refused by `tfdp.models.validate_float32`.
+    can cover (1.003 C seen). XLA's fast math may reassociate the
+    error-free sums and hide non-finite norms: `tfdp.dp.compiler_checks.
+    refuse_fast_math` reads what XLA was told and observes what it compiles.
+    Keras mixed policies are refused by `tfdp.models.validate_float32`.
 
     Raises:
-      PrecisionRewrite: naming the setting and how to turn it off.
+      PrecisionRewrite: naming the setting and how to turn it off
+        (`compiler_checks.FastMath` for XLA's fast math).
     """
     options = tf.config.optimizer.get_experimental_options()
     on = [name for name in _AMP_OPTIONS if options.get(name)]
@@ -295,20 +293,7 @@ def refuse_precision_rewrites() -> None:
             "float32, so a clipped contribution could exceed l2_clip_norm. Turn it off "
             f"before training: tf.config.optimizer.set_experimental_options("
             f"{ {name: False for name in on} }). DP training runs in float32.")
-    flags = os.environ.get("XLA_FLAGS", "")
-    for path in _FLAGFILE.findall(flags):
-        try:
-            with open(path) as flagfile:
-                flags += " " + flagfile.read()
-        except OSError as error:
-            raise PrecisionRewrite(
-                f"XLA_FLAGS names a flag file that cannot be read ({path}: {error}), so "
-                "whether it turns on fast math cannot be checked. Fix or remove it.") from error
-    fast = [match.group(0).strip() for match in _FAST_MATH.finditer(flags)]
-    if fast:
-        raise PrecisionRewrite(
-            f"XLA_FLAGS turns on fast math ({', '.join(fast)}): XLA may then reorder the "
-            "error-free sums that bound the per-example norms. Remove it from XLA_FLAGS.")
+    compiler_checks.refuse_fast_math()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -318,7 +303,7 @@ class StepPlan:
     Attributes:
       inputs: `device_inputs().name` at trace time.
       tensor_float_32: whether TF32 execution was enabled.
-      onednn_fpmath: the oneDNN fpmath variables' values.
+      onednn_fpmath: the oneDNN fpmath modes seen (`process_settings.onednn_fpmath_modes`).
 
     The strategy is the model's own (fixed); a TPU is seen by `device_inputs`.
     """
@@ -332,7 +317,7 @@ def step_plan() -> StepPlan:
     """The `StepPlan` of a step traced now (cheap: read before every train-function call)."""
     return StepPlan(device_inputs().name,
                     bool(tf.config.experimental.tensor_float_32_execution_enabled()),
-                    tuple(os.environ.get(var, "") for var in _ONEDNN_FPMATH_VARS))
+                    tuple(process_settings.onednn_fpmath_modes()))
 
 
 def planned_inputs() -> MatmulInputs:
@@ -718,7 +703,7 @@ def binary_exponent(magnitude: tf.Tensor) -> tf.Tensor:
     magnitude = tf.convert_to_tensor(magnitude, tf.float32)
     biased = tf.bitwise.bitwise_and(tf.bitwise.right_shift(tf.bitcast(magnitude, tf.int32), 23),
                                     0xFF)
-    usable = tf.logical_and(magnitude > 0, tf.math.is_finite(magnitude))
+    usable = tf.logical_and(magnitude > 0, compiler_checks.is_finite(magnitude))
     return tf.where(usable, tf.clip_by_value(biased - 127, MIN_EXPONENT, MAX_EXPONENT - 1), 0)
 
 
