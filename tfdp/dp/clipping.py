@@ -12,6 +12,7 @@ from typing import Callable, Sequence
 
 import tensorflow as tf
 
+from tfdp.dp import compiler_checks
 from tfdp.dp import precision
 
 
@@ -143,7 +144,7 @@ def clip_factors(
     one, zero = tf.ones_like(norms), tf.zeros_like(norms)
     # divide_no_nan(c, 0) is 0, so handle a zero norm explicitly.
     factors = tf.where(norms > 0, tf.minimum(one, tf.math.divide_no_nan(c, norms)), one)
-    factors = tf.where(tf.math.is_finite(norms), factors, zero)
+    factors = tf.where(compiler_checks.is_finite(norms), factors, zero)
     if normalize:
         factors = factors / tf.cast(l2_clip_norm, norms.dtype)
     return factors

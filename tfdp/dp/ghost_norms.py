@@ -69,6 +69,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfdp.dp import clipping
+from tfdp.dp import compiler_checks
 from tfdp.dp import precision
 
 DIRECT = "direct"
@@ -387,7 +388,7 @@ def _summer(blocks, squares, finish=None):
             summed = [clipping.weighted_sum(factors, b) for b in blocks]
             summed = summed[0] if len(summed) == 1 else tf.concat(summed, axis=-1)
             return summed if finish is None else finish(summed)
-        finite = tf.reduce_all(tf.math.is_finite(squares))
+        finite = tf.reduce_all(compiler_checks.is_finite(squares))
         summed = [tf.cond(finite, lambda b=b: precision.weighted_sum(factors, b),
                           lambda b=b: clipping.weighted_sum(factors, b)) for b in blocks]
         summed = summed[0] if len(summed) == 1 else tf.concat(summed, axis=-1)
@@ -493,7 +494,8 @@ def reclip_factors(factors: tf.Tensor, first: tf.Tensor, again: tf.Tensor) -> tf
     ratio = tf.sqrt(quotient) * np.float32(1.0 - 16 * _U)
     # A non-finite ratio (again flushed to 0 in the division, or 0 / 0) or a quotient below
     # the normals (a device that keeps denormals rounds it by up to 2^-150) drops the example.
-    shrunk = tf.where(tf.math.is_finite(ratio) & tf.math.is_finite(again) & (quotient >= tiny),
+    finite = compiler_checks.is_finite(ratio) & compiler_checks.is_finite(again)
+    shrunk = tf.where(finite & (quotient >= tiny),
                       tf.minimum(ratio, 1.0), tf.zeros_like(ratio))
     product = factors * shrunk
     product = tf.where(product < tiny, tf.zeros_like(product), product)
@@ -793,7 +795,8 @@ def _gram_form(rows: Rows, output_grads: tf.Tensor, num_views: int, *,
     # An all-zero a or g defines h = 0 exactly: nothing to flush. (A nan is not 0.)
     floor = tf.where(tf.logical_and(largest_a != 0, largest_g != 0), np.float32(math.sqrt(
         precision.underflow_slack(num_rows, sum(block_widths), y.shape[-1]))), 0.0)
-    finite = tf.logical_and(tf.math.is_finite(largest_a), tf.math.is_finite(largest_g))
+    finite = tf.logical_and(compiler_checks.is_finite(largest_a),
+                            compiler_checks.is_finite(largest_g))
     gram = _Gram(squares, error, support, xi, y,
                  [None if not centred else p["mean"] for p in parts],
                  _U + (1 + _U) * _rows_contraction_error(num_rows), rows,
@@ -907,6 +910,19 @@ def conv2d_patches(inputs: tf.Tensor, *, kernel_size, strides, dilation_rate,
     # What the patches read: rows and columns a strided "valid" window never reaches are
     # left out of the largest entry (an inf or a 1e30 there would set the Gram form's scale).
     read = inputs[:, :(out_h - 1) * sh + (kh - 1) * dh + 1, :(out_w - 1) * sw + (kw - 1) * dw + 1]
+    if (kh - 1) * dh + 1 < sh or (kw - 1) * dw + 1 < sw:
+        # A window narrower than its stride (a 1x1 stride-2 shortcut) also skips the rows or
+        # columns between windows: the largest entry over each kernel offset's own entries.
+        padded = inputs
+
+        def magnitude():
+            return tf.reduce_max(tf.stack([
+                _largest_entry(padded[:, y:y + (out_h - 1) * sh + 1:sh,
+                                      x:x + (out_w - 1) * sw + 1:sw])
+                for y in range(0, kh * dh, dh) for x in range(0, kw * dw, dw)]), axis=0)
+    else:
+        def magnitude():
+            return _largest_entry(read)
     s = sh
     if s > 1:
         inputs = tf.pad(inputs, [[0, 0], [0, -height % s], [0, -width % s], [0, 0]])
@@ -940,7 +956,7 @@ def conv2d_patches(inputs: tf.Tensor, *, kernel_size, strides, dilation_rate,
             h = tf.transpose(h, [0, 2, 1])
             return h if order is None else tf.gather(h, order, axis=2)  # a's column order
     return Rows(tuple(block(row) for row in slices), fan_in, order, row_sums,
-                lambda: _largest_entry(read), rebuild, gradients,
+                magnitude, rebuild, gradients,
                 read if gradients is not None else None)
 
 

@@ -14,6 +14,8 @@ from typing import Sequence
 
 import tensorflow as tf
 
+from tfdp.dp import compiler_checks
+
 
 def noise_stddev_per_replica(noise_stddev: float, num_replicas: int = 1) -> float:
     """Std of each replica's independent draw so that the SUM has std `noise_stddev`.
@@ -61,3 +63,59 @@ def add_gaussian_noise(
     return [
         t + generator.normal(tf.shape(t), stddev=stddev, dtype=t.dtype) for t in tensors
     ]
+
+
+class NonFiniteRelease(FloatingPointError):
+    """A noisy update had an inf or NaN entry: it was withheld, and training must stop."""
+
+
+def count_non_finite(tensors: Sequence[tf.Tensor]) -> tf.Tensor:
+    """How many entries of `tensors` are inf or NaN: a float32 scalar, counted on the bits.
+
+    `tfdp.dp.compiler_checks.is_finite`: no compiler setting can fold the
+    test away, so the release guard holds whatever XLA was told.
+
+    Args:
+      tensors: float32 (or float64) tensors, e.g. the noisy update.
+    """
+    counts = [tf.reduce_sum(tf.cast(tf.logical_not(compiler_checks.is_finite(t)), tf.float32))
+              for t in tensors]
+    return tf.add_n(counts) if counts else tf.constant(0.0)
+
+
+def finite_release(update: Sequence[tf.Tensor], withheld: tf.Variable) -> list[tf.Tensor]:
+    """The update to apply: `update`, or zeros if any replica's has an inf or NaN entry.
+
+    Every example's clipped contribution is finite with norm <= C (a
+    non-finite one is dropped: `tfdp.dp.clipping.clip_factors`), so the
+    noisy sum of a logical batch is finite: this guard never fires while
+    those checks hold. It is there for what they cannot see (a compiler
+    that drops IEEE semantics in a way no check foresaw): a non-finite entry
+    in a released update would show with certainty that some example's
+    contribution escaped its clip, so such an update is never applied. The
+    step applies zeros instead (the optimizer and the EMA then move only by
+    their earlier, already released state), every later step of the same
+    model applies zeros too, and `withheld` counts those steps, so that the
+    caller stops training before anything else is released
+    (`tfdp.training.DPModel` raises `NonFiniteRelease` after the step).
+    What a stopped run reveals beyond its earlier steps is that it stopped
+    (docs/guarantee.md).
+
+    Replica context: the count is summed over replicas
+    (`ReplicaContext.all_reduce`), so that all replicas withhold together.
+
+    Args:
+      update: this replica's share of the noisy update, float32 tensors.
+      withheld: an int64 scalar variable, 0 until a step is withheld
+        (aggregation ONLY_FIRST_REPLICA under a strategy).
+
+    Returns:
+      `update`, or zeros of the same shapes.
+    """
+    bad = count_non_finite(update)
+    context = tf.distribute.get_replica_context()
+    if context is not None and context.num_replicas_in_sync > 1:
+        bad = context.all_reduce(tf.distribute.ReduceOp.SUM, bad)
+    stop = tf.logical_or(bad > 0, withheld > 0)
+    withheld.assign_add(tf.cast(stop, tf.int64))
+    return [tf.where(stop, tf.zeros_like(t), t) for t in update]

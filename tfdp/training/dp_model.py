@@ -13,6 +13,7 @@ from tfdp import host
 from tfdp import models
 from tfdp.dp import clipping
 from tfdp.dp import coins
+from tfdp.dp import compiler_checks
 from tfdp import graph_checks
 from tfdp.dp import noise
 from tfdp.dp import precision
@@ -235,6 +236,12 @@ class DPModel(chunked.ChunkedTraining, ema.EMAParameters, keras.Model):
         self.accumulation_steps = int(accumulation_steps)
         self.ema_decay = None if ema_decay is None else float(ema_decay)
         self.noise_generator = coins.noise_generator(noise_seed)
+        # Steps whose noisy update was withheld for an inf or NaN entry (`noise.finite_release`);
+        # untracked: never in a checkpoint or an export.
+        self._withheld = chunked._Untracked(tf.Variable(
+            0, dtype=tf.int64, trainable=False, name="withheld_updates",
+            aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA))
+        self._release_check = None  # `_refuse_withheld`'s check, made on first use
         self.loss_tracker = keras.metrics.Mean(name="loss")
         self.accuracy_tracker = keras.metrics.Mean(name="accuracy")
         self.grad_norm_tracker = keras.metrics.Mean(name="grad_norm")
@@ -448,8 +455,14 @@ class DPModel(chunked.ChunkedTraining, ema.EMAParameters, keras.Model):
         return self._apply_update(*self.clip_and_accumulate(images, labels, mask))
 
     def _apply_update(self, summed, stats):
-        """Noise once, divide by B, apply, EMA, metrics: the step after accumulation."""
-        gradients = self.scale_update(self.add_noise(summed))
+        """Noise once, divide by B, apply, EMA, metrics: the step after accumulation.
+
+        An update with an inf or NaN entry is never applied
+        (`noise.finite_release`): the train function then raises
+        `noise.NonFiniteRelease` (`make_train_function`).
+        """
+        gradients = noise.finite_release(self.scale_update(self.add_noise(summed)),
+                                         self._withheld.value)
         self.optimizer.apply_gradients(zip(gradients, self.trainable_variables))
         self._update_ema()
         loss_sum, correct, norm_sum, clipped_count, examples, units = stats
@@ -512,7 +525,9 @@ class DPModel(chunked.ChunkedTraining, ema.EMAParameters, keras.Model):
         traced = self.train_function
 
         def train_function(*args, **kwargs):
+            self._refuse_withheld()
             precision.refuse_precision_rewrites()
+            models.validate_float32(self)  # a layer's dtype policy changed since compile
             now = precision.step_plan()
             if self._traced_plan is not None and now != self._traced_plan:
                 logging.warning("The DP step was traced for %s and would now run on %s: "
@@ -520,10 +535,43 @@ class DPModel(chunked.ChunkedTraining, ema.EMAParameters, keras.Model):
                 self._traced_plan = None
                 self.train_function = None
                 return self.make_train_function()(*args, **kwargs)
-            return traced(*args, **kwargs)
+            logs = traced(*args, **kwargs)
+            self._refuse_withheld()
+            return logs
 
         self.train_function = train_function
         return train_function
+
+    def _refuse_withheld(self):
+        """Raises `noise.NonFiniteRelease` once the model's state is not finite.
+
+        Checked after every call of the train function, before Keras' callbacks
+        (checkpoints, evaluation, logs) read the model, by TensorFlow's own
+        kernels outside XLA (`noise.count_non_finite` on the bits): a
+        compiler that drops IEEE semantics inside the step can fold the
+        step's own test (`noise.finite_release`), not this one. The model's
+        trainable variables are then set to zero, so that no non-finite
+        state is saved or exported from this process.
+        """
+        if self._release_check is None:
+            variables, withheld = list(self.trainable_variables), self._withheld.value
+            self._release_check = chunked._Untracked(tf.function(
+                lambda: tf.cast(withheld, tf.float32) + noise.count_non_finite(variables),
+                jit_compile=False))
+        if float(self._release_check.value()) == 0.0:
+            return
+        self._withheld.value.assign(1)  # every later call refuses too
+        for variable in self.trainable_variables:
+            variable.assign(tf.zeros_like(variable))
+        raise noise.NonFiniteRelease(
+            "A DP step computed a noisy update with an inf or NaN entry. It is not released: "
+            "this model trains no further, and its trainable variables are set to zero so "
+            "that nothing non-finite is saved (a non-finite release would show that some "
+            "example's contribution escaped its clip). Every example's contribution is "
+            "finite by construction unless the compiler dropped IEEE float semantics: look "
+            "for fast-math flags in XLA_FLAGS and TF_XLA_FLAGS (in the environment the "
+            "process started with too), then resume from the last checkpoint in a new "
+            "process.")
 
     def _chunk_contribution(self, images, labels, mask, ids=None):
         """What one chunk adds to the accumulators: clipped sums (or microbatch sums)."""
@@ -746,7 +794,7 @@ class DPModel(chunked.ChunkedTraining, ema.EMAParameters, keras.Model):
         is not finite; its cost is one example's pass per such example.
         """
         summed, norms, clipped, losses, logits = ghost
-        alone = tf.logical_and(mask > 0, tf.logical_not(tf.math.is_finite(norms)))
+        alone = tf.logical_and(mask > 0, tf.logical_not(compiler_checks.is_finite(norms)))
 
         def recompute():
             # Those rows first; no tf.where, whose output shape XLA cannot compile.
