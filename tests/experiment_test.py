@@ -344,3 +344,69 @@ def test_a_run_the_study_cannot_compose_leaves_the_ledger_as_it_was(tmp_path):
     assert (study / "ledger.jsonl").read_text() == before
     modes._record_in_study(study, tmp_path / "c", _study_mechanism(8), sampling_seed=None)
     assert len(_study_runs(study)) == 2
+
+
+def test_a_run_refused_before_its_first_step_leaves_no_study_line(tmp_path, run_smoke):
+    # Refused while its model was built: its study line stayed, and the same command without
+    # the bad binding was refused as "an earlier run in this workdir, since removed".
+    study, workdir = tmp_path / "study", tmp_path / "trial"
+    with pytest.raises(ValueError, match="num_classes is bound"):
+        run_smoke(workdir, ["fashion_mnist.gin"], [
+            f"tfdp.PrivacyConfig.study_dir = '{study}'",
+            "tfdp.models.build_tramer_cnn.num_classes = 5"])
+    assert not (study / "ledger.jsonl").exists()
+    run_smoke(workdir, ["fashion_mnist.gin"], [f"tfdp.PrivacyConfig.study_dir = '{study}'"])
+    assert set(_study_runs(study)) == {os.path.realpath(workdir)}
+
+
+def test_the_study_refusals_come_before_anything_is_written(tmp_path):
+    from tfdp import modes  # pylint: disable=g-import-not-at-top
+
+    study = tmp_path / "study"
+    modes._record_in_study(study, tmp_path / "a", _study_mechanism(), sampling_seed=7)
+    before = (study / "ledger.jsonl").read_text()
+    check = modes._record_in_study(study, tmp_path / "b", _study_mechanism(), sampling_seed=None,
+                                   fresh=True, write=False)
+    assert set(check["runs"]) == {str(tmp_path / "a"), str(tmp_path / "b")}
+    with pytest.raises(ValueError, match="already counts a run"):
+        modes._record_in_study(study, tmp_path / "a", _study_mechanism(), sampling_seed=7,
+                               fresh=True, write=False)
+    with pytest.raises(ValueError, match="share a fixed sampling seed"):
+        modes._record_in_study(study, tmp_path / "c", _study_mechanism(8), sampling_seed=7,
+                               write=False)
+    assert (study / "ledger.jsonl").read_text() == before
+
+
+STUDY_WORKER = """
+import sys
+from tfdp import accounting, modes
+study, worker, runs = sys.argv[1], sys.argv[2], int(sys.argv[3])
+mechanism = accounting.DPMechanism(num_examples=64, batch_size=16, num_steps=2,
+                                   noise_multiplier=1.0, l2_clip_norm=0.1, delta=1e-5)
+for i in range(runs):
+    workdir = f"{study}-runs/{worker}-{i}"
+    modes._record_in_study(study, workdir, mechanism, sampling_seed=None, fresh=True)  # start
+    if i % 3 == 2:  # a refused start: a run sharing a fixed seed at another batch size
+        try:
+            modes._record_in_study(study, workdir + "-refused", accounting.DPMechanism(
+                num_examples=64, batch_size=8, num_steps=2, noise_multiplier=1.0,
+                l2_clip_norm=0.1, delta=1e-5), sampling_seed=7)
+            modes._record_in_study(study, workdir + "-fixed", mechanism, sampling_seed=7)
+        except ValueError:
+            pass
+    modes._record_in_study(study, workdir, mechanism, sampling_seed=None)  # finish
+"""
+
+
+def test_runs_of_a_study_starting_and_finishing_at_once_are_all_counted(tmp_path):
+    # Through the trainer's own read-modify-write, with its epsilon and its restore on a
+    # refusal: 4 processes of 4 runs (tests/accounting/ledger_test.py: 4 x 200 appends).
+    from tests.accounting.ledger_test import _workers  # pylint: disable=g-import-not-at-top
+
+    study = tmp_path / "study"
+    _workers(STUDY_WORKER, [(study, w, 4) for w in range(4)])
+    names = set(_study_runs(study))
+    expected = {f"{study}-runs/{w}-{i}" for w in range(4) for i in range(4)}
+    assert expected <= names
+    fixed = names - expected  # the first fixed-seed run of each worker's kind is counted
+    assert fixed and all(n.endswith("-fixed") or n.endswith("-refused") for n in fixed)

@@ -38,6 +38,7 @@ import gin
 
 from tfdp import augment
 from tfdp import gin_bindings
+from tfdp import storage
 from tfdp.accounting import mechanism as mechanism_lib
 from tfdp.training.dp_model import CLIPPING_PATHS
 
@@ -178,7 +179,8 @@ class PrivacyConfig:
         study's epsilon (How to DP-fy ML, Sec. 5.4.2).
 
     Raises:
-      ValueError: without l2_clip_norm or target_delta, or an unknown clipping.
+      ValueError: without l2_clip_norm or target_delta, an unknown clipping,
+        or a study_dir that is not a local path (a URL).
     """
 
     l2_clip_norm: Optional[float] = None
@@ -207,6 +209,12 @@ class PrivacyConfig:
         if self.clipping not in CLIPPING_PATHS:
             raise ValueError(f"clipping={self.clipping!r}: clipping must be one of "
                              f"{CLIPPING_PATHS}.")
+        if self.study_dir is not None and (not isinstance(self.study_dir, str)
+                                           or storage.is_url(self.study_dir)):
+            raise ValueError(
+                f"study_dir={self.study_dir!r}: a study ledger is a local (or mounted) "
+                "folder, locked with flock while runs read and write it; give a path on "
+                "this machine (a shared mount for runs on several machines).")
 
     @property
     def fixed_seeds(self):

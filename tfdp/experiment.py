@@ -93,10 +93,13 @@ def train_and_evaluate(workdir, *, model_fn=gin.REQUIRED, privacy="dp", audit=No
             if run.chief:  # a cache left behind (removal failed, or an older tfdp's)
                 features_lib.remove_feature_cache(run.workdir)
             return run.finished_report
-        mode.start(plan, workdir=run.workdir, chief=run.chief,
-                   resuming=run.latest is not None)
+        resuming = run.latest is not None
+        mode.check_start(plan, workdir=run.workdir, chief=run.chief, resuming=resuming)
         built = _build(config, mode, plan, run, strategy, model_fn, train, test, fingerprints)
         manager, start_step = run.restore(built.dp_model, built.ledger)
+        # After checkpoint 0, before the first step: a run refused or killed before it leaves
+        # no study line (its rerun starts afresh); one killed after it resumes its own line.
+        mode.start(plan, workdir=run.workdir, chief=run.chief, resuming=resuming)
         if run.chief and built.features.unsaved is not None:  # checkpoint 0 exists now
             features_lib.write_feature_cache(run.workdir, built.extractor, fingerprints,
                                              built.features.unsaved)

@@ -93,19 +93,34 @@ class PrivateTraining:
         """The training split as this mode trains on it (unchanged)."""
         return train
 
+    def check_start(self, plan, *, workdir, chief, resuming):
+        """Before the workdir is written: refuses what `start` would refuse, writing nothing.
+
+        Raises:
+          ValueError: as `start`.
+        """
+        if self.privacy.study_dir and chief:
+            _record_in_study(self.privacy.study_dir, workdir, plan,
+                             sampling_seed=self.privacy.sampling_seed, fresh=not resuming,
+                             write=False)
+
     def start(self, plan, *, workdir, chief, resuming):
         """Before the first step: a study run enters the study's ledger at its planned steps.
 
-        So a run that is stopped, or crashes, after its first step is still in
-        the study's epsilon (its checkpoints and evaluations are functions of
-        the private data); at the end, `report` writes the same line again.
-        The chief only; no-op without `study_dir`.
+        Called once checkpoint 0 exists, right before the first step. So a run
+        that is stopped, or crashes, after its first step is still in the
+        study's epsilon (its checkpoints and evaluations are functions of the
+        private data), and a run refused or killed before checkpoint 0 took no
+        step and leaves no line (the study counts nothing for it, and its
+        rerun is a fresh run); at the end, `report` writes the same line
+        again. The chief only; no-op without `study_dir`.
 
         Raises:
           ValueError: a fresh run (not `resuming`) whose workdir already has a
-            line in the study (an earlier run there, since removed: its line
-            is kept, and this run is refused), or a study that this run's
-            record cannot be composed with (the ledger is left as it was).
+            line in the study (an earlier run there took a step, and its
+            workdir was since removed: its line is kept, and this run is
+            refused), or a study that this run's record cannot be composed
+            with (the ledger is left as it was).
         """
         if self.privacy.study_dir and chief:
             _record_in_study(self.privacy.study_dir, workdir, plan,
@@ -256,6 +271,9 @@ class NonPrivateTraining:
     def prepare_train(self, train):
         return train
 
+    def check_start(self, plan, *, workdir, chief, resuming):
+        del plan, workdir, chief, resuming
+
     def start(self, plan, *, workdir, chief, resuming):
         del plan, workdir, chief, resuming  # no study: plan() refuses study_dir without privacy
 
@@ -329,33 +347,42 @@ def study_run_name(workdir):
     return workdir if storage.is_url(workdir) else os.path.realpath(workdir)
 
 
-def _record_in_study(study_dir, workdir, mechanism, *, sampling_seed, fresh=False):
+def _record_in_study(study_dir, workdir, mechanism, *, sampling_seed, fresh=False,
+                     write=True):
     """Records this run's mechanism in the study ledger; returns the study's epsilon.
 
     A `fresh` run is refused if its name is in the ledger already (replacing
     that line would forget an earlier run's privacy). If the study's epsilon
     cannot be computed with this run's line (runs sharing a fixed sampling
-    seed with other batch sizes), the ledger is put back as it was.
+    seed with other batch sizes), the ledger is put back as it was. All of it
+    holds the study's lock (`tfdp.accounting.ledger.study_lock`), so runs of
+    one study may start and finish at once. With `write=False`, the same
+    checks with nothing written: the refusals, before the workdir is touched.
     """
     name = study_run_name(workdir)
-    path = accounting.ledger.ledger_path(study_dir)
-    before = storage.read_text(path) if os.path.exists(path) else None
-    if fresh and before is not None and any(
-            record["run"] == name for record in accounting.read_runs(study_dir)):
-        raise ValueError(
-            f"The study {study_dir} already counts a run in {name}: an earlier run in this "
-            "workdir, since removed. Its privacy stays spent, and this run would replace its "
-            "line in the study. Give this run a new workdir.")
-    accounting.append_run(study_dir, run_name=name, mechanism=mechanism,
-                          sampling_seed=sampling_seed)
-    try:
-        epsilon, runs = accounting.study_epsilon(study_dir, delta=mechanism.delta,
-                                                 accountant=mechanism.accountant)
-    except ValueError:
-        if before is None:
-            os.remove(path)
-        else:
-            storage.write_whole(path, before)
-        raise
+    ledger = accounting.ledger
+    with ledger.study_lock(study_dir):  # the whole read-modify-write and its restore
+        before = ledger.read_text(study_dir)
+        if fresh and before is not None and any(
+                record["run"] == name for record in accounting.read_runs(study_dir)):
+            raise ValueError(
+                f"The study {study_dir} already counts a run in {name}: an earlier run in "
+                "this workdir took at least one step, and its workdir was since removed. Its "
+                "privacy stays spent, and this run would replace its line in the study. Give "
+                "this run a new workdir.")
+        if not write:  # the study's epsilon with this run's line, nothing written
+            epsilon, runs = ledger.study_epsilon(
+                study_dir, delta=mechanism.delta, accountant=mechanism.accountant,
+                adding=ledger.make_record(name, mechanism, sampling_seed))
+            return {"dir": str(study_dir), "epsilon": epsilon, "delta": mechanism.delta,
+                    "runs": dict(runs)}
+        accounting.append_run(study_dir, run_name=name, mechanism=mechanism,
+                              sampling_seed=sampling_seed)
+        try:
+            epsilon, runs = accounting.study_epsilon(study_dir, delta=mechanism.delta,
+                                                     accountant=mechanism.accountant)
+        except ValueError:
+            ledger.write_text(study_dir, before)
+            raise
     return {"dir": str(study_dir), "epsilon": epsilon, "delta": mechanism.delta,
             "runs": {name: eps for name, eps in runs}}

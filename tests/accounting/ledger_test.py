@@ -191,3 +191,57 @@ def test_append_run_errors(tmp_path, kwargs, match):
     with pytest.raises(ValueError, match=match):
         accounting.append_run(tmp_path, **args)
     assert not (tmp_path / ledger.LEDGER_FILENAME).exists()
+
+
+# -- Concurrent runs of one study ---------------------------------------------------------
+
+CONCURRENT = """
+import sys
+from tfdp import accounting
+from tfdp.accounting import ledger
+study, worker, runs = sys.argv[1], sys.argv[2], int(sys.argv[3])
+planned = accounting.DPMechanism(num_examples=50000, batch_size=4096, num_steps=1000,
+                                 noise_multiplier=3.0, l2_clip_norm=1.0, delta=1e-5)
+taken = accounting.DPMechanism(num_examples=50000, batch_size=4096, num_steps=7,
+                               noise_multiplier=3.0, l2_clip_norm=1.0, delta=1e-5)
+for i in range(runs):
+    name = f"{worker}/{i}"
+    ledger.append_run(study, run_name=name, mechanism=planned)  # the start of a run
+    ledger.append_run(study, run_name=name, mechanism=taken)  # its finish: replaces its line
+"""
+
+
+def _workers(script, args_per_worker):
+    import subprocess
+    import sys
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")]))
+    procs = [subprocess.Popen([sys.executable, "-c", script, *map(str, args)], env=env,
+                              stderr=subprocess.PIPE, text=True) for args in args_per_worker]
+    for proc in procs:
+        _, err = proc.communicate(timeout=600)
+        assert proc.returncode == 0, err[-2000:]
+
+
+def test_concurrent_runs_lose_no_line(tmp_path):
+    # Without the study's lock, 4 processes x 200 start/finish pairs lost 450-557 of 800
+    # lines: a finishing run's rewrite dropped the lines others appended meanwhile.
+    study = tmp_path / "study"
+    _workers(CONCURRENT, [(study, w, 200) for w in range(4)])
+    records = ledger.read_runs(str(study))
+    names = [r["run"] for r in records]
+    assert sorted(names) == sorted(f"{w}/{i}" for w in range(4) for i in range(200))
+    assert {r["mechanism"].num_steps for r in records} == {7}  # every finish replaced its start
+    assert sorted(os.listdir(study)) == ["ledger.jsonl", "ledger.jsonl.lock"]  # no temp left
+
+
+def test_a_linked_ledger_or_lock_is_refused(tmp_path):
+    user_file = tmp_path / "notes.txt"
+    user_file.write_text("mine")
+    for name in (ledger.LEDGER_FILENAME, ledger.LOCK_FILENAME):
+        study = tmp_path / name.replace(".", "_")
+        study.mkdir()
+        (study / name).symlink_to(user_file)
+        with pytest.raises(ValueError, match="symbolic link"):
+            ledger.append_run(str(study), **RUNS[0])
+    assert user_file.read_text() == "mine"

@@ -27,6 +27,13 @@ A run name is unique: appending a run whose name is already in the ledger
 (e.g. after a training job was pre-empted and resumed) REPLACES its line
 instead of counting the run twice.
 
+Runs of a study often run at once (a search), so every read and every
+read-modify-write of the ledger holds the study's lock (`study_lock`: a
+`filelock.FileLock` on `ledger.jsonl.lock` beside it, an advisory `flock`
+on local and NFS folders): no run's line is lost to another's rewrite, and
+no reader sees half a line. The study directory is a local (or mounted)
+folder; `ledger.jsonl` and its lock are refused when they are symbolic links.
+
 Nothing here imports TensorFlow.
 """
 
@@ -39,12 +46,16 @@ import tempfile
 from typing import Any, Dict, List, Optional, Tuple
 
 import dp_accounting
+import filelock
 
 from tfdp.accounting import accountant as accountant_lib
 from tfdp.accounting import mechanism as mechanism_lib
 
 LEDGER_FILENAME = "ledger.jsonl"
+LOCK_FILENAME = LEDGER_FILENAME + ".lock"
 SECRET_COINS = "secret"
+
+_locks = {}  # real path of a lock file -> its FileLock (one per process: reentrant)
 
 
 def seed_fingerprint(seed: int) -> str:
@@ -60,6 +71,39 @@ def seed_fingerprint(seed: int) -> str:
 def ledger_path(study_dir: str) -> str:
     """Returns the path of the ledger file of `study_dir`."""
     return os.path.join(os.fspath(study_dir), LEDGER_FILENAME)
+
+
+def _refuse_links(study_dir: str) -> None:
+    for name in (LEDGER_FILENAME, LOCK_FILENAME):
+        path = os.path.join(os.fspath(study_dir), name)
+        if os.path.islink(path):
+            raise ValueError(
+                f"{path} is a symbolic link: the study ledger writes only its own files, "
+                "never through a link to another file. Remove the link, or give the runs "
+                "another study_dir.")
+
+
+def study_lock(study_dir: str) -> filelock.FileLock:
+    """The study's lock: hold it around every read and read-modify-write of its ledger.
+
+    Reentrant within a thread (one `FileLock` per lock file and process), so
+    a caller that holds it may call `append_run` and `read_runs`.
+
+    Args:
+      study_dir: the study directory (created if needed).
+
+    Returns:
+      A `filelock.FileLock` on `study_dir/ledger.jsonl.lock` (a context manager).
+
+    Raises:
+      ValueError: the ledger or its lock file is a symbolic link.
+    """
+    os.makedirs(study_dir, exist_ok=True)
+    _refuse_links(study_dir)
+    path = os.path.realpath(os.path.join(os.fspath(study_dir), LOCK_FILENAME))
+    if path not in _locks:
+        _locks[path] = filelock.FileLock(path)
+    return _locks[path]
 
 
 def read_runs(study_dir: str) -> List[Dict[str, Any]]:
@@ -82,32 +126,34 @@ def read_runs(study_dir: str) -> List[Dict[str, Any]]:
             f"No ledger at {path}: a study directory gets one when its first run "
             f"calls tfdp.accounting.ledger.append_run."
         )
+    with study_lock(study_dir):
+        with open(path, encoding="utf-8") as f:
+            lines = f.readlines()
     records = []
-    with open(path, encoding="utf-8") as f:
-        for line_number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(
-                    f"{path}:{line_number} is not valid JSON ({e}); fix or delete that line."
-                ) from None
-            if "mechanism" not in record and "noise_multiplier" in record:
-                raise ValueError(
-                    f"{path}:{line_number} was written by an older tfdp without the run's "
-                    "mechanism (N, B, C, sampling, data normalization); its epsilon cannot be "
-                    "recomputed exactly. Start a new study directory.")
-            missing = [k for k in ("run", "mechanism", "sampling_coins") if k not in record]
-            if missing:
-                raise ValueError(
-                    f"{path}:{line_number} misses the keys {missing}; every run needs run, "
-                    "mechanism and sampling_coins.")
-            try:
-                record["mechanism"] = mechanism_lib.DPMechanism.from_dict(record["mechanism"])
-            except (TypeError, ValueError) as e:
-                raise ValueError(f"{path}:{line_number}: invalid mechanism: {e}") from None
-            records.append(record)
+    for line_number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(
+                f"{path}:{line_number} is not valid JSON ({e}); fix or delete that line."
+            ) from None
+        if "mechanism" not in record and "noise_multiplier" in record:
+            raise ValueError(
+                f"{path}:{line_number} was written by an older tfdp without the run's "
+                "mechanism (N, B, C, sampling, data normalization); its epsilon cannot be "
+                "recomputed exactly. Start a new study directory.")
+        missing = [k for k in ("run", "mechanism", "sampling_coins") if k not in record]
+        if missing:
+            raise ValueError(
+                f"{path}:{line_number} misses the keys {missing}; every run needs run, "
+                "mechanism and sampling_coins.")
+        try:
+            record["mechanism"] = mechanism_lib.DPMechanism.from_dict(record["mechanism"])
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{path}:{line_number}: invalid mechanism: {e}") from None
+        records.append(record)
     return records
 
 
@@ -122,7 +168,9 @@ def append_run(
 
     Creates `study_dir` if needed. If `run_name` is already in the ledger, its
     line is replaced (rewritten atomically), so calling this again for a resumed
-    run does not count that run twice; otherwise one line is appended.
+    run does not count that run twice; otherwise one line is appended. Holds
+    the study's lock (`study_lock`) throughout, so that concurrent runs lose
+    no line.
 
     Args:
       study_dir: the study directory.
@@ -133,36 +181,69 @@ def append_run(
         fingerprint is written), or None for a secret one.
 
     Raises:
-      ValueError: if run_name is empty or mechanism is not a DPMechanism.
+      ValueError: if run_name is empty, mechanism is not a DPMechanism, or the
+        ledger or its lock file is a symbolic link.
     """
     if not isinstance(run_name, str) or not run_name:
         raise ValueError(f"run_name must be a non-empty string, got {run_name!r}.")
     if not isinstance(mechanism, mechanism_lib.DPMechanism):
         raise ValueError(f"mechanism must be a DPMechanism, got {type(mechanism).__name__}.")
-    record = {
+    record = make_record(run_name, mechanism, sampling_seed)
+    record["mechanism"] = mechanism.to_dict()
+    line = json.dumps(record) + "\n"
+    path = ledger_path(study_dir)
+    with study_lock(study_dir):
+        existing = read_text(study_dir)
+        lines = existing.splitlines(keepends=True) if existing else []
+        if not any(json.loads(l).get("run") == run_name for l in lines if l.strip()):
+            with open(path, "a", encoding="utf-8") as f:
+                f.write(line)
+                f.flush()
+                os.fsync(f.fileno())
+            return
+        write_text(study_dir, "".join(
+            line if l.strip() and json.loads(l).get("run") == run_name else l for l in lines))
+
+
+def make_record(run_name: str, mechanism: mechanism_lib.DPMechanism,
+                sampling_seed: Optional[int] = None) -> Dict[str, Any]:
+    """One run's record, as `read_runs` returns it (the mechanism a `DPMechanism`)."""
+    return {
         "run": run_name,
-        "mechanism": mechanism.to_dict(),
+        "mechanism": mechanism,
         "sampling_coins": SECRET_COINS if sampling_seed is None else seed_fingerprint(
             sampling_seed),
         "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(),
     }
-    line = json.dumps(record) + "\n"
-    os.makedirs(study_dir, exist_ok=True)
+
+
+def read_text(study_dir: str) -> Optional[str]:
+    """The ledger file's text, or None if it does not exist; hold `study_lock` around it."""
     path = ledger_path(study_dir)
-    existing = []
-    if os.path.exists(path):
-        with open(path, encoding="utf-8") as f:
-            existing = [json.loads(l) for l in f if l.strip()]
-    if not any(r.get("run") == run_name for r in existing):
-        with open(path, "a", encoding="utf-8") as f:
-            f.write(line)
+    if not os.path.exists(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        return f.read()
+
+
+def write_text(study_dir: str, text: Optional[str]) -> None:
+    """Replaces the ledger with `text` atomically (None: removes it); hold `study_lock`."""
+    path = ledger_path(study_dir)
+    if text is None:
+        if os.path.exists(path):
+            os.remove(path)
         return
-    # Replace the run's line: write a new file and swap it in atomically.
     fd, tmp_path = tempfile.mkstemp(dir=os.fspath(study_dir), suffix=".tmp")
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        for r in existing:
-            f.write(line if r.get("run") == run_name else json.dumps(r) + "\n")
-    os.replace(tmp_path, path)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp_path, path)
+    except BaseException:
+        if os.path.exists(tmp_path):
+            os.remove(tmp_path)
+        raise
 
 
 def run_event(record: Dict[str, Any]) -> dp_accounting.DpEvent:
@@ -197,7 +278,8 @@ def study_event(study_dir: str) -> dp_accounting.ComposedDpEvent:
 
 
 def study_epsilon(
-    study_dir: str, *, delta: float, accountant: str = "rdp"
+    study_dir: str, *, delta: float, accountant: str = "rdp",
+    adding: Optional[Dict[str, Any]] = None,
 ) -> Tuple[float, List[Tuple[str, float]]]:
     """Returns the epsilon of the whole study and of each of its runs.
 
@@ -209,6 +291,10 @@ def study_epsilon(
       study_dir: the study directory holding `ledger.jsonl`.
       delta: the delta of (epsilon, delta)-DP, in (0, 1).
       accountant: "rdp" or "pld".
+      adding: None, or a record (`make_record`) to count as if it were
+        appended (replacing a line of the same run name): the study's epsilon
+        with a run that has not started yet, nothing written. A missing
+        ledger is then an empty one.
 
     Returns:
       (study_epsilon, [(run_name, run_epsilon), ...]) in ledger order.
@@ -218,7 +304,14 @@ def study_epsilon(
       ValueError: if delta or the accountant is invalid, the ledger is
         malformed, or runs share fixed coins that cannot be composed.
     """
-    records = read_runs(study_dir)
+    if adding is None:
+        records = read_runs(study_dir)
+    else:
+        try:
+            records = [r for r in read_runs(study_dir) if r["run"] != adding["run"]]
+        except FileNotFoundError:
+            records = []
+        records.append(adding)
     per_run = [
         (r["run"], accountant_lib.epsilon_of_event(run_event(r), delta=delta,
                                                    accountant=accountant))
