@@ -410,3 +410,22 @@ def test_runs_of_a_study_starting_and_finishing_at_once_are_all_counted(tmp_path
     assert expected <= names
     fixed = names - expected  # the first fixed-seed run of each worker's kind is counted
     assert fixed and all(n.endswith("-fixed") or n.endswith("-refused") for n in fixed)
+
+
+def test_a_run_that_releases_its_data_normalization_is_in_the_study_first(tmp_path, run_smoke,
+                                                                          monkeypatch):
+    # The private normalization is released while the model is built, before checkpoint 0:
+    # the study line comes before it, so a refusal after the release still counts the run.
+    from tfdp import experiment  # pylint: disable=g-import-not-at-top
+
+    def refused(*args, **kwargs):
+        raise ValueError("refused while the model is built")
+
+    monkeypatch.setattr(experiment, "_build", refused)
+    study = tmp_path / "study"
+    with pytest.raises(ValueError, match="refused while the model is built"):
+        run_smoke(tmp_path / "trial", ["fashion_mnist.gin"], [
+            f"tfdp.PrivacyConfig.study_dir = '{study}'",
+            "tfdp.PrivacyConfig.data_normalization = {'l2_clip_norm_mean': 1.0, "
+            "'l2_clip_norm_square': 1.5, 'noise_multiplier': 8.0, 'threshold': 1e-4}"])
+    assert set(_study_runs(study)) == {os.path.realpath(tmp_path / "trial")}

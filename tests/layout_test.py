@@ -8,7 +8,8 @@ ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
 # The floors, in the order a run goes through them: each may import only lower floors,
 # `accounting` (pure Python over dp_accounting) and the leaves.
 FLOORS = ["data", "augment", "models", "dp", "training", "export", "audit"]
-LEAVES = {"storage", "host", "gin_bindings", "graph_checks", "lease", "workdir", "accounting"}
+LEAVES = {"storage", "host", "gin_bindings", "graph_checks", "lease", "workdir", "accounting",
+          "process_settings"}
 # The stages of the trainer, built on the floors (and the CLI over them).
 STAGES = {"configs", "planning", "inputs", "features", "modes", "run", "resume_rule",
           "experiment", "private_training", "main"}

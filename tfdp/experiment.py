@@ -95,11 +95,17 @@ def train_and_evaluate(workdir, *, model_fn=gin.REQUIRED, privacy="dp", audit=No
             return run.finished_report
         resuming = run.latest is not None
         mode.check_start(plan, workdir=run.workdir, chief=run.chief, resuming=resuming)
+        # The study line comes before the first release of private data: the private data
+        # normalization, released while the model is built, if the run has one; else the
+        # first step (after checkpoint 0), so that a run refused or killed before it leaves
+        # no line and its rerun starts afresh.
+        releases_first = getattr(plan, "data_normalization", None) is not None
+        if releases_first:
+            mode.start(plan, workdir=run.workdir, chief=run.chief, resuming=resuming)
         built = _build(config, mode, plan, run, strategy, model_fn, train, test, fingerprints)
         manager, start_step = run.restore(built.dp_model, built.ledger)
-        # After checkpoint 0, before the first step: a run refused or killed before it leaves
-        # no study line (its rerun starts afresh); one killed after it resumes its own line.
-        mode.start(plan, workdir=run.workdir, chief=run.chief, resuming=resuming)
+        if not releases_first:
+            mode.start(plan, workdir=run.workdir, chief=run.chief, resuming=resuming)
         if run.chief and built.features.unsaved is not None:  # checkpoint 0 exists now
             features_lib.write_feature_cache(run.workdir, built.extractor, fingerprints,
                                              built.features.unsaved)

@@ -107,13 +107,15 @@ class PrivateTraining:
     def start(self, plan, *, workdir, chief, resuming):
         """Before the first step: a study run enters the study's ledger at its planned steps.
 
-        Called once checkpoint 0 exists, right before the first step. So a run
-        that is stopped, or crashes, after its first step is still in the
-        study's epsilon (its checkpoints and evaluations are functions of the
-        private data), and a run refused or killed before checkpoint 0 took no
-        step and leaves no line (the study counts nothing for it, and its
-        rerun is a fresh run); at the end, `report` writes the same line
-        again. The chief only; no-op without `study_dir`.
+        Called before the run's first release of private data: once
+        checkpoint 0 exists, right before the first step, or, for a run with
+        private data normalization, before that is released while the model
+        is built. So a run that is stopped, or crashes, after its first
+        release is still in the study's epsilon (its checkpoints and
+        evaluations are functions of the private data), and a run refused or
+        killed before it released anything leaves no line (the study counts
+        nothing for it, and its rerun is a fresh run); at the end, `report`
+        writes the same line again. The chief only; no-op without `study_dir`.
 
         Raises:
           ValueError: a fresh run (not `resuming`) whose workdir already has a

@@ -11,10 +11,10 @@ in force:
 |-----------------|----------------------------------------------------------------|
 | `exec`          | the environment the process started with (`/proc/self/environ`) |
 | `import`        | `os.environ` when tfdp was imported (`SNAPSHOT`)                |
-| `now`           | `os.environ` now                                               |
+| `now`           | `os.environ` now (a oneDNN value read once is kept: `earlier`)  |
 
-A value set and removed again between the process's start and tfdp's import
-is in none of them; `tfdp.dp.compiler_checks` asks XLA itself (a probe of
+A value set and removed again between the process's start and tfdp's import,
+or between two of tfdp's reads, is in none of them; `tfdp.dp.compiler_checks` asks XLA itself (a probe of
 its behaviour), and oneDNN's mode is planned for from what is seen here
 (docs/guarantee.md, "What is checked and what cannot be").
 
@@ -88,15 +88,25 @@ def _started_with() -> Dict[str, str]:
     return exec_environment() or {}
 
 
+_seen_since_import: Dict[str, List[str]] = {}  # name -> values read "now" at any earlier call
+
+
 def values_seen(name: str) -> List[Tuple[str, str]]:
     """`[(where, value), ...]`: each distinct non-empty value of `name`, with where it was seen.
 
-    `where` is "exec", "import" or "now" (module docstring), first place first.
+    `where` is "exec", "import", "now" (module docstring) or, for oneDNN's
+    variables, "earlier" (read "now" by an earlier call, since removed:
+    oneDNN may have read it meanwhile and kept it), first place first.
     """
     started = _started_with()
+    now = os.environ.get(name)
+    earlier = _seen_since_import.setdefault(name, [])
+    if now and now not in earlier and name in ONEDNN_FPMATH_VARIABLES:
+        earlier.append(now)  # XLA's own behaviour is asked instead (`compiler_checks`)
     seen = []
-    for where, value in (("exec", started.get(name)), ("import", SNAPSHOT.get(name)),
-                         ("now", os.environ.get(name))):
+    candidates = [("exec", started.get(name)), ("import", SNAPSHOT.get(name)), ("now", now)]
+    candidates += [("earlier", value) for value in earlier]
+    for where, value in candidates:
         if value and value not in [v for _, v in seen]:
             seen.append((where, value))
     return seen
@@ -123,7 +133,14 @@ def xla_flag_text(value: str) -> str:
 
 
 def split_xla_flags(text: str) -> List[str]:
-    """The flags XLA reads from `text`, as `--name[=value]` strings, quotes removed."""
+    """The flags XLA reads from `text`, as `--name[=value]` strings, quotes removed.
+
+    A flag ends at a NUL byte, as XLA's copy of it (`strdup`) does.
+    """
+    return [flag.split("\0", 1)[0] for flag in _split(text)]
+
+
+def _split(text: str) -> List[str]:
     flags, i = [], len(text) - len(text.lstrip(_WHITESPACE))
     while i < len(text) and text[i] == "-":
         end = _FLAG_CHARS.match(text, i).end()
@@ -191,6 +208,11 @@ def unsafe_xla_settings() -> List[str]:
             source = f"{variable} ({where}" + (f", file {value}" if named_file else "") + ")"
             found += [f"{source}: {flag}" for flag in unsafe_xla_flags(text)]
     return found
+
+
+# oneDNN fpmath modes whose down-conversion keeps float32's exponent range (bf16, tf32):
+# planned for as bf16. F16 and ANY may convert to float16, whose range is not float32's.
+ONEDNN_FPMATH_PLANNED = ("BF16", "TF32")
 
 
 def onednn_fpmath_modes() -> List[Tuple[str, str, str]]:

@@ -245,3 +245,21 @@ def test_a_linked_ledger_or_lock_is_refused(tmp_path):
         with pytest.raises(ValueError, match="symbolic link"):
             ledger.append_run(str(study), **RUNS[0])
     assert user_file.read_text() == "mine"
+
+
+def test_threads_share_one_lock_per_study(tmp_path):
+    # Two FileLocks of one file block each other even in one thread: the cache must give one.
+    import threading  # pylint: disable=g-import-not-at-top
+
+    study = str(tmp_path / "study")
+    locks = []
+    threads = [threading.Thread(target=lambda: locks.append(ledger.study_lock(study)))
+               for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len({id(lock) for lock in locks}) == 1
+    with ledger.study_lock(study):
+        ledger.append_run(study, **RUNS[0])  # reentrant in the holding thread
+    assert [r["run"] for r in ledger.read_runs(study)] == ["a"]

@@ -35,6 +35,16 @@ FAST_MATH_WITHOUT_NANS = ("--xla_cpu_enable_fast_math=true --xla_cpu_fast_math_h
                           "--xla_cpu_fast_math_honor_infs=false\n")
 
 
+@pytest.fixture(autouse=True)
+def forget_settings():
+    """Each test's own values of the watched variables are forgotten after it."""
+    before = {name: list(values) for name, values in
+              process_settings._seen_since_import.items()}
+    yield
+    process_settings._seen_since_import.clear()
+    process_settings._seen_since_import.update(before)
+
+
 def _python(code, **env_vars):
     """Runs `code` in a fresh interpreter with `env_vars` in its starting environment."""
     env = {k: v for k, v in os.environ.items() if k not in process_settings.WATCHED}
@@ -124,8 +134,40 @@ def test_onednn_bf16_fpmath_plans_bf16(monkeypatch, variable):
     assert precision.device_inputs() == precision.BF16
     card = precision.clip_margin_record(1.0)
     assert card["device_matmul_inputs"] == "bf16" and card["kappa"] == 1e-2
-    monkeypatch.setenv(variable, "strict")
+    monkeypatch.setenv(variable, "strict")  # oneDNN may have read BF16 already: kept
+    assert precision.device_inputs() == precision.BF16
+    process_settings._seen_since_import.pop(variable)  # as in a new process
     assert precision.device_inputs() == precision.FLOAT32
+
+
+def test_onednn_mode_set_after_import_and_removed_is_still_planned_for(monkeypatch):
+    # oneDNN keeps a mode it read; tfdp, reading os.environ only, forgot it once removed
+    # and traced the step again for float32.
+    monkeypatch.setenv("ONEDNN_DEFAULT_FPMATH_MODE", "BF16")
+    assert precision.device_inputs() == precision.BF16
+    monkeypatch.delenv("ONEDNN_DEFAULT_FPMATH_MODE")
+    assert precision.device_inputs() == precision.BF16
+    assert ("ONEDNN_DEFAULT_FPMATH_MODE", "earlier", "BF16") in (
+        process_settings.onednn_fpmath_modes())
+
+
+@pytest.mark.parametrize("mode", ["F16", "any"])
+def test_onednn_float16_modes_are_refused(monkeypatch, mode):
+    monkeypatch.setenv("DNNL_DEFAULT_FPMATH_MODE", mode)
+    with pytest.raises(precision.PrecisionRewrite, match=f"float16.*DNNL_DEFAULT_FPMATH_MODE={mode}"):
+        precision.refuse_precision_rewrites()
+
+
+def test_a_cpu_matmul_seen_to_round_plans_for_its_precision(monkeypatch):
+    assert compiler_checks.observe_cpu_matmul_bits() == 24  # this process: full float32
+    for bits, device in ((8, precision.BF16), (11, precision.TF32)):
+        monkeypatch.setattr(compiler_checks, "_matmul_bits", bits)
+        assert precision.device_inputs() == device
+
+
+def test_a_flag_ends_at_a_nul_byte_as_in_xla():
+    assert process_settings.unsafe_xla_flags("--xla_cpu_enable_fast_math\0=false") == [
+        "--xla_cpu_enable_fast_math"]
 
 
 def test_onednn_mode_removed_after_the_start_is_still_planned_for():

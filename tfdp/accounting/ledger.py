@@ -38,11 +38,13 @@ Nothing here imports TensorFlow.
 """
 
 import collections
+import contextlib
 import datetime
 import hashlib
 import json
 import os
 import tempfile
+import threading
 from typing import Any, Dict, List, Optional, Tuple
 
 import dp_accounting
@@ -56,6 +58,7 @@ LOCK_FILENAME = LEDGER_FILENAME + ".lock"
 SECRET_COINS = "secret"
 
 _locks = {}  # real path of a lock file -> its FileLock (one per process: reentrant)
+_locks_guard = threading.Lock()
 
 
 def seed_fingerprint(seed: int) -> str:
@@ -101,9 +104,10 @@ def study_lock(study_dir: str) -> filelock.FileLock:
     os.makedirs(study_dir, exist_ok=True)
     _refuse_links(study_dir)
     path = os.path.realpath(os.path.join(os.fspath(study_dir), LOCK_FILENAME))
-    if path not in _locks:
-        _locks[path] = filelock.FileLock(path)
-    return _locks[path]
+    with _locks_guard:  # one FileLock per file: two would block each other in one thread
+        if path not in _locks:
+            _locks[path] = filelock.FileLock(path)
+        return _locks[path]
 
 
 def read_runs(study_dir: str) -> List[Dict[str, Any]]:
@@ -126,7 +130,9 @@ def read_runs(study_dir: str) -> List[Dict[str, Any]]:
             f"No ledger at {path}: a study directory gets one when its first run "
             f"calls tfdp.accounting.ledger.append_run."
         )
-    with study_lock(study_dir):
+    # A study no one can write (archived, read-only) is read without its lock.
+    writable = os.access(os.fspath(study_dir), os.W_OK)
+    with study_lock(study_dir) if writable else contextlib.nullcontext():
         with open(path, encoding="utf-8") as f:
             lines = f.readlines()
     records = []

@@ -26,6 +26,7 @@ What XLA does not compile (TensorFlow's own kernels) has no fast math.
 import logging
 from typing import Dict, List, Optional
 
+import numpy as np
 import tensorflow as tf
 
 from tfdp import process_settings
@@ -39,6 +40,7 @@ _EXPECTED = {
     "max(nan, 1)": float("nan"),  # NaN-propagating max (no fast min/max)
     "min(nan, 1)": float("nan"),
     "(1 + 2^30) - 2^30": 0.0,  # no reassociation: 1 + 2^30 rounds to 2^30
+    "max(1, nan)": float("nan"),
 }
 
 _observed: Dict[str, List[str]] = {}  # device type -> what differed (empty: IEEE kept)
@@ -48,12 +50,15 @@ _EXPONENT_BITS = {tf.float32: (tf.int32, 0x7F800000), tf.float64: (tf.int64, 0x7
 
 
 def is_finite(x: tf.Tensor) -> tf.Tensor:
-    """`tf.math.is_finite(x)` computed on the bits, so that no compiler setting can fold it.
+    """`tf.math.is_finite(x)` computed on the bits of `x`.
 
-    A float is inf or NaN exactly when its exponent bits are all ones
-    (IEEE 754). Integer operations on the bits keep their meaning under any
-    float optimization, whereas XLA's fast math without NaN handling
-    compiles `is_finite(nan)` to true (`observe_xla`).
+    A float is inf or NaN exactly when its exponent bits are all ones (IEEE
+    754). In TensorFlow's own kernels this is exact whatever XLA was told.
+    Inside code XLA compiles with fast math, it is not: LLVM may treat a NaN
+    made by an op it was told has none as undefined, and fold even this test
+    (seen with NaN handling off). So fast math is refused (`refuse_fast_math`),
+    and `tfdp.training.DPModel` checks the model's state after every step
+    outside XLA.
 
     Args:
       x: float32 or float64 tensor (or variable).
@@ -85,7 +90,8 @@ def _probe(x):
     nan, inf, one, big = x[0], x[1], x[2], x[3]
     return tf.stack([tf.cast(tf.math.is_nan(nan), tf.float32),
                      tf.cast(tf.math.is_inf(inf), tf.float32),
-                     nan * 0.0, tf.maximum(nan, one), tf.minimum(nan, one), (one + big) - big])
+                     nan * 0.0, tf.maximum(nan, one), tf.minimum(nan, one), (one + big) - big,
+                     tf.maximum(one, nan)])
 
 
 def _differences(values) -> List[str]:
@@ -119,11 +125,60 @@ def observe_xla(device_type: str = "CPU") -> Optional[List[str]]:
                     out = tf.function(_probe, jit_compile=True)(
                         tf.constant(_PROBE_INPUT, tf.float32))
                 _observed[device_type] = _differences(out.numpy().tolist())
+            except (tf.errors.ResourceExhaustedError, tf.errors.UnavailableError,
+                    tf.errors.AbortedError):
+                raise  # passing: asked again at the next check
             except (tf.errors.OpError, ValueError, RuntimeError) as error:
                 logging.info("XLA does not compile on %s (%s): the DP step runs there "
                              "without XLA.", device_type, str(error).splitlines()[0][:200])
                 _observed[device_type] = None
     return _observed[device_type]
+
+
+_matmul_bits: Optional[int] = None
+
+
+def observe_cpu_matmul_bits() -> int:
+    """The significant bits a float32 matmul on the CPU keeps of its inputs: 24, 11 or 8.
+
+    oneDNN's fpmath mode, once read, holds for the process, whatever its
+    environment says later; on a CPU with AMX or AVX512-BF16 a bf16 mode
+    rounds every matmul input to 8 bits. So the CPU's matmul is asked, by
+    behaviour: `[1 + 2^-12] x I` keeps 2^-12 with 13 bits or more, and
+    `[1 + 2^-9] x I` keeps 2^-9 with 10 or more. Run once per process (the
+    mode does not change once read), eagerly (`tf.init_scope`).
+    """
+    global _matmul_bits
+    if _matmul_bits is None:
+        with tf.init_scope(), tf.device("/CPU:0"):
+            eye = tf.eye(64, dtype=tf.float32)
+            kept = [float(tf.reduce_min(tf.linalg.matmul(
+                        tf.fill([64, 64], np.float32(1 + 2.0**-k)), eye)).numpy())
+                    == np.float32(1 + 2.0**-k) for k in (12, 9)]
+        _matmul_bits = 24 if kept[0] else 11 if kept[1] else 8
+    return _matmul_bits
+
+
+def refuse_float16_fpmath() -> None:
+    """Raises if oneDNN was told it may compute float32 matmuls in float16.
+
+    oneDNN's `F16` and `ANY` fpmath modes may convert float32 inputs to
+    float16, whose exponent range (6e-5 to 65504) is not float32's: a piece
+    of an exact product (`tfdp.dp.precision.einsum`) could flush to zero or
+    overflow, and no bound of tfdp's covers that. `BF16` and `TF32` keep
+    float32's range and are planned for (`precision.device_inputs`).
+
+    Raises:
+      PrecisionRewrite: naming the variable, where it was seen and the fix.
+    """
+    f16 = [f"{variable}={value} ({where})"
+           for variable, where, value in process_settings.onednn_fpmath_modes()
+           if value.strip().upper() not in process_settings.ONEDNN_FPMATH_PLANNED]
+    if f16:
+        raise PrecisionRewrite(
+            f"oneDNN may compute float32 matmuls in float16 ({', '.join(f16)}): float16's "
+            "range cannot hold what the per-example norms compute. Use STRICT (the default), "
+            "BF16 or TF32 in the environment the process starts with.")
 
 
 def refuse_fast_math() -> None:

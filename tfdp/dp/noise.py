@@ -72,8 +72,8 @@ class NonFiniteRelease(FloatingPointError):
 def count_non_finite(tensors: Sequence[tf.Tensor]) -> tf.Tensor:
     """How many entries of `tensors` are inf or NaN: a float32 scalar, counted on the bits.
 
-    `tfdp.dp.compiler_checks.is_finite`: no compiler setting can fold the
-    test away, so the release guard holds whatever XLA was told.
+    `tfdp.dp.compiler_checks.is_finite`: exact in TensorFlow's own kernels
+    whatever XLA was told (inside XLA with fast math, LLVM may fold it).
 
     Args:
       tensors: float32 (or float64) tensors, e.g. the noisy update.
@@ -89,15 +89,16 @@ def finite_release(update: Sequence[tf.Tensor], withheld: tf.Variable) -> list[t
     Every example's clipped contribution is finite with norm <= C (a
     non-finite one is dropped: `tfdp.dp.clipping.clip_factors`), so the
     noisy sum of a logical batch is finite: this guard never fires while
-    those checks hold. It is there for what they cannot see (a compiler
-    that drops IEEE semantics in a way no check foresaw): a non-finite entry
+    those checks hold. It is there for what they cannot see: a non-finite entry
     in a released update would show with certainty that some example's
     contribution escaped its clip, so such an update is never applied. The
     step applies zeros instead (the optimizer and the EMA then move only by
     their earlier, already released state), every later step of the same
     model applies zeros too, and `withheld` counts those steps, so that the
     caller stops training before anything else is released
-    (`tfdp.training.DPModel` raises `NonFiniteRelease` after the step).
+    (`tfdp.training.DPModel` raises `NonFiniteRelease` after the step). Where
+    the step runs under XLA with fast math this test itself can be folded:
+    the check after the step, outside XLA (`DPModel`), is the one that holds.
     What a stopped run reveals beyond its earlier steps is that it stopped
     (docs/guarantee.md).
 

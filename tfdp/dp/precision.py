@@ -188,9 +188,12 @@ def device_inputs() -> MatmulInputs:
     `DNNL_DEFAULT_FPMATH_MODE`, `TF_SET_ONEDNN_FPMATH_MODE`), set when the
     process started, when tfdp was imported or now
     (`tfdp.process_settings.onednn_fpmath_modes`: oneDNN keeps a mode it has
-    read); otherwise `FLOAT32`. Errs towards rounding: a CPU step of a
-    process that also sees a GPU is treated as TF32, and a mode oneDNN may
-    never have read as BF16 (splitting costs time, never privacy).
+    read); `BF16` or `TF32` when a CPU matmul is seen to round its inputs
+    (`tfdp.dp.compiler_checks.observe_cpu_matmul_bits`: a mode set and
+    removed before tfdp looked); otherwise `FLOAT32`. Errs towards
+    rounding: a CPU step of a process that also sees a GPU is treated as
+    TF32, and a mode oneDNN may never have read as BF16 (splitting costs
+    time, never privacy).
     """
     if _emulation is not None:
         return _emulation.device
@@ -202,6 +205,9 @@ def device_inputs() -> MatmulInputs:
         return TF32
     if process_settings.onednn_fpmath_modes():
         return BF16
+    bits = compiler_checks.observe_cpu_matmul_bits()  # a mode oneDNN read before tfdp looked
+    if bits < FLOAT32.bits:
+        return BF16 if bits <= BF16.bits else TF32
     return FLOAT32
 
 
@@ -294,6 +300,7 @@ def refuse_precision_rewrites() -> None:
             f"before training: tf.config.optimizer.set_experimental_options("
             f"{ {name: False for name in on} }). DP training runs in float32.")
     compiler_checks.refuse_fast_math()
+    compiler_checks.refuse_float16_fpmath()
 
 
 @dataclasses.dataclass(frozen=True)

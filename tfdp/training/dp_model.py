@@ -523,6 +523,7 @@ class DPModel(chunked.ChunkedTraining, ema.EMAParameters, keras.Model):
             return self.train_function
         super().make_train_function(force=force)
         traced = self.train_function
+        self._release_check = None  # the variables as they are now (trainability may change)
 
         def train_function(*args, **kwargs):
             self._refuse_withheld()
@@ -550,22 +551,29 @@ class DPModel(chunked.ChunkedTraining, ema.EMAParameters, keras.Model):
         kernels outside XLA (`noise.count_non_finite` on the bits): a
         compiler that drops IEEE semantics inside the step can fold the
         step's own test (`noise.finite_release`), not this one. The model's
-        trainable variables are then set to zero, so that no non-finite
-        state is saved or exported from this process.
+        float state (trainable variables, their EMA, the optimizer's slots)
+        is then set to zero, so that no non-finite state is saved or
+        exported from this process. Covers every call of the train function
+        (`fit`, `train_on_batch`, the CLI's chunked steps); a step the user
+        runs in a function of their own (`train_step`) has the refusals only.
         """
         if self._release_check is None:
-            variables, withheld = list(self.trainable_variables), self._withheld.value
+            variables = list(self.trainable_variables) + list(self.ema_variables or [])
+            withheld = self._withheld.value
             self._release_check = chunked._Untracked(tf.function(
                 lambda: tf.cast(withheld, tf.float32) + noise.count_non_finite(variables),
                 jit_compile=False))
         if float(self._release_check.value()) == 0.0:
             return
         self._withheld.value.assign(1)  # every later call refuses too
-        for variable in self.trainable_variables:
-            variable.assign(tf.zeros_like(variable))
+        state = (list(self.trainable_variables) + list(self.ema_variables or [])
+                 + list(self.optimizer.variables))
+        for variable in state:
+            if variable.dtype in ("float32", tf.float32, "float64", tf.float64):
+                variable.assign(tf.zeros_like(variable))
         raise noise.NonFiniteRelease(
             "A DP step computed a noisy update with an inf or NaN entry. It is not released: "
-            "this model trains no further, and its trainable variables are set to zero so "
+            "this model trains no further, and its float state is set to zero so "
             "that nothing non-finite is saved (a non-finite release would show that some "
             "example's contribution escaped its clip). Every example's contribution is "
             "finite by construction unless the compiler dropped IEEE float semantics: look "
