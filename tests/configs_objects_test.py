@@ -179,3 +179,19 @@ def test_a_commented_out_old_binding_is_not_named():
     assert configs.old_bindings(text) == []
     assert configs.old_bindings("tfdp.train_and_evaluate.num_steps = 3  # was 4") == [
         ("tfdp.train_and_evaluate.num_steps", "tfdp.OptimizationConfig.num_steps")]
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda: configs.PrivacyConfig(l2_clip_norm=1.0, target_delta=1e-5, sampling_seed=2**70),
+     r"tfdp.PrivacyConfig.sampling_seed=1180591620717411303424: a seed must be an int"),
+    (lambda: configs.PrivacyConfig(l2_clip_norm=1.0, target_delta=1e-5, noise_seed=-1),
+     r"tfdp.PrivacyConfig.noise_seed=-1: a seed"),
+    (lambda: configs.RuntimeConfig(seed=-1), r"tfdp.RuntimeConfig.seed=-1: a seed must be an "
+                                             r"int from 0 to 4294967295"),
+    (lambda: configs.DataConfig(dataset=None, num_examples=10), r"tfdp.DataConfig.dataset=None"),
+    (lambda: configs.PrivacyConfig(l2_clip_norm=1.0, target_delta=1e-5, study_dir="gs://b/s"),
+     "study ledger is a local"),
+])
+def test_a_setting_out_of_range_is_refused_naming_it(make, match):
+    with pytest.raises(ValueError, match=match):
+        make()

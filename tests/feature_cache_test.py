@@ -259,3 +259,23 @@ def test_scatternet_features_of_the_probe_equal_those_of_the_full_batches():
         probe = models.compute_scatternet_features(images[start:start + 10])
         assert features._probe_difference(probe, full[start:start + 10]) is None
         np.testing.assert_allclose(probe, full[start:start + 10], rtol=1e-6, atol=1e-7)
+
+
+def test_a_linked_feature_cache_is_never_followed(tmp_path):
+    # `feature_cache/` as a link to another folder: the run deleted that folder's train.npy
+    # and test.npy (a link to another run's cache emptied that cache).
+    from tfdp import features as features_lib  # pylint: disable=g-import-not-at-top
+
+    other = tmp_path / "other_cache"
+    other.mkdir()
+    for name in ("train.npy", "test.npy", "cache.json"):
+        (other / name).write_text("theirs")
+    wd = tmp_path / "wd"
+    wd.mkdir()
+    (wd / features_lib.FEATURE_CACHE_DIR).symlink_to(other)
+    for call in (lambda: features_lib.remove_feature_cache(str(wd)),
+                 lambda: features_lib.write_feature_cache(str(wd), None, None, None),
+                 lambda: features_lib.read_feature_cache(str(wd), None, None, None, None)):
+        with pytest.raises(ValueError, match="symbolic link"):
+            call()
+    assert sorted(os.listdir(other)) == ["cache.json", "test.npy", "train.npy"]

@@ -228,3 +228,24 @@ def test_a_direct_binding_that_replaces_a_macro_is_accepted_and_said(caplog):
                        r"--gin_param 'tfdp.OptimizationConfig.num_steps = 3' replaced the "
                        r"binding that used NUM_STEPS"):
         _parse(["fashion_mnist.gin"], ["tfdp.OptimizationConfig.num_steps = 3", "NUM_STEPS = 5"])
+
+
+@pytest.mark.parametrize("params, message", [
+    (["import os"], r"'import os' is not a binding: give NAME=VALUE"),
+    (["NOISE_MULTIPLIER=1e999"], r"NOISE_MULTIPLIER must be a finite number \(1e999 is read as inf"),
+    (["L2_CLIP_NORM = -1e999"], r"L2_CLIP_NORM must be a finite number .*-inf"),
+    (["tfdp.PrivacyConfig.data_normalization = {'threshold': 1e999}"], r"finite number"),
+    (["NUM_STEPS=3", "NUM_STEPS = 4"], r"sets NUM_STEPS twice \('NUM_STEPS=3' and "
+                                       r"'NUM_STEPS = 4'\); the second would silently win"),
+])
+def test_a_bad_gin_param_is_refused_before_parsing(params, message):
+    # Before: gin's own SyntaxError traceback ("malformed node") for an inf, and the last of
+    # two bindings of one name silently won.
+    import gin  # pylint: disable=g-import-not-at-top
+
+    gin.clear_config()
+    try:
+        with pytest.raises(main.ConfigError, match=message):
+            main.parse_config(["fashion_mnist.gin"], params)
+    finally:
+        gin.clear_config()

@@ -246,3 +246,36 @@ def test_a_kill_while_exporting_leaves_an_unfinished_workdir_that_the_rerun_fini
     steps = [json.loads(line)["step"] for line in
              (workdir / "metrics.jsonl").read_text().splitlines()]
     assert steps == [2]  # not trained again
+
+
+def test_a_moved_workdir_stops_the_run_that_held_it(tmp_path):
+    # `mv wd wd.old` while run A trained, then run B started in a new `wd`: A kept writing
+    # into B's folder by path, and metrics.jsonl had every step twice.
+    wd = tmp_path / "wd"
+    with workdir_lib.locked(str(wd)):
+        workdir_lib.check_held(str(wd))
+        os.rename(wd, tmp_path / "wd.old")
+        with pytest.raises(workdir_lib.WorkdirError, match="no longer names the folder"):
+            workdir_lib.check_held(str(wd))
+        with workdir_lib.locked(str(wd)):  # a second run takes the path: a folder of its own
+            workdir_lib.check_held(str(wd))
+    workdir_lib.check_held(str(wd))  # released: nothing held, nothing checked
+
+
+def test_the_lock_file_never_writes_through_a_link(tmp_path):
+    user_file = tmp_path / "notes.txt"
+    user_file.write_text("mine")
+    wd = tmp_path / "wd"
+    wd.mkdir()
+    (wd / workdir_lib.LOCK_FILE).symlink_to(user_file)
+    with pytest.raises(workdir_lib.WorkdirError, match="symbolic link"):
+        with workdir_lib.locked(str(wd)):
+            pass
+    assert user_file.read_text() == "mine"
+
+
+def test_the_root_is_no_workdir():
+    with pytest.raises(workdir_lib.WorkdirError, match="file system's root"):
+        workdir_lib.check_lockable("/")
+    with pytest.raises(workdir_lib.WorkdirError, match="file system's root"):
+        workdir_lib.check_lockable("/tmp/..")

@@ -524,3 +524,26 @@ def test_a_real_file_size_limit_stops_the_cli_cleanly(tmp_path):
                      r"large", proc.stderr), proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
     assert not workdir.exists() or not list((workdir / "checkpoints").glob("*_temp"))
+
+
+def test_a_run_whose_workdir_is_moved_stops_before_its_next_write(tmp_path, run_smoke,
+                                                                   monkeypatch):
+    # While the run trains, its workdir is moved aside and a new folder takes the path (a
+    # second run's): the first run must write nothing into the new folder.
+    from tfdp import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
+    from tfdp.training import callbacks  # pylint: disable=g-import-not-at-top
+
+    wd, moved = tmp_path / "wd", tmp_path / "wd.old"
+    original = callbacks.ProgressLog.on_train_batch_end
+
+    def move_at_step_1(self, batch, logs=None):
+        original(self, batch, logs)
+        if not moved.exists():
+            os.rename(wd, moved)
+            wd.mkdir()
+
+    monkeypatch.setattr(callbacks.ProgressLog, "on_train_batch_end", move_at_step_1)
+    with pytest.raises(workdir_lib.WorkdirError, match="no longer names the folder"):
+        run_smoke(wd, ["fashion_mnist.gin"])
+    assert os.listdir(wd) == []  # nothing of the first run in the new folder
+    assert (moved / "checkpoints").is_dir()  # its checkpoint 0, where it was moved

@@ -48,6 +48,14 @@ def _positive_int(name, value, fix=""):
         raise ValueError(f"{name} must be a positive int, got {value!r}.{fix}")
 
 
+def _seed(name, value, high):
+    """Refuses a seed that is not an int in [0, high], naming the setting."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                              or not 0 <= value <= high):
+        raise ValueError(f"tfdp.{name}={value!r}: a seed must be an int from 0 to {high} "
+                         f"(2**{high.bit_length()} - 1).")
+
+
 @gin.configurable(module="tfdp")
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
@@ -82,6 +90,9 @@ class DataConfig:
     features: Optional[str] = None
 
     def __post_init__(self):
+        if not isinstance(self.dataset, str) or not self.dataset:
+            raise ValueError(f"tfdp.DataConfig.dataset={self.dataset!r}: give the dataset's "
+                             "name, e.g. 'fashion_mnist' (a TFDS name or a JPEG folder's).")
         _positive_int("num_examples", self.num_examples, " Set NUM_EXAMPLES to the size of "
                       "the training split.")
         if self.features not in (None, "scatternet"):
@@ -209,6 +220,8 @@ class PrivacyConfig:
         if self.clipping not in CLIPPING_PATHS:
             raise ValueError(f"clipping={self.clipping!r}: clipping must be one of "
                              f"{CLIPPING_PATHS}.")
+        _seed("PrivacyConfig.sampling_seed", self.sampling_seed, 2**63 - 1)  # an int64
+        _seed("PrivacyConfig.noise_seed", self.noise_seed, 2**63 - 1)
         if self.study_dir is not None and (not isinstance(self.study_dir, str)
                                            or storage.is_url(self.study_dir)):
             raise ValueError(
@@ -334,6 +347,7 @@ class RuntimeConfig:
     seed: int = 0
 
     def __post_init__(self):
+        _seed("RuntimeConfig.seed", self.seed, 2**32 - 1)  # Keras' set_random_seed's range
         if not isinstance(self.jit_compile, bool):
             raise ValueError(f"jit_compile={self.jit_compile!r}: jit_compile must be True or "
                              "False.")

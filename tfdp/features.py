@@ -344,6 +344,22 @@ def _extractor_versions():
     return versions
 
 
+def _cache_folder(workdir):
+    """`WORKDIR/feature_cache`, refused where it is a symbolic link (never followed).
+
+    Raises:
+      ValueError: the folder is a link (it would read, write or delete the
+        files of the folder it points to: another run's cache, a user's data).
+    """
+    folder = storage.join(workdir, FEATURE_CACHE_DIR)
+    if not storage.is_url(folder) and os.path.islink(folder):
+        raise ValueError(
+            f"{folder} is a symbolic link: tfdp keeps a run's features only in a folder of "
+            "its own and never writes or deletes through a link (the folder it points to is "
+            "untouched). Remove the link, and run the same command again.")
+    return folder
+
+
 def _remove_cache_files(folder):
     """Removes tfdp's own cache files in `folder` (record first), not the folder."""
     storage.remove(storage.join(folder, FEATURE_CACHE_RECORD))  # first: no half a cache
@@ -372,7 +388,7 @@ def write_feature_cache(workdir, extractor, fingerprints, computed):
       fingerprints: `{"train": ..., "test": ...}` split fingerprints.
       computed: `{"train": np.float32 [N, ...], "test": np.float32 [M, ...]}`.
     """
-    folder = storage.join(workdir, FEATURE_CACHE_DIR)
+    folder = _cache_folder(workdir)
     record = {"extractor": extractor.name, "versions": _extractor_versions(),
               "data": fingerprints,
               "arrays": {role: _array_record(computed[role]) for role in ROLES}}
@@ -423,7 +439,7 @@ def read_feature_cache(workdir, extractor, splits, fingerprints, train_images):
       ValueError: a cache of other data, an unreadable or corrupt one, or one
         computed by another extractor; the message says what to do.
     """
-    folder = storage.join(workdir, FEATURE_CACHE_DIR)
+    folder = _cache_folder(workdir)
     record_path = storage.join(folder, FEATURE_CACHE_RECORD)
     if not storage.exists(record_path):
         return None
@@ -505,7 +521,7 @@ def remove_feature_cache(workdir):
     own files are removed (the record first, the arrays, an interrupted
     write's temporaries); the folder too if it is then empty.
     """
-    folder = storage.join(workdir, FEATURE_CACHE_DIR)
+    folder = _cache_folder(workdir)
     if not storage.isdir(folder):
         return
     _remove_cache_files(folder)

@@ -16,6 +16,7 @@ import contextlib
 import difflib
 import importlib.resources
 import logging as std_logging
+import math
 import os
 import re
 import sys
@@ -87,6 +88,7 @@ def parse_config(gin_files, gin_params):
             f"Available configs: {', '.join(sorted(shipped_gin_configs()))}."
         )
     paths = [resolve_gin_file(f) for f in gin_files]
+    _check_params(gin_params)
     # `include 'NAME.gin'` inside a config also resolves among the shipped ones.
     gin.add_config_file_search_path(str(importlib.resources.files("tfdp") / "gin_configs"))
     import tokenize  # pylint: disable=g-import-not-at-top
@@ -120,6 +122,60 @@ def parse_config(gin_files, gin_params):
     _check_bindings_are_called()
     _check_arguments_are_read(files_config)
     return paths
+
+
+_BINDING = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_.]*(?:/[A-Za-z_][A-Za-z0-9_.]*)*)\s*=(.*)$",
+                      re.DOTALL)
+
+
+def _finite(value):
+    """Whether every number in a parsed gin value is finite (containers searched)."""
+    if isinstance(value, float):
+        return math.isfinite(value)
+    if isinstance(value, dict):
+        return all(_finite(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return all(_finite(v) for v in value)
+    return True
+
+
+def _check_params(gin_params):
+    """Refuses a --gin_param that is no binding, has no gin value, an inf or NaN, or repeats one.
+
+    Raises:
+      ConfigError: naming the --gin_param and what to give instead.
+    """
+    import tokenize  # pylint: disable=g-import-not-at-top
+
+    import gin  # pylint: disable=g-import-not-at-top
+
+    seen = {}
+    for param in gin_params:
+        match = _BINDING.match(param)
+        if match is None:
+            raise ConfigError(
+                f"--gin_param={param!r} is not a binding: give NAME=VALUE (a macro, "
+                "NUM_STEPS=100) or configurable.parameter=VALUE (tfdp.OptimizationConfig."
+                "num_steps=100). Imports and includes belong in a gin file (--gin_file).")
+        name, text = match.group(1), match.group(2).strip()
+        try:
+            value = gin.config.parse_value(text)
+        except tokenize.TokenError:
+            value = None  # an unclosed bracket: the parse below names it
+        except (SyntaxError, ValueError) as e:
+            raise ConfigError(
+                f"--gin_param={param!r}: {text!r} is not a gin value ({e.args[0] if e.args else e}"
+                "). Give a number, True/False/None, a string in quotes, a list, a dict, or "
+                "@a.configurable.") from None
+        if not _finite(value):
+            raise ConfigError(
+                f"--gin_param={param!r}: {name} must be a finite number ({text} is read as "
+                f"{value!r}). Give a finite value.")
+        if name in seen:
+            raise ConfigError(
+                f"--gin_param sets {name} twice ({seen[name]!r} and {param!r}); the second "
+                "would silently win. Give it once.")
+        seen[name] = param
 
 
 def _refuse_old_bindings(paths, gin_params, error):

@@ -90,6 +90,7 @@ class Run:
 
     def restore(self, dp_model, ledger):
         """Restores `latest`, or saves checkpoint 0 with the fresh coins: `(manager, start_step)`."""
+        workdir_lib.check_held(self.out_dir)
         storage.makedirs(self.out_dir)
         return _restore(dp_model, ledger, self.out_dir, self.latest)
 
@@ -355,6 +356,7 @@ def _finish(mode, report, dp_model, export_model, out_dir, *, image_shape):
     `NOT_PRIVATE.{json,md}` instead, by the same steps, and FINISHED says
     "privacy": "NOT PRIVATE" instead of epsilon and delta.
     """
+    workdir_lib.check_held(out_dir)
     workdir_lib.remove_stale_temporaries(out_dir)
     files = list(mode.report_files)
     # Beside the outputs on a local disk (renamed into place); in a local temp folder for a

@@ -73,6 +73,42 @@ class WorkdirLockedError(WorkdirError):
     """Another process holds the workdir's lock."""
 
 
+_held = {}  # absolute path of a workdir this process holds -> (st_dev, st_ino) of its folder
+
+
+def check_held(workdir):
+    """Raises if `workdir` no longer names the folder this process locked.
+
+    A run writes by path: if its workdir was moved aside (`mv wd wd.old`),
+    replaced or removed while it ran, a second run may already hold a new
+    folder at the same path, and both would write into it. So the trainer
+    checks this before each of its writes (every step's callbacks, the
+    export, FINISHED) and stops instead. A no-op for a URL (its lease
+    protects it) or a path this process does not hold.
+
+    Raises:
+      WorkdirError: the path names another folder, or none.
+    """
+    workdir = os.fspath(workdir)
+    if storage.is_url(workdir):
+        return
+    held = _held.get(os.path.abspath(workdir))
+    if held is None:
+        return
+    try:
+        here = os.stat(workdir)
+        same = (here.st_dev, here.st_ino) == held
+    except OSError:
+        same = False
+    if not same:
+        raise WorkdirError(
+            f"The workdir {workdir} no longer names the folder this run locked: it was moved, "
+            "replaced or removed while the run trained. The run stops before writing "
+            "anything more, so that two runs never write into one folder. Its checkpoints "
+            "are in the folder where it was moved (if it was): move it back and run the same "
+            "command to resume.")
+
+
 def check_lockable(workdir):
     """Refuses a workdir that tfdp cannot lock: a URL of an unsupported store, or no client.
 
@@ -83,10 +119,16 @@ def check_lockable(workdir):
     without its client library.
 
     Raises:
-      WorkdirError: for a URL whose scheme has no lease store, or whose
-        store cannot be opened (the message says what to install).
+      WorkdirError: for the file system's root; for a URL whose scheme has no
+        lease store, or whose store cannot be opened (the message says what
+        to install).
     """
     if not storage.is_url(workdir):
+        if os.path.realpath(workdir) == os.path.realpath(os.sep):
+            raise WorkdirError(
+                f"--workdir={workdir} is the file system's root: a run writes checkpoints/, "
+                "export/ and FINISHED into its workdir. Give it a folder of its own "
+                "(e.g. --workdir=workdirs/NAME).")
         return
     if storage.scheme(workdir) not in lease_lib.STORES:
         raise WorkdirError(
@@ -139,15 +181,21 @@ def locked(workdir, *, lease_seconds=lease_lib.LEASE_SECONDS,
             f"({type(e).__name__}). Choose a writable workdir (--workdir), or free space "
             "on its disk.") from None
     path = os.path.join(workdir, LOCK_FILE)
+    mine = os.fstat(folder_fd) if folder_fd is not None else os.stat(workdir)
+    key = os.path.abspath(workdir)
+    _held[key] = (mine.st_dev, mine.st_ino)
     try:
         yield workdir
     finally:
+        _held.pop(key, None)
         with contextlib.suppress(OSError):
             if os.stat(path).st_ino == os.fstat(file_fd).st_ino:  # not a file put in its place
                 os.unlink(path)  # while still holding it: see _lock_file
         if created:
             with contextlib.suppress(OSError):
-                os.rmdir(workdir)  # only if empty; before unlocking (see _acquire)
+                if (os.stat(workdir).st_dev, os.stat(workdir).st_ino) == (mine.st_dev,
+                                                                          mine.st_ino):
+                    os.rmdir(workdir)  # ours, and empty; before unlocking (see _acquire)
         os.close(file_fd)
         if folder_fd is not None:
             os.close(folder_fd)
@@ -264,7 +312,15 @@ def _lock_file(path, workdir):
     the path now names another file (or none) and tries again.
     """
     while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:  # never through a link: it would write the holder into another file
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        except OSError as e:
+            if e.errno != errno.ELOOP:
+                raise
+            raise WorkdirError(
+                f"{path} is a symbolic link: tfdp writes its lock only into a file of its "
+                "own, never through a link into another file. Remove the link (the file it "
+                "points to is untouched), or use another workdir.") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
@@ -535,6 +591,7 @@ def write_finished(workdir, record):
     FINISHED is either absent or complete.
     """
     record = {**record, "digests": vouched_digests(workdir, record["files"])}
+    check_held(workdir)  # never FINISHED into a folder another run holds
     storage.write_whole(storage.join(workdir, FINISHED_FILE), json.dumps(record, indent=1))
 
 

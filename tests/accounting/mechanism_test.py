@@ -266,3 +266,24 @@ def test_runs_sharing_fixed_coins_compose_as_one_subsampled_mechanism():
         accounting.dp_sgd_event(noise_multiplier=2.0, sampling_prob=0.01, num_steps=60)])
     with pytest.raises(ValueError, match="same NUM_EXAMPLES and BATCH_SIZE"):
         mechanism_lib.shared_coins_event([a, _mechanism(batch_size=601)])
+
+
+@pytest.mark.parametrize("sigma", [5e-324, 1e-300, 1e300])
+def test_a_noise_multiplier_the_accountant_cannot_hold_is_refused_by_name(sigma):
+    # Before: accepted, then step 1 crashed in dp_accounting (ZeroDivisionError, OverflowError)
+    # and left a checkpoint-0 workdir.
+    with pytest.raises(ValueError, match=r"noise_multiplier=.* is outside \[1e-100, 1e\+100\]"):
+        accounting.DPMechanism(num_examples=1000, batch_size=10, num_steps=10,
+                               noise_multiplier=sigma, l2_clip_norm=1.0, delta=1e-5)
+    with pytest.raises(ValueError, match="is outside"):
+        accounting.compute_epsilon(noise_multiplier=sigma, sampling_prob=0.01, num_steps=10,
+                                   delta=1e-5)
+
+
+@pytest.mark.parametrize("clip, sigma, match", [
+    (1e31, 1.0, r"l2_clip_norm=1e\+31 is outside"), (1e-31, 1.0, "l2_clip_norm=1e-31 is outside"),
+    (1e20, 1e20, "float32 noise would overflow")])
+def test_a_clip_norm_or_noise_float32_cannot_hold_is_refused(clip, sigma, match):
+    with pytest.raises(ValueError, match=match):
+        accounting.DPMechanism(num_examples=1000, batch_size=10, num_steps=10,
+                               noise_multiplier=sigma, l2_clip_norm=clip, delta=1e-5)

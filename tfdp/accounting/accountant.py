@@ -135,6 +135,11 @@ def _is_integer(value) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
+# Where dp_accounting's RDP and PLD arithmetic stays finite (1e-300 divides by zero, 1e300
+# overflows); every useful sigma is well inside.
+NOISE_MULTIPLIER_RANGE = (1e-100, 1e100)
+
+
 def validate_privacy_params(
     *,
     noise_multiplier: Optional[float] = None,
@@ -175,6 +180,13 @@ def validate_privacy_params(
                 f"noise_multiplier must be a finite number > 0, got "
                 f"{noise_multiplier!r}. It is the noise std divided by l2_clip_norm "
                 f"(dimensionless); 0 would mean no noise and no privacy."
+            )
+        low, high = NOISE_MULTIPLIER_RANGE
+        if not low <= noise_multiplier <= high:
+            raise ValueError(
+                f"noise_multiplier={noise_multiplier!r} is outside [{low:g}, {high:g}], where "
+                "the accountant's arithmetic (sigma^2 and 1/sigma^2) over- or underflows. "
+                "Useful values are about 0.3 to 50; give one in the range."
             )
     if sampling_prob is not None:
         if not (isinstance(sampling_prob, numbers.Real) and 0 < sampling_prob <= 1):

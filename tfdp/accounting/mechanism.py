@@ -97,6 +97,10 @@ _MECHANISM_FIELDS = (
 )
 
 
+# The clip norm, its noise std and every clipped sum stay normal float32 numbers.
+L2_CLIP_NORM_RANGE = (1e-30, 1e30)
+
+
 def _positive_number(name, value, *, integer=False):
     kind = numbers.Integral if integer else numbers.Real
     if (not isinstance(value, kind) or isinstance(value, bool)
@@ -235,9 +239,19 @@ class DPMechanism:
                 "Lower BATCH_SIZE or check NUM_EXAMPLES.")
         _positive_number("num_steps", self.num_steps, integer=True)
         _positive_number("l2_clip_norm", self.l2_clip_norm)
+        if not L2_CLIP_NORM_RANGE[0] <= self.l2_clip_norm <= L2_CLIP_NORM_RANGE[1]:
+            raise ValueError(
+                f"l2_clip_norm={self.l2_clip_norm!r} is outside [{L2_CLIP_NORM_RANGE[0]:g}, "
+                f"{L2_CLIP_NORM_RANGE[1]:g}]: the clipped gradients and their noise are "
+                "float32, which cannot hold such a norm. Useful values are about 0.01 to 10.")
         accountant_lib.validate_privacy_params(
             noise_multiplier=self.noise_multiplier, delta=self.delta,
             num_examples=self.num_examples)
+        if self.noise_multiplier * self.l2_clip_norm > L2_CLIP_NORM_RANGE[1]:
+            raise ValueError(
+                f"noise_multiplier x l2_clip_norm = {self.noise_multiplier} x "
+                f"{self.l2_clip_norm} is above {L2_CLIP_NORM_RANGE[1]:g}: the float32 noise "
+                "would overflow. Lower noise_multiplier (useful values are about 0.3 to 50).")
         if self.accountant not in accountant_lib.ACCOUNTANTS:
             raise ValueError(f"Unknown accountant {self.accountant!r}; use one of "
                              f"{accountant_lib.ACCOUNTANTS}.")

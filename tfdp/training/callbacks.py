@@ -11,6 +11,29 @@ from absl import logging
 
 from tfdp import accounting
 from tfdp import storage
+from tfdp import workdir as workdir_lib
+
+
+class WorkdirHeld(keras.callbacks.Callback):
+    """Stops training when the workdir path no longer names the folder the run locked.
+
+    First among the run's callbacks, so that no later one (metrics, a
+    checkpoint, TensorBoard) writes into a folder another run may hold
+    (`tfdp.workdir.check_held`). Checked at every step's end and epoch's end.
+    """
+
+    def __init__(self, workdir):
+        super().__init__()
+        self.workdir = workdir
+
+    def on_train_begin(self, logs=None):
+        workdir_lib.check_held(self.workdir)
+
+    def on_train_batch_end(self, batch, logs=None):
+        workdir_lib.check_held(self.workdir)
+
+    def on_epoch_end(self, epoch, logs=None):
+        workdir_lib.check_held(self.workdir)
 
 
 class StepCallback(keras.callbacks.Callback):
@@ -96,6 +119,7 @@ class MetricsJsonl(keras.callbacks.Callback):
             record[name] = float(value)
         record["wall_time_s"] = round(time.time() - self._start, 2)
         record.update(self.extra)
+        workdir_lib.check_held(os.path.dirname(self.path))
         storage.append_text(self.path, json.dumps(record) + "\n")
 
 
@@ -212,6 +236,7 @@ class OperativeConfigSaver(keras.callbacks.Callback):
 
             header = "".join(f"# NOT READ by this run: {text}\n"
                              for text in gin_bindings.NOT_READ)
+            workdir_lib.check_held(os.path.dirname(self.path))
             storage.write_whole(self.path, header + ("\n" if header else "")
                                 + gin.operative_config_str())
             self._done = True
@@ -241,6 +266,7 @@ class CheckpointCallback(keras.callbacks.Callback):
         self.ledger = ledger
 
     def on_epoch_end(self, epoch, logs=None):
+        workdir_lib.check_held(os.path.dirname(os.path.normpath(self.manager.directory)))
         save_checkpoint(self.manager, self.ledger, int(self.model.optimizer.iterations.numpy()))
 
 
@@ -517,6 +543,7 @@ class TensorBoardScalars(keras.callbacks.Callback):
         self._writers = {}
 
     def _writer(self, name):
+        workdir_lib.check_held(os.path.dirname(os.path.normpath(self.log_dir)))
         if name not in self._writers:
             self._writers[name] = tf.summary.create_file_writer(
                 os.path.join(self.log_dir, name))

@@ -39,6 +39,7 @@ def fit(dp_model, plan, *, step_callback, metrics_fields, manager, ledger, train
     if start_step >= plan.num_steps:
         return
     callbacks = [
+        callbacks_lib.WorkdirHeld(out_dir),
         callbacks_lib.EvaluationEpochsOnly(
             evaluation.ExtraEvaluation(dp_model, eval_ds, augtest=augtest)),
         step_callback,
