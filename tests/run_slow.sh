@@ -5,6 +5,7 @@
 # Run from the repository root, in its venv:
 #   bash tests/run_slow.sh                 # all of them (over an hour on 2 cores)
 #   bash tests/run_slow.sh tests/resume_test.py tests/multi_worker_test.py   # some
+#   bash tests/run_slow.sh --durations=40 tests/resume_test.py                # some, with options
 #   bash tests/run_slow.sh --durations=40  # all, with pytest options
 #
 # All of them run in two steps. First everything but the two files that need the most
@@ -16,9 +17,11 @@
 # fuzzer's process; the host thrashed).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-if [ $# -gt 0 ] && [ -e "${1%%::*}" ]; then
-  exec python -m pytest -q -n 2 -m slow "$@"
-fi
+for arg in "$@"; do  # a file or test named anywhere among the arguments: run those alone
+  if [ -e "${arg%%::*}" ]; then
+    exec python -m pytest -q -n 2 -m slow "$@"
+  fi
+done
 alone=(tests/training/ghost_backbones_test.py tests/training/dp_step_xla_test.py)
 status=0
 python -m pytest -q -n 2 -m slow "${alone[@]/#/--ignore=}" "$@" || status=1
