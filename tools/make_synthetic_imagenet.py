@@ -43,9 +43,15 @@ _LAYOUT = flags.DEFINE_enum("layout", "array_record", ["array_record", "jpeg_fol
                             "A TFDS dataset in ArrayRecord, or ImageNet's JPEG-folder layout.")
 
 
+MAX_IMAGE_SIZE = 4096  # 48 MiB an image in memory, 4 times ImageNet's largest common size
+
+
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+    if not 1 <= _IMAGE_SIZE.value <= MAX_IMAGE_SIZE:
+        raise SystemExit(f"error: --image_size={_IMAGE_SIZE.value}: give 1 to {MAX_IMAGE_SIZE} "
+                         "(each image is held in memory as image_size^2 x 3 bytes).")
     try:
         if _LAYOUT.value == "jpeg_folder":
             data_dir = synthetic_imagenet.write_jpeg_folder(
