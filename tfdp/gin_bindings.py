@@ -21,6 +21,7 @@ Pure Python over gin; no TensorFlow.
 
 import dataclasses
 import inspect
+import re
 from typing import Dict, Tuple
 
 import gin
@@ -280,3 +281,8 @@ def _check_read(branches, scope, selector, argument, value, bindings, files, ref
                            f" (a binding of an included config, which gin cannot unbind, "
                            f"is accepted with a warning when --gin_param chooses the "
                            f"{branches.what})" if in_files else ""))
+
+
+def error_message(error: BaseException) -> str:
+    """The user-facing text of an error: gin's "In call to configurable" lines removed."""
+    return re.sub(r"\n\s*In call to configurable [^\n]*", "", str(error)).strip()

@@ -434,11 +434,6 @@ def _check_arguments_are_read(files_config=""):
             "still list it.")
 
 
-def error_message(error: BaseException) -> str:
-    """The user-facing text of an error: gin's "In call to configurable" lines removed."""
-    return re.sub(r"\n\s*In call to configurable [^\n]*", "", str(error)).strip()
-
-
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
@@ -449,9 +444,12 @@ def main(argv):
         from tfdp import experiment  # pylint: disable=g-import-not-at-top
 
         experiment.train_and_evaluate(workdir=FLAGS.workdir)
-    except (ConfigError, ValueError, FileNotFoundError) as e:
-        # A clear error, printed once, with no traceback from deep inside TF.
-        print(f"tfdp: error: {error_message(e)}", file=sys.stderr)
+    except (ConfigError, ValueError, FileNotFoundError, FloatingPointError) as e:
+        # A clear error, printed once, with no traceback from deep inside TF (a
+        # FloatingPointError: tfdp.dp.noise.NonFiniteRelease, training stopped).
+        from tfdp import gin_bindings  # pylint: disable=g-import-not-at-top
+
+        print(f"tfdp: error: {gin_bindings.error_message(e)}", file=sys.stderr)
         sys.exit(2)
     exit_now(0)
 

@@ -216,8 +216,8 @@ def _leased(workdir, lease_seconds, renew_every_seconds):
         raise WorkdirLockedError(
             f"The workdir {workdir} is in use by another run ({e.holder}). One workdir holds "
             "one run: wait for that run to end, or use another workdir. (A killed run's "
-            f"lease is taken over {lease_lib.CLOCK_SKEW_SECONDS:g} s after it has expired, "
-            "at the time given above.)") from None
+            f"lease is taken over {lease_lib.CLOCK_SKEW_SECONDS:g} s after it has expired.)"
+            ) from None
     except Exception as e:  # pylint: disable=broad-except  (gfile and client errors)
         raise WorkdirError(
             f"Cannot write into the workdir {workdir}: {_first_line(e)} "

@@ -100,7 +100,9 @@ def main(argv=None):
 
 
 def _fail(message):
-    print(f"score_export: {message}", file=sys.stderr)
+    from tfdp import gin_bindings  # pylint: disable=g-import-not-at-top
+
+    print(f"score_export: {gin_bindings.error_message(message)}", file=sys.stderr)
     return 2
 
 

@@ -119,6 +119,19 @@ def test_image_and_label_counts_must_match(tmp_path):
     fashion_mnist.prepare_fashion_mnist(source_dir=tmp_path, data_dir=tmp_path / "tfds")
 
 
+def test_a_label_outside_the_classes_is_named_without_printing_the_data(tmp_path):
+  # Before: TFDS refused the example and printed its 784 pixels (about 820 lines).
+  _write_source_dir(tmp_path, np.random.default_rng(5))
+  labels = np.zeros([12], np.uint8)
+  labels[7] = 12
+  _write_idx(tmp_path / "train-labels-idx1-ubyte.gz", 0x00000801, labels)
+  with pytest.raises(ValueError) as error:
+    fashion_mnist.prepare_fashion_mnist(source_dir=tmp_path, data_dir=tmp_path / "tfds")
+  assert "label 12 of example 7 is not a Fashion-MNIST class (0 to 9)" in str(error.value)
+  assert len(str(error.value).splitlines()) == 1
+  assert not (tmp_path / "tfds" / "fashion_mnist").exists()
+
+
 def test_labels_file_in_place_of_images_is_rejected(tmp_path):
   _write_source_dir(tmp_path, np.random.default_rng(3))
   _write_idx(tmp_path / "train-images-idx3-ubyte.gz", 0x00000801, np.zeros([12], np.uint8))

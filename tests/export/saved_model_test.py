@@ -82,3 +82,35 @@ def test_wrong_images_get_a_message_naming_the_expected_shape(tmp_path):
         serve(images=tf.zeros([2, 9, 9, 3], tf.uint8))
     with pytest.raises(Exception, match="uint8"):
         serve(images=tf.zeros([2, 8, 8, 3], tf.float32))
+
+
+def test_float_images_scaled_to_one_are_refused_with_how_to_convert(exported):
+    # A float array in [0, 1] was converted to uint8 by TensorFlow and served as a black
+    # image, without a word.
+    _, export_dir, images = exported
+    serve = tf.saved_model.load(export_dir).signatures["serve"]
+    scaled = images.astype(np.float32) / 255.0
+    scaled[0, 0, 0, 0] = 1.0
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match=r"brightest pixel of this batch is 1.*\* 255\)\.round\(\)"):
+        serve(images=scaled)
+    np.testing.assert_array_equal(  # an all-black batch is served
+        serve(images=np.zeros((2, 28, 28, 1), np.uint8))["logits"].shape, (2, 10))
+
+
+def test_an_empty_batch_and_a_wrong_rank(exported, tmp_path):
+    # An empty batch failed with an unrelated graph error; a rank-3 input got "Incompatible
+    # shapes: [3] vs. [2]" where it reached the graph (serve's own check names the shape now).
+    _, export_dir, _ = exported
+    serve = tf.saved_model.load(export_dir).signatures["serve"]
+    assert serve(images=np.zeros((0, 28, 28, 1), np.uint8))["logits"].shape == (0, 10)
+    with pytest.raises(TypeError, match=r"\(None, 28, 28, 1\)"):  # Python: TF's binding
+        serve(images=np.zeros((28, 28, 1), np.uint8))
+    np.save(tmp_path / "one.npy", np.zeros((28, 28, 1), np.uint8))  # saved_model_cli: serve
+    result = subprocess.run(
+        [os.path.join(os.path.dirname(sys.executable), "saved_model_cli"), "run",
+         "--dir", export_dir, "--tag_set", "serve", "--signature_def", "serving_default",
+         "--inputs", f"images={tmp_path / 'one.npy'}", "--outdir", str(tmp_path / "out")],
+        capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0
+    assert "which has shape (None, 28, 28, 1)" in result.stderr, result.stderr[-2000:]

@@ -253,6 +253,9 @@ def _has_array_record(builder):
         builder.info.available_file_formats())
 
 
+_NUM_CLASSES = 10
+
+
 def _check_idx_file(path, magic):
     """The example count in an IDX file's header, once the whole file is read and checked.
 
@@ -260,7 +263,8 @@ def _check_idx_file(path, magic):
 
     Raises:
       ValueError: a gzip stream cut short or corrupt, a header as in
-        `_read_idx_num_examples`, or fewer or more bytes than the header promises;
+        `_read_idx_num_examples`, fewer or more bytes than the header promises,
+        or a label outside 0-9 (named, with its example: no data is printed);
         the message names the file and says to reinstall it.
     """
     path = pathlib.Path(path)
@@ -269,9 +273,11 @@ def _check_idx_file(path, magic):
         num_examples = _read_idx_num_examples(path, magic)
         with open(path, "rb") as f:
             is_gzip = f.read(2) == b"\x1f\x8b"
-        size = 0
+        size, labels = 0, b""
         with (gzip.open if is_gzip else open)(path, "rb") as f:
             while chunk := f.read(1 << 20):
+                if magic == _IDX_LABELS_MAGIC:  # one byte a label (60,000 at most: small)
+                    labels += chunk
                 size += len(chunk)
     except (EOFError, zlib.error, gzip.BadGzipFile) as e:
         raise ValueError(f"{path} is damaged ({e}): its gzip stream is cut short or corrupt. "
@@ -284,6 +290,12 @@ def _check_idx_file(path, magic):
             f"{path} holds {body:,} bytes of {kind} after its header, which promises "
             f"{num_examples:,} {kind} ({num_examples * example_size:,} bytes): the file is cut "
             f"short or damaged. {reinstall}")
+    labels = labels[8:]  # after the header: magic and count
+    bad = next((i for i, label in enumerate(labels) if label >= _NUM_CLASSES), None)
+    if bad is not None:
+        raise ValueError(
+            f"{path}: label {labels[bad]} of example {bad:,} is not a Fashion-MNIST class "
+            f"(0 to {_NUM_CLASSES - 1}). {reinstall}")
     return num_examples
 
 

@@ -60,24 +60,46 @@ def export_saved_model(model, export_dir, *, image_shape, asset_paths=(), overwr
     Signature:
       `serve(images: uint8 [batch, height, width, channels])
        -> {"logits": float32 [batch, num_classes]}`, also `serving_default`.
-      Images of another height, width or channel count fail with a message
-      that names the expected `[batch, H, W, C]` uint8 shape; another dtype
-      is refused by the signature itself.
+      Images of another rank, height, width or channel count fail with a
+      message that names the expected `[batch, H, W, C]` uint8 shape; a
+      batch of 0 images gives 0 rows of logits. TensorFlow itself converts a
+      NumPy array or list of another dtype to uint8 before the signature runs
+      (a tf.Tensor of another dtype is refused), so a float image scaled to
+      [0, 1] would arrive as 0s and 1s: a batch whose brightest pixel is 1
+      is refused with a message saying so and how to convert (an all-black
+      batch is served).
     """
     _check_target(export_dir, overwrite)
     image_shape = tuple(int(d) for d in image_shape)
     expected = f"uint8 images [batch, {', '.join(map(str, image_shape))}] ([batch, H, W, C])"
 
+    num_classes = int(model.output_shape[-1])
+
     def serve(images):
-        check = tf.debugging.assert_equal(
-            tf.shape(images)[1:], tf.constant(image_shape, tf.int32),
-            message=f"serve expects {expected}; got another image shape",
-        )
-        # The model runs after the check: otherwise its first op to fail (a GroupNorm's
+        shape = tf.shape(images)
+        right_shape = tf.cond(  # the rank first: shapes of two lengths do not compare
+            tf.equal(tf.size(shape), 1 + len(image_shape)),
+            lambda: tf.reduce_all(tf.equal(shape[1:], tf.constant(image_shape, tf.int32))),
+            lambda: tf.constant(False))
+        check = tf.debugging.Assert(right_shape, [
+            f"serve expects {expected}; got images of shape", shape])
+        # TensorFlow converts a NumPy array of another dtype to the signature's uint8 before
+        # serve sees it: images scaled to [0, 1] arrive as 0s and 1s, a black batch.
+        # So a batch whose brightest pixel is 1 is refused (an all-black batch is served).
+        scaled = tf.logical_and(tf.size(images) > 0,
+                                tf.equal(tf.reduce_max(images), tf.constant(1, images.dtype)))
+        range_check = tf.debugging.Assert(tf.logical_not(scaled), [
+            f"serve expects {expected} with pixel values 0 to 255; the brightest pixel of "
+            "this batch is 1: images scaled to [0, 1] (a float array is converted to uint8 by "
+            "TensorFlow before serve sees it)? Pass (images * 255).round().astype('uint8')."])
+        # The model runs after the checks: otherwise its first op to fail (a GroupNorm's
         # reshape) could report first, and the message would not name the shape.
-        with tf.control_dependencies([check]):
+        with tf.control_dependencies([check, range_check]):
             images = tf.identity(images)
-        return {OUTPUT_KEY: model(tf.cast(images, tf.float32), training=False)}
+        logits = tf.cond(  # a batch of 0 images: 0 rows of logits
+            shape[0] > 0, lambda: model(tf.cast(images, tf.float32), training=False),
+            lambda: tf.zeros([0, num_classes], tf.float32))
+        return {OUTPUT_KEY: logits}
 
     archive = keras.export.ExportArchive()
     archive.track(model)
