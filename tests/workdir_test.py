@@ -547,3 +547,32 @@ def test_a_run_whose_workdir_is_moved_stops_before_its_next_write(tmp_path, run_
         run_smoke(wd, ["fashion_mnist.gin"])
     assert os.listdir(wd) == []  # nothing of the first run in the new folder
     assert (moved / "checkpoints").is_dir()  # its checkpoint 0, where it was moved
+
+
+def test_a_workdir_named_like_a_glob_pattern_trains_resumes_and_extends(tmp_path, run_smoke):
+    # `sweep[lr=0.5]`: TensorFlow read the checkpoint prefix as a glob pattern, called the
+    # checkpoint corrupt and refused to resume ("Use a new workdir").
+    wd = tmp_path / "sweep[lr=0.5] {a,b}*?"
+    fixed = ["TARGET_EPSILON = None", "NOISE_MULTIPLIER = 1.0"]
+    run_smoke(wd, ["fashion_mnist.gin"], fixed)
+    report = run_smoke(wd, ["fashion_mnist.gin"], fixed + ["NUM_STEPS = 3"])
+    assert report["steps"] == 3
+    state = (wd / "checkpoints" / "checkpoint").read_text()
+    assert 'model_checkpoint_path: "ckpt-3"' in state  # relative: no descriptor path kept
+
+
+def test_tf_paths_go_through_the_held_folder(tmp_path):
+    from tfdp import storage  # pylint: disable=g-import-not-at-top
+    from tfdp import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
+
+    wd = tmp_path / "a[b]"
+    plain = tmp_path / "plain" / "checkpoints"
+    assert storage.tf_path(str(plain)) == str(plain)
+    assert storage.tf_path(str(wd / "checkpoints")) == str(wd / "checkpoints")  # not held
+    with workdir_lib.locked(str(wd)):
+        aliased = storage.tf_path(str(wd / "checkpoints" / "ckpt-1"))
+        assert aliased.startswith("/proc/self/fd/") and aliased.endswith("/checkpoints/ckpt-1")
+        (wd / "probe").write_text("x")
+        folder = os.path.dirname(os.path.dirname(aliased))  # /proc/self/fd/N: the held folder
+        assert open(os.path.join(folder, "probe")).read() == "x"
+    assert storage.tf_path(str(wd / "checkpoints")) == str(wd / "checkpoints")

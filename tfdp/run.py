@@ -263,7 +263,8 @@ def _stops_cleanly(out_dir):
         if not _is_failed_write(e):
             raise
         workdir_lib.remove_partial_checkpoints(checkpoint_dir, before)
-        kept = tf.train.latest_checkpoint(checkpoint_dir)
+        kept = tf.train.latest_checkpoint(storage.tf_path(checkpoint_dir))
+        kept = kept and os.path.join(checkpoint_dir, os.path.basename(kept))  # the user's path
         cause = ("fix the cause (free disk space, raise the file size limit `ulimit -f`, make "
                  "the workdir writable)")
         progress = (f"The checkpoint {kept} is kept; {cause} and run the same command again "
@@ -310,11 +311,11 @@ def _restore(dp_model, ledger, out_dir, latest):
         parts["noise_generator"] = dp_model.noise_generator
     checkpoint = tf.train.Checkpoint(**parts)
     # Every worker saves (saving may run collectives); only the chief's copy is kept.
-    manager = tf.train.CheckpointManager(
-        checkpoint, os.path.join(out_dir, CHECKPOINT_DIR), max_to_keep=2
+    manager = tf.train.CheckpointManager(  # storage.tf_path: a workdir named `a[b]` too
+        checkpoint, storage.tf_path(os.path.join(out_dir, CHECKPOINT_DIR)), max_to_keep=2
     )
     if latest:
-        checkpoint.restore(latest).expect_partial()
+        checkpoint.restore(storage.tf_path(latest)).expect_partial()
         # The settings now in force (the resume rule let only harmless ones change): the
         # next checkpoints record them, for the next rerun's comparison.
         ledger.config.assign(gin.config_str())

@@ -254,6 +254,41 @@ def rmdir_if_empty(path):
             os.rmdir(path)
 
 
+# TensorFlow reads a checkpoint prefix as a glob pattern (TensorSliceReader,
+# latest_checkpoint), so a workdir named `sweep[lr=0.5]` would hold checkpoints it cannot find.
+_GLOB_CHARACTERS = re.compile(r"[\[\]*?{}]")
+_aliases = {}  # absolute path of a folder this process holds -> /proc/self/fd/N naming it
+
+
+def alias_folder(path, folder_fd):
+    """While `folder_fd` is open, `tf_path` names paths in `path` through it (None: forget)."""
+    key = os.path.abspath(os.fspath(path))
+    if folder_fd is None:
+        _aliases.pop(key, None)
+    elif os.path.isdir(f"/proc/self/fd/{folder_fd}"):
+        _aliases[key] = f"/proc/self/fd/{folder_fd}"
+
+
+def tf_path(path):
+    """`path` as TensorFlow's checkpoint code must get it: without glob metacharacters.
+
+    A local path holding `[`, `]`, `*`, `?`, `{` or `}` inside a folder this
+    process holds (`alias_folder`: the run's locked workdir) is named through
+    the folder's open descriptor (`/proc/self/fd/N/...`), which is the same
+    folder and has none; any other path is returned as it is.
+    """
+    path = os.fspath(path)
+    if is_url(path) or not _GLOB_CHARACTERS.search(path):
+        return path
+    absolute = os.path.abspath(path)
+    for folder, alias in _aliases.items():
+        if absolute == folder or absolute.startswith(folder + os.sep):
+            named = alias + absolute[len(folder):]
+            if not _GLOB_CHARACTERS.search(named):
+                return named
+    return path
+
+
 def checkpoint_reader(prefix):
     """A `tf.train.CheckpointReader` of the checkpoint `prefix` (e.g. WORKDIR/checkpoints/ckpt-4).
 
@@ -266,4 +301,4 @@ def checkpoint_reader(prefix):
     """
     import tensorflow as tf  # pylint: disable=g-import-not-at-top
 
-    return tf.compat.v1.train.NewCheckpointReader(prefix)
+    return tf.compat.v1.train.NewCheckpointReader(tf_path(prefix))

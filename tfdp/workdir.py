@@ -184,9 +184,11 @@ def locked(workdir, *, lease_seconds=lease_lib.LEASE_SECONDS,
     mine = os.fstat(folder_fd) if folder_fd is not None else os.stat(workdir)
     key = os.path.abspath(workdir)
     _held[key] = (mine.st_dev, mine.st_ino)
+    storage.alias_folder(workdir, folder_fd)  # TensorFlow's checkpoints: `storage.tf_path`
     try:
         yield workdir
     finally:
+        storage.alias_folder(workdir, None)
         _held.pop(key, None)
         with contextlib.suppress(OSError):
             if os.stat(path).st_ino == os.fstat(file_fd).st_ino:  # not a file put in its place

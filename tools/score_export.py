@@ -85,7 +85,14 @@ def main(argv=None):
                                                    data_dir=args.data_dir))
     except (data.DatasetNotFoundError, ValueError) as error:
         return _fail(str(error))
-    serve = tf.saved_model.load(args.export).signatures["serve"]
+    # TensorFlow reads the variables' path as a glob pattern: an export in `sweep[lr=0.5]/`
+    # is loaded through its open folder, a path without `[` `]`.
+    folder = os.open(args.export, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        serve = tf.saved_model.load(f"/proc/self/fd/{folder}" if os.path.isdir(
+            f"/proc/self/fd/{folder}") else args.export).signatures["serve"]
+    finally:
+        os.close(folder)
     expected = tuple(serve.structured_input_signature[1]["images"].shape[1:])
     if tuple(split.images.shape[1:]) != expected:
         return _fail(f"the export takes images of shape {expected}, but {args.dataset} "
