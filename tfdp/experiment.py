@@ -12,6 +12,7 @@ batch, and only the chief writes the outputs.
 """
 
 import json
+import re
 import sys
 import types
 
@@ -195,15 +196,19 @@ def _fit(config, mode, plan, run, strategy, built, manager, start_step):
             test_examples=built.test_examples,
             progress_bar=(sys.stdout.isatty() if runtime.progress_bar is None
                           else runtime.progress_bar))
-    except tf.errors.OpError:
+    except tf.errors.OpError as error:
         # A corrupt shard met by a batch (a split too large to read whole at start):
         # the source kept the clear error that TensorFlow wrapped.
+        kept = ("The checkpoints saved so far are kept: once the data is fixed, the same "
+                "command resumes.")
         try:
             data.raise_read_error(built.train, built.test)
         except data.DatasetNotFoundError as e:
-            raise data.DatasetNotFoundError(
-                f"{e} The checkpoints saved so far are kept: once the data is fixed, the "
-                "same command resumes.") from None
+            raise data.DatasetNotFoundError(f"{e} {kept}") from None
+        changed = re.search(r"A file of the JPEG folder changed after it was indexed:.*?"
+                            r"index again\.", " ".join(str(error.message).split()))
+        if changed:  # the source's own message, which names the file (`jpeg_folder`)
+            raise data.DatasetNotFoundError(f"{changed.group(0)} {kept}") from None
         raise
 
 

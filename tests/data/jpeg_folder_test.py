@@ -296,6 +296,21 @@ def test_the_tool_names_every_bad_file_and_ends_without_a_traceback(tmp_path):
                      r"then index again\.", done.stderr), done.stderr[-3000:]
 
 
+def test_a_file_replaced_by_bytes_of_its_size_is_named_when_a_batch_reads_it(tmp_path):
+    # Before: "jpeg::Uncompress failed" naming no file (only a size change was named).
+    data_dir = _tiny_folder(tmp_path, ["a/1.jpg", "b/2.jpg"])
+    jpeg_folder.index_split(data_dir, "train")
+    source = _open(data_dir, image_size=8)
+    _, relative, _, sizes = jpeg_folder.read_index(jpeg_folder.index_path(data_dir, "train"))
+    path = os.path.join(data_dir, "train", relative[1])
+    with open(path, "wb") as f:
+        f.write(bytes(np.random.default_rng(0).integers(0, 256, sizes[1], dtype=np.uint8)))
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match=rf"(?s)changed after it was indexed.*train/{relative[1]}.*is no "
+                             rf"longer an image.*--check"):
+        source.read(tf.constant([0, 1], tf.int64))
+
+
 def test_a_file_changed_after_indexing_is_named_when_a_batch_reads_it(tmp_path):
     # Before: "jpeg::Uncompress failed. Invalid JPEG data or crop window", naming no file.
     data_dir = _tiny_folder(tmp_path, ["a/1.jpg", "b/2.jpg"])

@@ -382,7 +382,8 @@ class JPEGFolderSource:
 
         Raises:
           tf.errors.InvalidArgumentError (when run): a file whose size is not
-            the table's, named in the message (it changed after indexing).
+            the table's, or whose bytes are no image, named in the message (it
+            changed after indexing).
         """
         paths = tf.strings.join([self._root + "/", tf.gather(self._paths, indices)])
         images = tf.map_fn(self._decode, (paths, tf.gather(self._sizes, indices)),
@@ -398,7 +399,18 @@ class JPEGFolderSource:
             "A file of the JPEG folder changed after it was indexed:", path, "has", found,
             "bytes, the index table says", size, f"bytes. Check every file with "
             f"{self._check_command}, then restore the file or index again."])
-        with tf.control_dependencies([same]):
+        # A file replaced by other bytes of the same size: decode_image's own error names
+        # no file, so the image formats' signatures are checked first (JPEG, PNG, GIF, BMP).
+        image_bytes = tf.reduce_any(tf.stack([
+            tf.equal(tf.strings.substr(contents, 0, 3), b"\xff\xd8\xff"),
+            tf.equal(tf.strings.substr(contents, 0, 8), b"\x89PNG\r\n\x1a\n"),
+            tf.equal(tf.strings.substr(contents, 0, 3), b"GIF"),
+            tf.equal(tf.strings.substr(contents, 0, 2), b"BM")]))
+        an_image = tf.debugging.Assert(image_bytes, [
+            "A file of the JPEG folder changed after it was indexed:", path, "is no longer "
+            f"an image (JPEG, PNG, GIF or BMP). Check every file with {self._check_command}, "
+            "then restore the file or index again."])
+        with tf.control_dependencies([same, an_image]):
             image = tf.io.decode_image(contents, channels=3, expand_animations=False)
         size = self.image_size
         already = tf.reduce_all(tf.equal(tf.shape(image)[:2], [size, size]))
