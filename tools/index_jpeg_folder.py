@@ -52,8 +52,9 @@ def main(argv):
         raise app.UsageError("--nodecode: every file is decoded when indexed or checked, so "
                              "that no bad file stops a training run mid-way; drop the flag.")
     if not _SPLITS.value or not all(split.strip() for split in _SPLITS.value):
-        raise SystemExit(f"error: --split={','.join(_SPLITS.value)!r} names no split folder: "
-                         "give the folders to index, e.g. --split=train,validation.")
+        print(f"error: --split={','.join(_SPLITS.value)!r} names no split folder: give the "
+              "folders to index, e.g. --split=train,validation.", file=sys.stderr)
+        raise SystemExit(2)
     failed = False
     for split in _SPLITS.value:
         try:

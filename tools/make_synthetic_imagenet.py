@@ -27,6 +27,8 @@ Then train on it, e.g.
     --gin_param="NUM_EXAMPLES=5000" --gin_param="BATCH_SIZE=64" --workdir=/tmp/run
 """
 
+import sys
+
 from absl import app
 from absl import flags
 
@@ -50,8 +52,9 @@ def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
     if not 1 <= _IMAGE_SIZE.value <= MAX_IMAGE_SIZE:
-        raise SystemExit(f"error: --image_size={_IMAGE_SIZE.value}: give 1 to {MAX_IMAGE_SIZE} "
-                         "(each image is held in memory as image_size^2 x 3 bytes).")
+        print(f"error: --image_size={_IMAGE_SIZE.value}: give 1 to {MAX_IMAGE_SIZE} (each "
+              "image is held in memory as image_size^2 x 3 bytes).", file=sys.stderr)
+        raise SystemExit(2)
     try:
         if _LAYOUT.value == "jpeg_folder":
             data_dir = synthetic_imagenet.write_jpeg_folder(

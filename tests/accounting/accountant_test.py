@@ -417,3 +417,12 @@ def test_non_converging_rdp_orders_are_explained_once_not_warned_per_order(caplo
             accounting.compute_epsilon(noise_multiplier=1.16544, sampling_prob=0.25,
                                        num_steps=steps, delta=1e-5)
     assert not [r for r in caplog.records if "failed to converge" in r.getMessage()]
+
+
+def test_pld_refuses_work_it_could_not_finish_before_starting():
+    # sigma = 0.06 for 10^6 steps tried to allocate 31.5 GiB.
+    from tfdp.accounting import accountant  # pylint: disable=g-import-not-at-top
+
+    with pytest.raises(ValueError, match=r"steps / noise_multiplier\^2 = 2\.78e\+08.*rdp"):
+        accountant.compute_epsilon(noise_multiplier=0.06, sampling_prob=0.004,
+                                   num_steps=10**6, delta=1e-5, accountant="pld")

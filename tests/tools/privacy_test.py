@@ -355,3 +355,20 @@ def test_tan_at_tiny_noise_gives_rdp_and_says_why_not_pld(capsys):
     assert out["epsilon_pld"] is None and out["epsilon_rdp"] > 1e6
     assert "RDP = 5.44e+06, PLD = not computed at delta" in text
     assert "note: PLD not computed: noise_multiplier 0.01 is below 0.05" in text
+
+
+@pytest.mark.parametrize("sigma", ["5e-324", "1e-300", "1e300"])
+def test_a_noise_multiplier_the_accountant_cannot_hold_is_one_line(capsys, sigma):
+    # Before: ZeroDivisionError and OverflowError tracebacks from dp_accounting.
+    args = [*EPSILON_ARGS]
+    args[args.index("--noise_multiplier") + 1] = sigma
+    status, _, err = _main(args, capsys)
+    assert status == 2 and "is outside [1e-100, 1e+100]" in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_pld_work_it_could_not_finish_is_one_line(capsys):
+    args = ["epsilon", *CIFAR, "--batch_size", "200", "--noise_multiplier", "0.06",
+            "--steps", "1000000", "--accountant", "pld"]
+    status, _, err = _main(args, capsys)
+    assert status == 2 and "Use the RDP accountant" in err

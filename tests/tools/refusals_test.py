@@ -19,7 +19,7 @@ def test_a_tool_refuses_in_one_line(tmp_path, tool, args, message):
     result = subprocess.run(
         [sys.executable, os.path.join(REPO, "tools", tool), f"--data_dir={tmp_path}", *args],
         capture_output=True, text=True, timeout=300, cwd=tmp_path)
-    assert result.returncode != 0
+    assert result.returncode == 2
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("error: ") and message in last, result.stderr[-2000:]
     assert "Traceback" not in result.stderr
