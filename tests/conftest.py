@@ -156,6 +156,24 @@ def _op_determinism_left_as_found():
         tf_config.disable_op_determinism()
 
 
+@pytest.fixture(autouse=True)
+def _onednn_modes_left_as_found():
+    """Forgets the oneDNN fpmath modes a test set, as a new process would.
+
+    tfdp keeps every oneDNN mode it has seen for the life of the process
+    (`tfdp.process_settings`: oneDNN keeps a mode it read), which is right in
+    one run; a pytest-xdist worker runs hundreds of tests, and a mode one test
+    set with monkeypatch would plan every later test's step for bf16.
+    """
+    from tfdp import process_settings  # pylint: disable=g-import-not-at-top
+
+    before = {name: list(values) for name, values in
+              process_settings._seen_since_import.items()}
+    yield
+    process_settings._seen_since_import.clear()
+    process_settings._seen_since_import.update(before)
+
+
 @pytest.fixture
 def run_smoke():
     """`run_smoke(workdir, gin_files, extra_params=(), mock=True)`: a 2-step run."""

@@ -235,8 +235,6 @@ def test_a_direct_binding_that_replaces_a_macro_is_accepted_and_said(caplog):
     (["NOISE_MULTIPLIER=1e999"], r"NOISE_MULTIPLIER must be a finite number \(1e999 is read as inf"),
     (["L2_CLIP_NORM = -1e999"], r"L2_CLIP_NORM must be a finite number .*-inf"),
     (["tfdp.PrivacyConfig.data_normalization = {'threshold': 1e999}"], r"finite number"),
-    (["NUM_STEPS=3", "NUM_STEPS = 4"], r"sets NUM_STEPS twice \('NUM_STEPS=3' and "
-                                       r"'NUM_STEPS = 4'\); the second would silently win"),
 ])
 def test_a_bad_gin_param_is_refused_before_parsing(params, message):
     # Before: gin's own SyntaxError traceback ("malformed node") for an inf, and the last of
@@ -249,3 +247,11 @@ def test_a_bad_gin_param_is_refused_before_parsing(params, message):
             main.parse_config(["fashion_mnist.gin"], params)
     finally:
         gin.clear_config()
+
+
+def test_a_gin_param_given_twice_on_the_command_line_is_refused():
+    # The last of two bindings of one name silently won.
+    with pytest.raises(main.ConfigError, match=r"sets NUM_STEPS twice \('NUM_STEPS=3' and "
+                                               r"'NUM_STEPS = 4'\); the second would silently win"):
+        main._check_params(["NUM_STEPS=3", "NUM_STEPS = 4"], refuse_repeats=True)
+    main._check_params(["NUM_STEPS=3", "NUM_STEPS = 4"])  # a caller's own overrides

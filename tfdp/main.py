@@ -139,8 +139,11 @@ def _finite(value):
     return True
 
 
-def _check_params(gin_params):
+def _check_params(gin_params, *, refuse_repeats=False):
     """Refuses a --gin_param that is no binding, has no gin value, an inf or NaN, or repeats one.
+
+    `refuse_repeats`: the command line's own --gin_param flags, where a name
+    given twice is a mistake (a caller's list may override its own defaults).
 
     Raises:
       ConfigError: naming the --gin_param and what to give instead.
@@ -171,7 +174,7 @@ def _check_params(gin_params):
             raise ConfigError(
                 f"--gin_param={param!r}: {name} must be a finite number ({text} is read as "
                 f"{value!r}). Give a finite value.")
-        if name in seen:
+        if name in seen and refuse_repeats:
             raise ConfigError(
                 f"--gin_param sets {name} twice ({seen[name]!r} and {param!r}); the second "
                 "would silently win. Give it once.")
@@ -440,6 +443,7 @@ def main(argv):
     if not FLAGS.workdir:
         raise app.UsageError("--workdir is required: where the run's outputs go.")
     try:
+        _check_params(FLAGS.gin_param, refuse_repeats=True)
         parse_config(FLAGS.gin_file, FLAGS.gin_param)
         from tfdp import experiment  # pylint: disable=g-import-not-at-top
 

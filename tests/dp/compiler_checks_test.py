@@ -35,16 +35,6 @@ FAST_MATH_WITHOUT_NANS = ("--xla_cpu_enable_fast_math=true --xla_cpu_fast_math_h
                           "--xla_cpu_fast_math_honor_infs=false\n")
 
 
-@pytest.fixture(autouse=True)
-def forget_settings():
-    """Each test's own values of the watched variables are forgotten after it."""
-    before = {name: list(values) for name, values in
-              process_settings._seen_since_import.items()}
-    yield
-    process_settings._seen_since_import.clear()
-    process_settings._seen_since_import.update(before)
-
-
 def _python(code, **env_vars):
     """Runs `code` in a fresh interpreter with `env_vars` in its starting environment."""
     env = {k: v for k, v in os.environ.items() if k not in process_settings.WATCHED}

@@ -7,6 +7,7 @@ import pytest
 import tensorflow as tf
 from hypothesis import given, settings, strategies as st
 
+from tfdp import process_settings
 from tfdp.dp import precision
 
 U = precision.UNIT_ROUNDOFF
@@ -30,6 +31,8 @@ def test_onednn_lower_precision_modes_count_as_rounding(monkeypatch):
     monkeypatch.setenv("ONEDNN_DEFAULT_FPMATH_MODE", "BF16")
     assert precision.device_inputs() == precision.BF16
     monkeypatch.setenv("ONEDNN_DEFAULT_FPMATH_MODE", "STRICT")
+    assert precision.device_inputs() == precision.BF16  # oneDNN may have read BF16: kept
+    process_settings._seen_since_import.clear()  # a new process
     assert precision.device_inputs() == precision.FLOAT32
 
 
