@@ -255,3 +255,17 @@ def test_a_gin_param_given_twice_on_the_command_line_is_refused():
                                                r"'NUM_STEPS = 4'\); the second would silently win"):
         main._check_params(["NUM_STEPS=3", "NUM_STEPS = 4"], refuse_repeats=True)
     main._check_params(["NUM_STEPS=3", "NUM_STEPS = 4"])  # a caller's own overrides
+
+
+def test_a_gin_param_naming_a_configurable_is_a_binding(tmp_path):
+    # `@name` of a configurable was refused as "not a gin value" before the configurables
+    # were registered (the command line's check ran first).
+    import gin  # pylint: disable=g-import-not-at-top
+
+    gin.clear_config()
+    try:
+        main.parse_config(["fashion_mnist.gin"], [
+            "tfdp.train_and_evaluate.model_fn = @tfdp.models.build_tramer_cnn"],
+            refuse_repeats=True)
+    finally:
+        gin.clear_config()

@@ -205,11 +205,20 @@ def _fit(config, mode, plan, run, strategy, built, manager, start_step):
             data.raise_read_error(built.train, built.test)
         except data.DatasetNotFoundError as e:
             raise data.DatasetNotFoundError(f"{e} {kept}") from None
-        changed = re.search(r"A file of the JPEG folder changed after it was indexed:.*?"
-                            r"index again\.", " ".join(str(error.message).split()))
+        changed = changed_file_message(str(error.message))
         if changed:  # the source's own message, which names the file (`jpeg_folder`)
-            raise data.DatasetNotFoundError(f"{changed.group(0)} {kept}") from None
+            raise data.DatasetNotFoundError(f"{changed} {kept}") from None
         raise
+
+
+def changed_file_message(text):
+    """The JPEG folder's "changed after it was indexed" message in `text`, as one line; or None.
+
+    `tf.debugging.Assert` prints each of its items in brackets (`[a:] [/path] [has]`).
+    """
+    found = re.search(r"\[A file of the JPEG folder changed after it was indexed:.*?index "
+                      r"again\.\]", " ".join(text.split()))
+    return found and re.sub(r"\]\s*\[", " ", found.group(0))[1:-1]
 
 
 def _finish(config, mode, plan, run, built):

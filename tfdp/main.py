@@ -69,14 +69,16 @@ def resolve_gin_file(name: str) -> str:
     )
 
 
-def parse_config(gin_files, gin_params):
+def parse_config(gin_files, gin_params, *, refuse_repeats=False):
     """Parses the gin files then the bindings, after registering tfdp's configurables.
 
     Raises:
       ConfigError: on an unknown file (also one a config includes), a
         binding gin cannot parse (an unclosed bracket names its file or
         --gin_param), or a macro the config uses but leaves unset (a required
-        macro: the message names the --gin_param to add).
+        macro: the message names the --gin_param to add); a --gin_param that
+        is no binding or holds an inf or NaN, or (with `refuse_repeats`, the
+        command line's own flags) sets a name twice.
     """
     import gin  # pylint: disable=g-import-not-at-top
 
@@ -88,7 +90,7 @@ def parse_config(gin_files, gin_params):
             f"Available configs: {', '.join(sorted(shipped_gin_configs()))}."
         )
     paths = [resolve_gin_file(f) for f in gin_files]
-    _check_params(gin_params)
+    _check_params(gin_params, refuse_repeats=refuse_repeats)  # tfdp's configurables registered
     # `include 'NAME.gin'` inside a config also resolves among the shipped ones.
     gin.add_config_file_search_path(str(importlib.resources.files("tfdp") / "gin_configs"))
     import tokenize  # pylint: disable=g-import-not-at-top
@@ -165,7 +167,11 @@ def _check_params(gin_params, *, refuse_repeats=False):
             value = gin.config.parse_value(text)
         except tokenize.TokenError:
             value = None  # an unclosed bracket: the parse below names it
-        except (SyntaxError, ValueError) as e:
+        except ValueError as e:
+            if "No configurable matching" not in str(e):
+                raise ConfigError(f"--gin_param={param!r}: {e}") from None
+            value = None  # `@name` of a configurable a gin file's import registers: parsed below
+        except SyntaxError as e:
             raise ConfigError(
                 f"--gin_param={param!r}: {text!r} is not a gin value ({e.args[0] if e.args else e}"
                 "). Give a number, True/False/None, a string in quotes, a list, a dict, or "
@@ -443,8 +449,7 @@ def main(argv):
     if not FLAGS.workdir:
         raise app.UsageError("--workdir is required: where the run's outputs go.")
     try:
-        _check_params(FLAGS.gin_param, refuse_repeats=True)
-        parse_config(FLAGS.gin_file, FLAGS.gin_param)
+        parse_config(FLAGS.gin_file, FLAGS.gin_param, refuse_repeats=True)
         from tfdp import experiment  # pylint: disable=g-import-not-at-top
 
         experiment.train_and_evaluate(workdir=FLAGS.workdir)

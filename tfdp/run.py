@@ -270,7 +270,8 @@ def _stops_cleanly(out_dir):
         progress = (f"The checkpoint {kept} is kept; {cause} and run the same command again "
                     "to resume from it." if kept else
                     f"No checkpoint was kept; {cause} and run the same command again.")
-        message = " ".join((getattr(e, "message", None) or str(e)).split())[:500]
+        message = storage.user_path(" ".join((getattr(e, "message", None) or str(e)).split()))
+        message = message[:500]
         raise workdir_lib.WorkdirError(
             f"The run stopped on a failed write or read in {out_dir}: {type(e).__name__}: "
             f"{message}. {progress} The workdir is not finished (no "

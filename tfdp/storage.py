@@ -269,6 +269,18 @@ def alias_folder(path, folder_fd):
         _aliases[key] = f"/proc/self/fd/{folder_fd}"
 
 
+def has_glob_characters(path):
+    """Whether TensorFlow would read `path` as a glob pattern: `[`, `]`, `*`, `?`, `{`, `}`."""
+    return bool(_GLOB_CHARACTERS.search(os.fspath(path)))
+
+
+def user_path(text):
+    """`text` with each `tf_path` alias named by its folder's path again (for messages)."""
+    for folder, alias in _aliases.items():
+        text = text.replace(alias, folder)
+    return text
+
+
 def tf_path(path):
     """`path` as TensorFlow's checkpoint code must get it: without glob metacharacters.
 

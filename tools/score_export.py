@@ -73,6 +73,7 @@ def main(argv=None):
     parser.add_argument("--json", action="store_true", help="print JSON as the last line")
     args = parser.parse_args(argv)
     from tfdp import data  # pylint: disable=g-import-not-at-top
+    from tfdp import storage  # pylint: disable=g-import-not-at-top
     from tfdp.data import loading  # pylint: disable=g-import-not-at-top
     from tfdp.export import saved_model  # pylint: disable=g-import-not-at-top
     import tensorflow as tf  # pylint: disable=g-import-not-at-top
@@ -87,12 +88,15 @@ def main(argv=None):
         return _fail(str(error))
     # TensorFlow reads the variables' path as a glob pattern: an export in `sweep[lr=0.5]/`
     # is loaded through its open folder, a path without `[` `]`.
-    folder = os.open(args.export, os.O_RDONLY | os.O_DIRECTORY)
+    folder = None
+    if not storage.is_url(args.export) and storage.has_glob_characters(args.export):
+        folder = os.open(args.export, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        serve = tf.saved_model.load(f"/proc/self/fd/{folder}" if os.path.isdir(
-            f"/proc/self/fd/{folder}") else args.export).signatures["serve"]
+        path = args.export if folder is None else f"/proc/self/fd/{folder}"
+        serve = tf.saved_model.load(path).signatures["serve"]
     finally:
-        os.close(folder)
+        if folder is not None:
+            os.close(folder)
     expected = tuple(serve.structured_input_signature[1]["images"].shape[1:])
     if tuple(split.images.shape[1:]) != expected:
         return _fail(f"the export takes images of shape {expected}, but {args.dataset} "

@@ -307,8 +307,13 @@ def test_a_file_replaced_by_bytes_of_its_size_is_named_when_a_batch_reads_it(tmp
         f.write(bytes(np.random.default_rng(0).integers(0, 256, sizes[1], dtype=np.uint8)))
     with pytest.raises(tf.errors.InvalidArgumentError,
                        match=rf"(?s)changed after it was indexed.*train/{relative[1]}.*is no "
-                             rf"longer an image.*--check"):
+                             rf"longer an image.*--check") as error:
         source.read(tf.constant([0, 1], tf.int64))
+    from tfdp import experiment  # pylint: disable=g-import-not-at-top
+
+    line = experiment.changed_file_message(str(error.value.message))  # what the trainer says
+    assert line.startswith("A file of the JPEG folder changed after it was indexed: ")
+    assert f"train/{relative[1]} is no longer an image" in line and "[" not in line
 
 
 def test_a_file_changed_after_indexing_is_named_when_a_batch_reads_it(tmp_path):

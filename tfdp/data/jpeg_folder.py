@@ -400,16 +400,20 @@ class JPEGFolderSource:
             "bytes, the index table says", size, f"bytes. Check every file with "
             f"{self._check_command}, then restore the file or index again."])
         # A file replaced by other bytes of the same size: decode_image's own error names
-        # no file, so the image formats' signatures are checked first (JPEG, PNG, GIF, BMP).
+        # no file, so the signatures of the formats decode_image reads are checked first.
         image_bytes = tf.reduce_any(tf.stack([
-            tf.equal(tf.strings.substr(contents, 0, 3), b"\xff\xd8\xff"),
+            tf.equal(tf.strings.substr(contents, 0, 3), b"\xff\xd8\xff"),  # JPEG
             tf.equal(tf.strings.substr(contents, 0, 8), b"\x89PNG\r\n\x1a\n"),
             tf.equal(tf.strings.substr(contents, 0, 3), b"GIF"),
-            tf.equal(tf.strings.substr(contents, 0, 2), b"BM")]))
+            tf.equal(tf.strings.substr(contents, 0, 2), b"BM"),
+            tf.logical_and(tf.equal(tf.strings.substr(contents, 0, 4), b"RIFF"),  # WebP
+                           tf.equal(tf.strings.substr(contents, 8, 4), b"WEBP")),
+            tf.equal(tf.strings.substr(contents, 0, 2), b"\xff\x0a"),  # JPEG XL
+            tf.equal(tf.strings.substr(contents, 0, 12), b"\0\0\0\x0cJXL \r\n\x87\n")]))
         an_image = tf.debugging.Assert(image_bytes, [
             "A file of the JPEG folder changed after it was indexed:", path, "is no longer "
-            f"an image (JPEG, PNG, GIF or BMP). Check every file with {self._check_command}, "
-            "then restore the file or index again."])
+            f"an image (JPEG, PNG, GIF, BMP, WebP or JPEG XL). Check every file with "
+            f"{self._check_command}, then restore the file or index again."])
         with tf.control_dependencies([same, an_image]):
             image = tf.io.decode_image(contents, channels=3, expand_animations=False)
         size = self.image_size

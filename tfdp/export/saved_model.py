@@ -66,8 +66,10 @@ def export_saved_model(model, export_dir, *, image_shape, asset_paths=(), overwr
       NumPy array or list of another dtype to uint8 before the signature runs
       (a tf.Tensor of another dtype is refused), so a float image scaled to
       [0, 1] would arrive as 0s and 1s: a batch whose brightest pixel is 1
-      is refused with a message saying so and how to convert (an all-black
-      batch is served).
+      is refused with a message saying so and how to convert. Not caught:
+      a float batch without an exact 1.0 (it arrives all black) or in
+      [-1, 1] (it wraps); refused wrongly: a real uint8 batch whose
+      brightest pixel is 1. A uint8 `tf.Tensor` is always checked by dtype.
     """
     _check_target(export_dir, overwrite)
     image_shape = tuple(int(d) for d in image_shape)
