@@ -162,7 +162,8 @@ def test_a_finished_run_exits_at_once_without_the_interpreter_s_teardown(monkeyp
     calls, exits = [], []
     monkeypatch.setattr(main, "FLAGS", types.SimpleNamespace(
         workdir="wd", gin_file=["fashion_mnist.gin"], gin_param=[]))
-    monkeypatch.setattr(main, "parse_config", lambda files, params: calls.append("parse"))
+    monkeypatch.setattr(main, "parse_config",
+                        lambda files, params, **kwargs: calls.append("parse"))
     monkeypatch.setattr(experiment, "train_and_evaluate",
                         lambda workdir: calls.append(("train", workdir)))
     monkeypatch.setattr(main.os, "_exit", exits.append)

@@ -214,11 +214,12 @@ def _fit(config, mode, plan, run, strategy, built, manager, start_step):
 def changed_file_message(text):
     """The JPEG folder's "changed after it was indexed" message in `text`, as one line; or None.
 
-    `tf.debugging.Assert` prints each of its items in brackets (`[a:] [/path] [has]`).
+    `tf.debugging.Assert` prints each of its items in brackets in a graph
+    (`[a:] [/path] [has]`), and as bytes literals eagerly (`b'a:' b'/path'`).
     """
-    found = re.search(r"\[A file of the JPEG folder changed after it was indexed:.*?index "
-                      r"again\.\]", " ".join(text.split()))
-    return found and re.sub(r"\]\s*\[", " ", found.group(0))[1:-1]
+    found = re.search(r"A file of the JPEG folder changed after it was indexed:.*?index again\.",
+                      " ".join(text.split()))
+    return found and re.sub(r"['\]] b?['\[]", " ", found.group(0))
 
 
 def _finish(config, mode, plan, run, built):

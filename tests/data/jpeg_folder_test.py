@@ -313,7 +313,13 @@ def test_a_file_replaced_by_bytes_of_its_size_is_named_when_a_batch_reads_it(tmp
 
     line = experiment.changed_file_message(str(error.value.message))  # what the trainer says
     assert line.startswith("A file of the JPEG folder changed after it was indexed: ")
-    assert f"train/{relative[1]} is no longer an image" in line and "[" not in line
+    assert f"train/{relative[1]} is no longer an image" in line and "b'" not in line
+    graph = ("assertion failed: [A file of the JPEG folder changed after it was indexed:] "
+             "[/d/sweep[a]/x.jpg] [is no longer an image. Check, then restore the file or "
+             "index again.] [[{{node Assert}}]]")  # as a tf.data pipeline says it
+    assert experiment.changed_file_message(graph) == (
+        "A file of the JPEG folder changed after it was indexed: /d/sweep[a]/x.jpg is no "
+        "longer an image. Check, then restore the file or index again.")
 
 
 def test_a_file_changed_after_indexing_is_named_when_a_batch_reads_it(tmp_path):
