@@ -242,6 +242,7 @@ class DPModel(chunked.ChunkedTraining, ema.EMAParameters, keras.Model):
             0, dtype=tf.int64, trainable=False, name="withheld_updates",
             aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA))
         self._release_check = None  # `_refuse_withheld`'s check, made on first use
+        self._stopped = None  # NonFiniteRelease's message, once the model's state was not finite
         self.loss_tracker = keras.metrics.Mean(name="loss")
         self.accuracy_tracker = keras.metrics.Mean(name="accuracy")
         self.grad_norm_tracker = keras.metrics.Mean(name="grad_norm")
@@ -526,7 +527,8 @@ class DPModel(chunked.ChunkedTraining, ema.EMAParameters, keras.Model):
         self._release_check = None  # the variables as they are now (trainability may change)
 
         def train_function(*args, **kwargs):
-            self._refuse_withheld()
+            if self._stopped:  # a non-finite state was seen: this model trains no further
+                raise noise.NonFiniteRelease(self._stopped)
             precision.refuse_precision_rewrites()
             models.validate_float32(self)  # a layer's dtype policy changed since compile
             now = precision.step_plan()
@@ -565,13 +567,13 @@ class DPModel(chunked.ChunkedTraining, ema.EMAParameters, keras.Model):
                 jit_compile=False))
         if float(self._release_check.value()) == 0.0:
             return
-        self._withheld.value.assign(1)  # every later call refuses too
+        self._withheld.value.assign(1)  # every later step withholds its update too
         state = (list(self.trainable_variables) + list(self.ema_variables or [])
                  + list(self.optimizer.variables))
         for variable in state:
             if variable.dtype in ("float32", tf.float32, "float64", tf.float64):
                 variable.assign(tf.zeros_like(variable))
-        raise noise.NonFiniteRelease(
+        self._stopped = (
             "A DP step computed a noisy update with an inf or NaN entry. It is not released: "
             "this model trains no further, and its float state is set to zero so "
             "that nothing non-finite is saved (a non-finite release would show that some "
@@ -580,6 +582,7 @@ class DPModel(chunked.ChunkedTraining, ema.EMAParameters, keras.Model):
             "for fast-math flags in XLA_FLAGS and TF_XLA_FLAGS (in the environment the "
             "process started with too), then resume from the last checkpoint in a new "
             "process.")
+        raise noise.NonFiniteRelease(self._stopped)
 
     def _chunk_contribution(self, images, labels, mask, ids=None):
         """What one chunk adds to the accumulators: clipped sums (or microbatch sums)."""
