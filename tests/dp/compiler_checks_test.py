@@ -185,7 +185,7 @@ def test_bit_level_finiteness_is_ieee_s(patterns):
 
 
 def test_a_non_finite_update_is_withheld_and_stays_withheld():
-    withheld = tf.Variable(0, dtype=tf.int64)
+    withheld = tf.Variable(0, dtype=tf.int32)
     finite = [tf.ones([2]), tf.fill([3], 2.0)]
     out = noise.finite_release(finite, withheld)
     np.testing.assert_array_equal(out[1].numpy(), [2.0, 2.0, 2.0])

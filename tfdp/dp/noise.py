@@ -107,8 +107,8 @@ def finite_release(update: Sequence[tf.Tensor], withheld: tf.Variable) -> list[t
 
     Args:
       update: this replica's share of the noisy update, float32 tensors.
-      withheld: an int64 scalar variable, 0 until a step is withheld
-        (aggregation ONLY_FIRST_REPLICA under a strategy).
+      withheld: an int32 scalar variable (a TPU keeps int64 poorly), 0 until a step is
+        withheld (aggregation ONLY_FIRST_REPLICA under a strategy).
 
     Returns:
       `update`, or zeros of the same shapes.
@@ -118,5 +118,5 @@ def finite_release(update: Sequence[tf.Tensor], withheld: tf.Variable) -> list[t
     if context is not None and context.num_replicas_in_sync > 1:
         bad = context.all_reduce(tf.distribute.ReduceOp.SUM, bad)
     stop = tf.logical_or(bad > 0, withheld > 0)
-    withheld.assign_add(tf.cast(stop, tf.int64))
+    withheld.assign_add(tf.cast(stop, tf.int32))
     return [tf.where(stop, tf.zeros_like(t), t) for t in update]

@@ -239,7 +239,7 @@ class DPModel(chunked.ChunkedTraining, ema.EMAParameters, keras.Model):
         # Steps whose noisy update was withheld for an inf or NaN entry (`noise.finite_release`);
         # untracked: never in a checkpoint or an export.
         self._withheld = chunked._Untracked(tf.Variable(
-            0, dtype=tf.int64, trainable=False, name="withheld_updates",
+            0, dtype=tf.int32, trainable=False, name="withheld_updates",
             aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA))
         self._release_check = None  # `_refuse_withheld`'s check, made on first use
         self._stopped = None  # NonFiniteRelease's message, once the model's state was not finite
