@@ -128,7 +128,7 @@ def test_an_earlier_export_is_replaced_only_with_overwrite(trained, tmp_path):
     assert (target / "assets" / "privacy_report.json").exists()
     assert sorted(os.listdir(tmp_path)) == ["model"]  # no temporary left
     loaded = tf.saved_model.load(str(target))
-    assert loaded.signatures["serve"](images=tf.zeros([1, 8, 8, 1], tf.uint8))[
+    assert loaded.signatures["serve"](images=tf.zeros([1, 8, 8, 1]))[
         "logits"].shape == (1, 2)
 
 

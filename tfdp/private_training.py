@@ -114,7 +114,7 @@ class PrivateTraining:
                 self.mechanism.l2_clip_norm, device=self.model.traced_matmul_inputs))
 
     def export(self, export_dir, *, overwrite=False, allow_untrained=False):
-        """Writes a SavedModel serving uint8 images, with the privacy report in `assets/`.
+        """Writes a SavedModel serving images (pixel values 0 to 255), with the privacy report in `assets/`.
 
         The SavedModel is written into a new, uniquely named folder beside
         `export_dir` and renamed into place (`tfdp.export.export_saved_model`),

@@ -34,8 +34,10 @@ def score(serve, images, labels, *, batch_size=_BATCH_SIZE):
     """Top-1 accuracy of a `serve` signature on images.
 
     Args:
-      serve: a callable `serve(images=uint8 [b, H, W, C]) -> {"logits": [b, classes]}`,
-        e.g. `tf.saved_model.load(path).signatures["serve"]`.
+      serve: a signature `serve(images=[b, H, W, C]) -> {"logits": [b, classes]}`,
+        e.g. `tf.saved_model.load(path).signatures["serve"]`; the images are
+        passed in the dtype its input signature names (float32 for tfdp's
+        exports, uint8 for earlier ones).
       images: uint8 [num_examples, H, W, C].
       labels: int [num_examples], class ids.
       batch_size: images per call.
@@ -49,16 +51,18 @@ def score(serve, images, labels, *, batch_size=_BATCH_SIZE):
     """
     images, labels = np.asarray(images), np.asarray(labels)
     if images.dtype != np.uint8:
-        raise ValueError(f"score: images must be uint8, as the export's serve signature takes "
-                         f"them; got {images.dtype}.")
+        raise ValueError(f"score: images must be uint8 (pixel values 0 to 255); got "
+                         f"{images.dtype}.")
     if len(images) != len(labels) or not len(images):
         raise ValueError(f"score: {len(images)} images and {len(labels)} labels; need the same "
                          "number, at least one.")
     import tensorflow as tf  # pylint: disable=g-import-not-at-top
 
+    dtype = serve.structured_input_signature[1]["images"].dtype
     correct = 0
     for start in range(0, len(images), batch_size):
-        logits = serve(images=tf.constant(images[start:start + batch_size]))["logits"]
+        batch = tf.cast(tf.constant(images[start:start + batch_size]), dtype)
+        logits = serve(images=batch)["logits"]
         predictions = np.argmax(logits.numpy(), axis=-1)
         correct += int(np.sum(predictions == labels[start:start + batch_size]))
     return {"accuracy": correct / len(images), "correct": correct, "num_examples": len(images)}

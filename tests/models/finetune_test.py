@@ -78,7 +78,8 @@ def test_workdir_backbone_holds_the_exported_ema_parameters(pretrain_workdir):
     backbone, preprocess = models.load_backbone(pretrain_workdir)
     assert preprocess is None
     x = _images((28, 28, 1))
-    served = tf.saved_model.load(os.path.join(pretrain_workdir, "export")).signatures["serve"]
+    loaded = tf.saved_model.load(os.path.join(pretrain_workdir, "export"))
+    served = loaded.serve
     np.testing.assert_allclose(backbone(x.astype(np.float32)),
                                served(images=tf.constant(x))["logits"], atol=1e-5)
     # The EMA differs from the last iterate after 2 steps, so this tells them apart.
@@ -257,11 +258,12 @@ def test_rgb_images_into_a_grayscale_backbone_are_converted_and_resized(keras_ba
         models.build_finetune_model(10, (32, 32, 2), backbone=path)
 
 
-def test_fine_tuned_model_exports_uint8_in_logits_out(keras_backbone, tmp_path):
+def test_fine_tuned_model_exports_images_in_logits_out(keras_backbone, tmp_path):
     model = models.build_finetune_model(10, (32, 32, 3), backbone=keras_backbone[0],
                                         head_initializer="glorot_uniform")
     saved_model.export_saved_model(model, str(tmp_path / "export"), image_shape=(32, 32, 3))
-    served = tf.saved_model.load(str(tmp_path / "export")).signatures["serve"]
+    loaded = tf.saved_model.load(str(tmp_path / "export"))
+    served = loaded.serve
     x = _images((32, 32, 3))
     np.testing.assert_allclose(served(images=tf.constant(x))["logits"],
                                model(x.astype(np.float32)), atol=1e-5)
@@ -372,7 +374,8 @@ def test_train_and_evaluate_fine_tunes_a_workdir_backbone(
     assert len(trained) == (2 if trainable == "head" else 8)
     # The export composes trunk and head: uint8 images in, logits out, the backbone's
     # trunk unchanged under "head".
-    served = tf.saved_model.load(str(workdir / "export")).signatures["serve"]
+    loaded = tf.saved_model.load(str(workdir / "export"))
+    served = loaded.serve
     x = _images((28, 28, 1))
     logits = served(images=tf.constant(x))["logits"]
     assert logits.shape == (4, 10)

@@ -1,4 +1,4 @@
-"""Exports the private model as a SavedModel that serves uint8 images."""
+"""Exports the private model as a SavedModel that serves images with pixel values 0 to 255."""
 
 import os
 import shutil
@@ -19,7 +19,7 @@ _EXPORT_ENTRIES = frozenset({"saved_model.pb", "fingerprint.pb", "variables", "a
 
 
 def export_saved_model(model, export_dir, *, image_shape, asset_paths=(), overwrite=False):
-    """Writes a SavedModel whose `serve` signature maps uint8 images to logits.
+    """Writes a SavedModel whose `serve` signature maps images (pixel values 0 to 255) to logits.
 
     Written with Keras' own `keras.export.ExportArchive`, so it loads with
     `saved_model_cli run`, `tf.saved_model.load(...).signatures["serve"]` and
@@ -58,57 +58,71 @@ def export_saved_model(model, export_dir, *, image_shape, asset_paths=(), overwr
         earlier export without `overwrite=True`; nothing is written then.
 
     Signature:
-      `serve(images: uint8 [batch, height, width, channels])
-       -> {"logits": float32 [batch, num_classes]}`, also `serving_default`.
-      Images of another rank, height, width or channel count fail with a
-      message that names the expected `[batch, H, W, C]` uint8 shape; a
-      batch of 0 images gives 0 rows of logits. TensorFlow itself converts a
-      NumPy array or list of another dtype to uint8 before the signature runs
-      (a tf.Tensor of another dtype is refused), so a float image scaled to
-      [0, 1] would arrive as 0s and 1s: a batch whose brightest pixel is 1
-      is refused with a message saying so and how to convert. Not caught:
-      a float batch without an exact 1.0 (it arrives all black) or in
-      [-1, 1] (it wraps); refused wrongly: a real uint8 batch whose
-      brightest pixel is 1. A uint8 `tf.Tensor` is always checked by dtype.
+      `serve(images: float32 [batch, height, width, channels])
+       -> {"logits": float32 [batch, num_classes]}`, also `serving_default`:
+      pixel values in [0, 255], as uint8 images hold them. This is what
+      `signatures["serve"]`, `saved_model_cli run` (a uint8 or float `.npy`
+      is converted to float32) and TF Serving call. The loaded object's
+      `serve` function also takes uint8 and float64 images (a `tf.Tensor`
+      or NumPy array of those dtypes; a Python list is read as float32),
+      and `keras.layers.TFSMLayer(path, call_endpoint="serve")` calls it.
+      Refused with a message: images of another rank, height, width or
+      channel count (the message names the expected `[batch, H, W, C]`);
+      float values below 0, above 255 or NaN (images scaled to [-1, 1]);
+      a float batch whose largest value is in (0, 1] (images scaled to
+      [0, 1]: pass `images * 255`). A real [0, 255] float batch that dark
+      is refused too; pass it as uint8, which is never read that way. A
+      batch of 0 images gives 0 rows of logits. Other dtypes (int32, a
+      float16 tensor) are refused by TensorFlow itself ("Could not find
+      matching concrete function").
     """
     _check_target(export_dir, overwrite)
     image_shape = tuple(int(d) for d in image_shape)
-    expected = f"uint8 images [batch, {', '.join(map(str, image_shape))}] ([batch, H, W, C])"
-
+    shape_text = f"[batch, {', '.join(map(str, image_shape))}] ([batch, H, W, C])"
     num_classes = int(model.output_shape[-1])
 
-    def serve(images):
+    def checked_images(images):
+        """`images` as float32 after the checks of its shape and, for floats, its range."""
         shape = tf.shape(images)
         right_shape = tf.cond(  # the rank first: shapes of two lengths do not compare
             tf.equal(tf.size(shape), 1 + len(image_shape)),
             lambda: tf.reduce_all(tf.equal(shape[1:], tf.constant(image_shape, tf.int32))),
             lambda: tf.constant(False))
-        check = tf.debugging.Assert(right_shape, [
-            f"serve expects {expected}; got images of shape", shape])
-        # TensorFlow converts a NumPy array of another dtype to the signature's uint8 before
-        # serve sees it: images scaled to [0, 1] arrive as 0s and 1s, a black batch.
-        # So a batch whose brightest pixel is 1 is refused (an all-black batch is served).
-        scaled = tf.logical_and(tf.size(images) > 0,
-                                tf.equal(tf.reduce_max(images), tf.constant(1, images.dtype)))
-        range_check = tf.debugging.Assert(tf.logical_not(scaled), [
-            f"serve expects {expected} with pixel values 0 to 255; the brightest pixel of "
-            "this batch is 1: images scaled to [0, 1] (a float array is converted to uint8 by "
-            "TensorFlow before serve sees it)? Pass (images * 255).round().astype('uint8')."])
+        checks = [tf.debugging.Assert(right_shape, [
+            f"serve expects images {shape_text}; got images of shape", shape])]
+        if images.dtype != tf.uint8:
+            checks.append(tf.debugging.Assert(
+                tf.reduce_all(tf.logical_and(images >= 0, images <= 255)), [
+                    f"serve expects {images.dtype.name} pixel values in [0, 255] (as uint8 "
+                    "images hold them); this batch has a value below 0, above 255 or NaN. "
+                    "Images scaled to [-1, 1]? Pass (images + 1) * 127.5."]))
+            largest = tf.reduce_max(tf.concat([tf.reshape(images, [-1]), tf.zeros([1], images.dtype)], 0))
+            checks.append(tf.debugging.Assert(
+                tf.logical_or(tf.equal(largest, 0), largest > 1), [
+                    f"serve expects {images.dtype.name} pixel values in [0, 255] (as uint8 "
+                    "images hold them); the largest value of this batch is at most 1: images "
+                    "scaled to [0, 1]? Pass images * 255 (or uint8 images, which are never "
+                    "read this way)."]))
         # The model runs after the checks: otherwise its first op to fail (a GroupNorm's
         # reshape) could report first, and the message would not name the shape.
-        with tf.control_dependencies([check, range_check]):
-            images = tf.identity(images)
+        with tf.control_dependencies(checks):
+            return tf.cast(images, tf.float32)
+
+    @tf.function
+    def serve(images):
+        images = checked_images(images)
         logits = tf.cond(  # a batch of 0 images: 0 rows of logits
-            shape[0] > 0, lambda: model(tf.cast(images, tf.float32), training=False),
+            tf.shape(images)[0] > 0, lambda: model(images, training=False),
             lambda: tf.zeros([0, num_classes], tf.float32))
         return {OUTPUT_KEY: logits}
 
+    # float32 first: the signature (`signatures["serve"]`, `serving_default`, saved_model_cli,
+    # TF Serving) is the first trace, and a Python list is converted to the first that fits.
+    for dtype in (tf.float32, tf.uint8, tf.float64):
+        serve.get_concrete_function(tf.TensorSpec([None, *image_shape], dtype, name="images"))
     archive = keras.export.ExportArchive()
     archive.track(model)
-    archive.add_endpoint(
-        "serve", serve,
-        input_signature=[tf.TensorSpec([None, *image_shape], tf.uint8, name="images")],
-    )
+    archive.add_endpoint("serve", serve)
     if storage.is_url(export_dir):
         _write_in_place(archive, export_dir, asset_paths, overwrite)
         return export_dir

@@ -12,7 +12,7 @@ is
       -> "trunk_gate": stop_gradient while the trunk is frozen (no backward pass into it)
       -> "head":  (Flatten,) Dense(num_classes)       -> logits [B, num_classes]
 
-so the SavedModel export stays uint8 in, logits out. With only the head
+so the SavedModel export takes images (pixel values 0 to 255) and returns logits. With only the head
 trainable, the trunk is a frozen public feature extractor
 (`frozen_feature_extractor`): the trainer computes its features once and
 trains the head on them, as it does for ScatterNet features.
