@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The empirical privacy audits of fashion_mnist.gin quoted in BUILD.md, one run after another.
+# The empirical privacy audits of fashion_mnist.gin quoted in docs/design/empirical_audit.md, one run after another.
 #
 #   bash benchmarks/audit_fashion_mnist.sh OUT_DIR [NAME ...]   # all runs, or only the named ones
 #

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Soundness, power, planted bugs and theory of the one-run audit, in numpy.
 
-The numbers behind BUILD.md's "Empirical privacy audit" tables (the CI tests
+The numbers behind docs/design/empirical_audit.md's tables (the CI tests
 in tests/accounting/audit_test.py check smaller versions of each):
 
   python benchmarks/audit_simulations.py   # 35 minutes on the shared 2-core machine

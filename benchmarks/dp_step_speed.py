@@ -21,7 +21,7 @@ oneDNN on and off: TensorFlow reads TF_ENABLE_ONEDNN_OPTS once, at import, so
 each round runs one `speed` process with it set to 0 and one with 1 (in
 alternating order), each timing `--steps` steps of every variant after warm-up;
 the script prints the medians over rounds and the median of the paired on/off
-ratios (BUILD.md, "oneDNN on and off"):
+ratios (docs/design/dp_step.md, "oneDNN on, on every host"):
 
     python benchmarks/dp_step_speed.py onednn --model=tramer_cnn --batch_size=512 --rounds=3
 

@@ -1,4 +1,4 @@
-r"""How long a `python -m tfdp.main` process lives after its "Done:" line (issue 29, Sec. 6).
+r"""How long a `python -m tfdp.main` process lives after its "Done:" line.
 
 Runs the trainer N times, each into a fresh workdir, reads its log as it is
 written, and records for each run: the wall time of the whole command, the
@@ -22,8 +22,8 @@ comparison sees the same load.
 
 Prints one line per run and a summary (median and max of exit - done); with
 `--json=FILE` also writes the rows. The host line (CPU flags, oneDNN) and the
-load average at the start and end are printed, as BUILD.md asks beside any
-time.
+load average at the start and end are printed, as the design pages ask beside
+any time.
 """
 
 import argparse

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The Fashion-MNIST measurements quoted in README.md and BUILD.md, one run after another.
+# The Fashion-MNIST measurements quoted in README.md and docs/design/fashion_mnist_experiments.md, one run after another.
 #
 #   bash benchmarks/fashion_mnist.sh OUT_DIR [NAME ...]   # all runs, or only the named ones
 #   python benchmarks/summarize.py OUT_DIR                # the table
@@ -11,12 +11,12 @@ set -euo pipefail
 . "$(dirname "$0")/runs.sh"
 start_runs "${1:?usage: bash benchmarks/fashion_mnist.sh OUT_DIR [NAME ...]}" "${@:2}"
 
-# Issue 2: the spine config (Tramer & Boneh's CNN at epsilon = 3).
+# The spine config (Tramer & Boneh's CNN at epsilon = 3).
 run main --gin_file=fashion_mnist.gin
-# Issue 4: ScatterNet models (Tramer & Boneh Table 13 settings).
+# ScatterNet models (Tramer & Boneh Table 13 settings).
 run scatternet_linear --gin_file=fashion_mnist_scatternet_linear.gin
 run scatternet_cnn --gin_file=fashion_mnist_scatternet_cnn.gin
-# Issue 3: the recipe on ScatterNet + linear, then the ablation on the CNN:
+# The recipe on ScatterNet + linear, then the ablation on the CNN:
 # augmult K x EMA (both evaluated in every run), 4 accumulation chunks.
 run recipe --gin_file=fashion_mnist_recipe.gin
 # One more seed of the recipe and of its no-recipe twin, for their run-to-run noise.
@@ -39,7 +39,7 @@ for seed in 1 2; do
 done
 run recipe_k4 --gin_file=fashion_mnist_recipe_cnn.gin --gin_param=AUGMULT=4
 run recipe_k8 --gin_file=fashion_mnist_recipe_cnn.gin --gin_param=AUGMULT=8
-# Issue 6: TAN simulations of the main run (B_ref = 2048) at B/8, B/4, B/2, same steps.
+# TAN simulations of the main run (B_ref = 2048) at B/8, B/4, B/2, same steps.
 for b in 256 512 1024; do
   name=tan_sim_b$b
   if ! wanted_run "$name"; then continue; fi
@@ -50,7 +50,7 @@ for b in 256 512 1024; do
     python -c "import json, sys; print('\n'.join(json.load(sys.stdin)['gin_params']))")
   run "$name" --gin_file=fashion_mnist.gin "${params[@]}"
 done
-# Issue 20: the two-stage job. Public pretraining (NOT PRIVATE) on the first 2,000 training
+# The two-stage job. Public pretraining (NOT PRIVATE) on the first 2,000 training
 # examples, then private fine-tuning at (3, 1e-5) on the other 58,000, of all layers and of
 # the head alone (features computed once), 3 seeds each; beside 3 seeds of fashion_mnist.gin
 # from scratch (60,000 examples) at the same epsilon.
@@ -66,7 +66,7 @@ done
 for seed in 1 2; do
   run main_seed$seed --gin_file=fashion_mnist.gin --gin_param=tfdp.RuntimeConfig.seed=$seed
 done
-# Issue 38: the best config (chosen by benchmarks/fashion_mnist_search.sh on the validation
+# The best config (chosen by benchmarks/fashion_mnist_search.sh on the validation
 # split), 3 seeds on all 60,000 training examples, each scored once on the test set. The
 # table's accuracy is the export's: python tools/score_export.py OUT_DIR/best_seed$seed/export
 for seed in 0 1 2; do

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The search for the best private Fashion-MNIST model (issue 38), tuned honestly:
+# The search for the best private Fashion-MNIST model, tuned honestly:
 #   * every run trains on train[:50000] and is scored on train[50000:] (the validation
 #     split); the test set is never read here;
 #   * every run is a TAN simulation (Sander et al. 2023, Sec. 3.4) of one reference
@@ -59,12 +59,13 @@ for lr in 0.5 1 2; do
   run k${K}${tag}_gnws_lr$lr "$gnws" --gin_param=LEARNING_RATE=$lr "${search[@]}"
 done
 # Width 64: a full run at width 128 takes about 30 minutes of DP steps alone on the 2-core host
-# (1,127 examples/s against 2,670 at width 64: benchmarks/dp_step_speed.py, BUILD.md).
+# (1,127 examples/s against 2,670 at width 64: benchmarks/dp_step_speed.py;
+# docs/design/fashion_mnist_experiments.md).
 for lr in 0.25 0.5 1 2; do
   run k${K}${tag}_gnws_w64_lr$lr "$gnws" --gin_param=LEARNING_RATE=$lr --gin_param=WIDTH=64 "${search[@]}"
 done
 
-# The ablation (BUILD.md): each element of the chosen config (width 64, lr 0.5) removed in
+# The ablation (docs/design/fashion_mnist_experiments.md): each element of the chosen config (width 64, lr 0.5) removed in
 # turn, 2 seeds each (tfdp.RuntimeConfig.seed: initialization; the batches and the noise are
 # secret coins in every run). Without EMA: the same runs' last parameters. Seed 0 of the
 # chosen config and of linear is k${K}_gnws_w64_lr0.5 and k${K}_linear, above.

@@ -1,4 +1,4 @@
-"""What the feature cache costs and saves: compute + write against read + check (issue 38).
+"""What the feature cache costs and saves: compute + write against read + check.
 
 Calls `tfdp.features.cached_features` and `write_feature_cache` as the trainer
 does (the features computed, then kept once checkpoint 0 exists), in a

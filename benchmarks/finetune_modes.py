@@ -1,6 +1,6 @@
 """Fine-tuning modes side by side: steps/s and peak RSS of head (cached), head (augmult), all.
 
-Three ways to fine-tune one pretrained backbone with DP-SGD (issue 20):
+Three ways to fine-tune one pretrained backbone with DP-SGD:
 
   head_cached    only the head trains, on features the frozen trunk computed
                  ONCE for all N examples (what `python -m tfdp.main` does for

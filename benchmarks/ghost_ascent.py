@@ -1,6 +1,6 @@
 """Searches for the input image that makes one example contribute the most, per model family.
 
-Issue 18, §5: for every shipped model family (`tests/training/ghost_testing.FAMILIES`,
+For every shipped model family (`tests/training/ghost_testing.FAMILIES`,
 at their test sizes) and for the model of README's `make_private` example, maximizes
 contribution / C over the input image, where the contribution is the L2 norm
 (float64) of what `GhostClipping.clipped_sum` (DPModel's clipping="auto" path)
@@ -16,10 +16,10 @@ from the adversarial images of the fuzzer (constant 0 or full-scale with one
 entry off, constant at full scale, uniform noise, a random constant with one
 entry off) and keeps every mutation that does not decrease the objective:
 1, 2 or 4 entries moved by one pixel step, 1e-3 of one or a random amount;
-an entry reset to the image's median; a new label. Two "canary" models of
-issue 18, §1 (a Conv2D and a WSConv2D before a GroupNormalization) show that
-the search finds the float32 cancellation where it exists (1.5-2.3 C before
-the fix).
+an entry reset to the image's median; a new label. Two "canary" models
+(a Conv2D and a WSConv2D before a GroupNormalization) show that the search
+finds the float32 cancellation where it exists (1.5-2.3 C on naive float32
+rules).
 
     PYTHONPATH=$PWD python benchmarks/ghost_ascent.py [--seconds_per_model=20] [--seed=0]
         [--emulate=bf16|tf32 [--unhandled]]
@@ -27,7 +27,7 @@ the fix).
 `--emulate` rounds the inputs of every matmul of the ghost-norm rules as a TPU
 (one bf16 pass) or an Ampere GPU (TF32) would (`tfdp.dp.precision.emulate`);
 `--unhandled` keeps the rules planning for float32 products there, the
-float32 rules without their precision handling (issue 27).
+float32 rules without their precision handling.
 
 Prints one line per model (its maximum, the number of evaluations and the
 start it came from), the host's CPU flags, the TensorFlow version and the date.

@@ -1,4 +1,4 @@
-"""How much the float32 ghost norms over-count, per example, on ordinary images (issue 27).
+"""How much the float32 ghost norms over-count, per example, on ordinary images.
 
 The ghost rules return, per example, an upper bound on the norm of what the
 clipped sum adds for it (`tfdp.dp.ghost_norms`, "Rounding"). This measures by

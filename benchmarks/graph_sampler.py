@@ -1,6 +1,6 @@
 """The cost of one step's Poisson sample at ImageNet's N: in the graph (O(N)) and in numpy (O(qN)).
 
-Issue 28. `tfdp.data.poisson_indices_in_graph` draws one 64-bit word per
+`tfdp.data.poisson_indices_in_graph` draws one 64-bit word per
 example (N = 1,271,167 for imagenet.gin), on every host; `poisson_indices`
 (numpy, geometric skips) draws about qN = 16,384. Each is timed over
 --steps steps, as CPU time of this process (user + sys: what the host pays,

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The NON-PRIVATE ceiling of every Fashion-MNIST config (issue 20, sec. 6): the same data,
+# The NON-PRIVATE ceiling of every Fashion-MNIST config: the same data,
 # model, batches, steps, augmult, EMA and evaluation as the private config, trained with
 # tfdp.train_and_evaluate.privacy = None (plain mean-loss steps: no clipping, no noise).
 #

@@ -1,6 +1,6 @@
 """imagenet.gin's per-host input: peak host RSS at two logical batch sizes, views per core.
 
-Issue 21. Each measurement is a fresh process that builds the training input
+Each measurement is a fresh process that builds the training input
 the trainer builds for one host and reads T logical batches (default 1) of
 expected size B (imagenet.gin: ArrayRecord JPEGs decoded at 224 x 224, K = 4
 views of `imagenet_resize_crop`, kept as uint8), then reports its peak resident
@@ -13,7 +13,7 @@ Pipelines:
            and every element is one chunk of 72 slots, whatever B;
   batches  the previous one: one element per logical batch (`train_batches`,
            `augment_dataset(as_uint8=True)`, `pad_batches` to S = 1.125 B);
-  jpeg     the pure-TF input (issue 28): the trainer's chunks over the same examples
+  jpeg     the pure-TF input: the trainer's chunks over the same examples
            in ImageNet's JPEG-folder layout (`JPEGFolderSource`, `--jpeg_dir`), read
            with tf.io.read_file and sampled in the graph; no Python in the pipeline.
 A cell is PIPELINE@B, or PIPELINE@BxT for T logical batches (chunks@1024x8 reads as many
@@ -24,7 +24,7 @@ read, which this separates from B). Rounds are interleaved over the cells.
   python benchmarks/pod_input.py --data_dir=/tmp/pods_synth/n10000 \
       --cells=chunks@1024,chunks@1024x8,chunks@8192,batches@256,batches@512 --rounds=2
 
-The pure-TF input against the ArrayRecord one (issue 28), on the same 10,000 examples:
+The pure-TF input against the ArrayRecord one, on the same 10,000 examples:
   python tools/make_synthetic_imagenet.py --layout=jpeg_folder \
       --data_dir=/tmp/pods_synth/jpeg10000 --num_train=10000
   python benchmarks/pod_input.py --data_dir=/tmp/pods_synth/n10000 \

@@ -1,6 +1,6 @@
 """tfdp's DP step against Opacus 1.6's, each library in its own process; prints the ratio.
 
-Issue 27, Sec. 5. The same two models in both libraries, trained on the same
+The same two models in both libraries, trained on the same
 kind of random in-memory batch, C = 1, sigma = 1, SGD:
   - Tramer & Boneh's Fashion-MNIST CNN (26,010 parameters), B = 512;
   - WRN-16-4 with GroupNorm (16 groups), B = 32. tfdp's has weight

@@ -1,11 +1,11 @@
 """XLA's cost of tfdp's compiled DP step against the plain step: flops, bytes, temp memory, time.
 
-Issue 35, item 3. TensorFlow compiles both steps with XLA (`jit_compile=True`);
+TensorFlow compiles both steps with XLA (`jit_compile=True`);
 JAX compiles the same HLO anywhere, and XLA's cost analysis of the compiled
 program (flops, bytes accessed, temporary buffers) is a device-independent
 proxy for what the DP step costs on an accelerator relative to the plain
-step (on an H200, the time ratios followed the flops and bytes:
-/work/shared/xla/README.md). This script, in tfdp's environment (pure
+step (on an H200, the time ratio is near the bytes ratio:
+docs/design/step_cost.md). This script, in tfdp's environment (pure
 TensorFlow, no JAX), exports for every case
 
   - `CASE_plain`: the plain Keras step (`model.train_step`, SGD, mean
@@ -43,7 +43,7 @@ A case is MODEL:B or MODEL:B@RES (square input RES x RES): MODEL one of
 `wrn16_4` (WRN-16-4, GroupNorm + WS, 32x32x3, 10 classes), `nf_resnet50`
 (NF-ResNet-50, 224x224x3, 1000 classes), `tramer_cnn` (28x28x1; tiny, for
 tests). `--export_only` writes the files and stops (no side interpreter).
-`--layers` (analysis, issue 35 item 3) instead exports, for every kernel of
+`--layers` (analysis) instead exports, for every kernel of
 the case's model, the ghost rule tfdp's DP step runs for it on that layer's
 shapes (`ghost_norms.ws_kernel_sq_norms` / `kernel_sq_norms` on the layer's
 patches: its norms and its weighted sum with unit factors) and prints XLA's
@@ -66,7 +66,7 @@ import sys
 import tempfile
 import time
 
-TARGETS = {"flops": 1.6, "bytes": 2.0, "temp": 1.5}  # issue 35: DP / plain at most
+TARGETS = {"flops": 1.6, "bytes": 2.0, "temp": 1.5}  # DP / plain at most
 SHAPES = {"wrn16_4": (32, 3, 10), "nf_resnet50": (224, 3, 1000), "tramer_cnn": (28, 1, 10)}
 JAX_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "xla_step_cost_jax.py")
 
@@ -231,7 +231,7 @@ def loop_corrected(dp, coarse, chunks, coarse_chunks):
     return out
 
 
-# -- Per-layer analysis (issue 35, item 3) ---------------------------------------------------
+# -- Per-layer analysis ---------------------------------------------------
 
 
 def kernel_layers(model, res):

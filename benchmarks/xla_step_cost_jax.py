@@ -1,7 +1,7 @@
 """The JAX side of `xla_step_cost.py`: XLA's cost of exported steps, and optionally their time.
 
 Runs in a Python with JAX (never in tfdp's environment; no TensorFlow, no
-tfdp import). Adapted from /work/shared/xla/cost.py and replay.py. For each
+tfdp import). The same analysis as benchmarks/device_replay/cost.py. For each
 NAME (written by `xla_step_cost.py`: DIR/NAME.hlo.pb, DIR/NAME.npz), compiles
 the HLO on JAX's default backend and prints one JSON line: XLA's cost
 analysis (`GFLOP`, `GB_accessed`) and memory analysis (`temp_MB`,

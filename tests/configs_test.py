@@ -50,7 +50,7 @@ PUBLISHED_EPSILON = {
     "cifar10_scatternet_linear.gin": 3.0,
     "cifar10_scatternet_cnn.gin": 3.0,
     "cifar10_tramer_cnn.gin": 3.0,
-    # Private fine-tuning on train[2000:] (issue 20): sigma calibrated to epsilon = 3.
+    # Private fine-tuning on train[2000:]: sigma calibrated to epsilon = 3.
     "fashion_mnist_finetune.gin": 3.0,
 }
 # De et al. 2022, Tables 15-18 (WRN-28-10 pretrained on ImageNet-32, N = 50,000, B = 16384):
@@ -65,14 +65,14 @@ for _dataset in ("cifar10", "cifar100"):
 for _tag, _epsilon in (("0_5", 0.5), ("1", 1), ("2", 2), ("4", 4), ("8", 8)):
     PUBLISHED_EPSILON[f"imagenet_finetune_nfresnet_head_eps{_tag}.gin"] = _epsilon
 
-# Issue 20 asks the fine-tuning configs to match their table within 1%; the older configs
+# The fine-tuning configs match their table within 1%; the older configs
 # were held to 1.5% (cifar10_wrn16_4_eps1.gin computes to 0.988, -1.2%).
 EPSILON_TOLERANCE = {name: 0.01 for name in PUBLISHED_EPSILON if "_finetune_" in name}
 
 # Configs that train without DP (`tfdp.train_and_evaluate.privacy = None`): no epsilon.
 NOT_PRIVATE = {
     "imagenet32_pretrain_wrn28_10.gin": "De et al. 2022, App. C.3: public pretraining",
-    "fashion_mnist_public_pretrain.gin": "issue 20: public pretraining on train[:2000]",
+    "fashion_mnist_public_pretrain.gin": "public pretraining on train[:2000] (De et al. 2022)",
 }
 
 def _param(config, *marks):
@@ -196,7 +196,7 @@ OPTIONAL_MACROS = {"AUGMULT": 2, "ACCUMULATION_STEPS": 2, "IMAGE_SIZE": 32}
 
 
 def _smoke_param(config):
-    # Since session 20 the rows this function leaves in the default suite are listed in
+    # The rows this function leaves in the default suite are listed in
     # tests/slow_cases.txt too, except fashion_mnist.gin's (the README job's config): the
     # "default-suite" runs named below run under -m slow.
     # The WRN rows of one table differ only in (sigma, steps, lr, epsilon), all checked by
@@ -218,7 +218,7 @@ def _smoke_param(config):
         return _param(config, pytest.mark.slow)
     # cifar10_tramer_cnn.gin (15 s): its model runs in fashion_mnist.gin's default run and
     # CIFAR-10's mock data in cifar10_wrn16_4_eps8.gin's; its epsilon is checked against the
-    # paper by test_config_epsilon_matches_the_paper. Slow-only since issue 35's tests.
+    # paper by test_config_epsilon_matches_the_paper. Slow-only, to keep the default suite's time.
     if config == "cifar10_tramer_cnn.gin":
         return _param(config, pytest.mark.slow)
     # The ScatterNet CNNs (15-29 s) and the CIFAR-10 ScatterNet + linear (13 s): their
@@ -269,7 +269,7 @@ def test_config_runs_two_steps_on_mock_data(config, tmp_path, tensorflow_warning
     if config.startswith("cifar10_wrn"):
         params += ["DEPTH = 10", "tfdp.models.build_wide_resnet.width = 1"]  # same blocks, fewer
     if config in NOT_PRIVATE and "wrn" in config:  # (a binding of an uncalled builder
-        params += ["tfdp.models.build_wide_resnet.depth = 10",  # is refused: issue 29)
+        params += ["tfdp.models.build_wide_resnet.depth = 10",  # is refused)
                    "tfdp.models.build_wide_resnet.width = 1"]
     if config in ("imagenet.gin", "imagenet_tan.gin"):
         params.append("tfdp.models.build_nf_resnet.width = 1")
@@ -283,12 +283,12 @@ def test_config_runs_two_steps_on_mock_data(config, tmp_path, tensorflow_warning
     finally:
         gin.clear_config()
     assert report["steps"] == 2
-    # Issue 29: every binding the parse accepted (main._check_bindings_are_called) was
+    # Every binding the parse accepted (main._check_bindings_are_called) was
     # used by a configurable the run called, as gin's operative config records.
     unused = set(gin_bindings.parse(bound)[1]) - set(gin_bindings.parse(operative)[1])
     assert not unused, unused
     assert os.path.isdir(tmp_path / "workdir" / "export")
-    # A non-private run writes no privacy report (issue 20, Sec. 6).
+    # A non-private run writes no privacy report.
     assert os.path.exists(tmp_path / "workdir" / "privacy_report.json") == private
     # Ghost clipping: no conv kernel's per-example gradients fall back to a sequential loop.
     assert not any("while_loop" in m for m in tensorflow_warnings), tensorflow_warnings

@@ -30,8 +30,8 @@ def test_smoke_run_writes_every_output(tmp_path, run_smoke, caplog):
     assert records and records[-1]["step"] == 2
     assert {"step", "epsilon", "delta", "test_accuracy"} <= set(records[-1])
     assert records[-1]["epsilon"] == pytest.approx(report["epsilon"])
-    # Issue 29: smoke.gin's eval_examples = 200 on a test split of 64 was evaluated on 64,
-    # silently; now the log and every metrics line say so.
+    # smoke.gin's eval_examples = 200 on a test split of 64 is evaluated on 64, and the log
+    # and every metrics line say so.
     assert records[-1]["test_examples"] == MOCK_EXAMPLES
     assert (f"eval_examples=200 is more than the {MOCK_EXAMPLES} examples of the test split "
             f"'test' of fashion_mnist: every evaluation uses all {MOCK_EXAMPLES}") in caplog.text

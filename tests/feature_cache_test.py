@@ -245,7 +245,7 @@ def test_the_cache_works_on_an_object_store_url():
     assert not storage.exists(storage.join(workdir, features.FEATURE_CACHE_DIR, "cache.json"))
 
 
-@pytest.mark.slow  # 7 s (two XLA compilations of the ScatterNet); measured in BUILD.md
+@pytest.mark.slow  # 7 s (two XLA compilations of the ScatterNet); docs/design/workdir_protocol.md
 def test_scatternet_features_of_the_probe_equal_those_of_the_full_batches():
     # What the probe relies on: an image's ScatterNet features do not depend on the batch
     # it was computed in (the probe's images alone; the run's full batches and its

@@ -40,8 +40,8 @@ def test_batch_matmuls_that_may_broadcast_at_rank_4_are_found(lhs, rhs, risky):
     ("...ij,...jk->...ik", [8, 5, 4], [4, 6], False),       # one ellipsis axis
     ("abij,abjk->abik", [8, 1, 5, 4], [8, 1, 4, 6], False),  # named labels never broadcast
     ("abc,cde->abde", [8, 5, 4], [4, 2, 3], False),
-    # Named labels shared by both inputs and the output are batch axes too (the review of
-    # issue 26: a segfault at batch 8, garbage at 4 and 5, not flagged before).
+    # Named labels shared by both inputs and the output are batch axes too (a segfault at
+    # batch 8, garbage at 4 and 5, if not flagged).
     ("...hid,hde->...hie", [8, 1, 5, 4], [1, 4, 6], True),
     ("a...ij,ajk->a...ik", [1, 8, 5, 4], [1, 4, 6], True),
     ("...hid,hde->...hie", [8, 5, 2, 4], [5, 4, 6], True),  # [8, 5] x [5]: rank 2, broadcast

@@ -35,7 +35,7 @@ def test_cpu_flags_and_tensorflow_s_default_per_cpu(tmp_path):
     assert host.cpu_class(frozenset()) == "CPU flags unknown"
     assert host.cpu_flags(str(tmp_path / "missing")) == frozenset()
     if sys.platform.startswith("linux"):
-        # TensorFlow 2.21 leaves oneDNN off on AVX2-only and plain AVX-512 CPUs (issue 22).
+        # TensorFlow 2.21 leaves oneDNN off on AVX2-only and plain AVX-512 CPUs.
         assert host.tf_default_onednn(avx2) is False
         assert host.tf_default_onednn(avx2 | {"avx512f"}) is False
         assert host.tf_default_onednn(avx2 | {"avx512f", "avx512_vnni"}) is True

@@ -1,4 +1,4 @@
-"""The layout shows the flow: floors never import the stages built on them (BUILD.md, "The trainer as stages")."""
+"""The layout shows the flow: floors never import the stages built on them (design/trainer.md)."""
 
 import ast
 import os

@@ -4,7 +4,7 @@ On ram:// (TensorFlow's in-process file system) the preconditions of
 `RamLeaseStore` are exact, so these tests exercise the lease protocol a
 gs:// workdir relies on: created only if absent, naming its holder, renewed
 while the run lives, taken over only after it expired, and a holder that
-lost it stops. (Cloud Storage itself is not reachable from here; BUILD.md.)
+lost it stops. (Cloud Storage itself is not reachable from here; docs/design/workdir_protocol.md.)
 """
 
 import json
@@ -277,7 +277,7 @@ def test_gs_without_credentials_says_what_to_do(fake_gcs, monkeypatch):
         workdir_lib.check_lockable("gs://bucket/runs/x")
 
 
-# -- A lost lease stops the run whatever its signal dispositions (issue 36) ----------------
+# -- A lost lease stops the run whatever its signal dispositions ----------------
 # A run started as `cmd &` from a script ignores SIGINT; the stop used to be a SIGINT to the
 # main thread, so such a run trained on after another run took its workdir over.
 _LOSER = r'''

@@ -149,12 +149,12 @@ def test_cli_unclosed_bracket_exits_2_without_a_traceback(tmp_path):
     assert "--gin_param='NUM_STEPS = (3'" in result.stderr and "Traceback" not in result.stderr
 
 
-# -- Issue 29, Sec. 6: a finished run's process ends right after FINISHED ------------------
+# -- A finished run's process ends right after FINISHED ------------------
 
 
 def test_a_finished_run_exits_at_once_without_the_interpreter_s_teardown(monkeypatch):
     # Before: the process lived on for 1 to 100 s after "Done:" while Python's finalization
-    # collected TensorFlow's heap (BUILD.md, "Exit").
+    # collected TensorFlow's heap (docs/design/workdir_protocol.md, "The exit").
     import types  # pylint: disable=g-import-not-at-top
 
     from tfdp import experiment  # pylint: disable=g-import-not-at-top
@@ -177,7 +177,7 @@ def test_a_finished_run_exits_at_once_without_the_interpreter_s_teardown(monkeyp
     assert exits == [0]
 
 
-# -- Issue 29, Sec. 3: no binding is silently ignored --------------------------------------
+# -- No binding is silently ignored --------------------------------------
 
 
 def _parse(files, params):

@@ -114,7 +114,7 @@ def test_two_workers_on_loopback_train_and_the_chief_writes_once(tmp_path):
     assert not any(name.startswith("tfdp_worker") for name in os.listdir(temp_dirs[1]))
 
 
-# -- Per-host input: 2 workers x 2 replicas read exactly their share (issue 21) --
+# -- Per-host input: 2 workers x 2 replicas read exactly their share --
 
 _SHARE_WRAPPER = r'''
 import atexit, json, os, sys, threading
@@ -273,7 +273,7 @@ def _assert_reads_share(reads, share):
     assert extra in prefixes, (extra, share)
 
 
-# -- The pure-TF input: the same share, read with TensorFlow ops only (issue 28) --
+# -- The pure-TF input: the same share, read with TensorFlow ops only --
 
 _PURE_TF_WRAPPER = _SHARE_WRAPPER.replace(
     '''# Record the training records this process reads: the indices of every read.
@@ -376,7 +376,7 @@ def test_a_worker_that_never_starts_stops_the_run_with_its_name(tmp_path):
     assert not (tmp_path / "workdir").exists()
 
 
-# -- Issue 36, Sec. 5: a busy port is not a worker; two tasks on one address --------------
+# -- A busy port is not a worker; two tasks on one address --------------
 
 
 def _worker0_command(tmp_path, cluster, *params):

@@ -1,4 +1,4 @@
-"""privacy=None: non-private training through the same trainer (issue 20, sec. 6)."""
+"""privacy=None: non-private training through the same trainer."""
 
 import json
 import os

@@ -174,7 +174,7 @@ def test_make_private_refuses_a_pattern_that_matches_no_layer():
                           num_steps=1, optimizer="sgd", **COMMON)
 
 
-# -- Issue 29: what make_private and PrivateTraining refuse, with a message -------------------
+# -- What make_private and PrivateTraining refuse, with a message -------------------
 
 
 def test_evaluate_refuses_images_that_fit_refuses():

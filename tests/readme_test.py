@@ -90,6 +90,15 @@ def _pages():
     return sorted(name for name in os.listdir(DOCS) if name.endswith(".md"))
 
 
+DESIGN = os.path.join(DOCS, "design")
+
+
+def _design_pages():
+    """The design pages (docs/design/), each a path; README.md there is their index."""
+    return [os.path.join(DESIGN, name) for name in sorted(os.listdir(DESIGN))
+            if name.endswith(".md")]
+
+
 def _read(path):
     return open(path, encoding="utf-8").read()
 
@@ -123,7 +132,8 @@ def test_readme_is_the_entry_and_links_every_page():
 
 
 def test_every_relative_link_in_the_docs_resolves():
-    files = [README, os.path.join(ROOT, "BUILD.md")] + [os.path.join(DOCS, p) for p in _pages()]
+    files = ([README, os.path.join(ROOT, "CHANGELOG.md")] + [os.path.join(DOCS, p) for p in _pages()]
+             + _design_pages())
     for path in files:
         for link in _links(_read(path)):
             if re.match(r"[a-z]+:", link):
@@ -138,7 +148,7 @@ def test_every_relative_link_in_the_docs_resolves():
 
 
 def test_user_docs_name_no_issue_numbers():
-    for path in [README] + [os.path.join(DOCS, p) for p in _pages()]:
+    for path in [README] + [os.path.join(DOCS, p) for p in _pages()] + _design_pages():
         text = re.sub(r"\]\([^)]*\)", "]", _read(path))  # a link's address may name one
         found = re.findall(r".{0,30}\bissues? \d+.{0,30}", text, flags=re.I)
         assert not found, f"{os.path.basename(path)}: {found}"
@@ -150,6 +160,20 @@ def test_each_page_says_what_it_covers_and_links_back():
         assert lines[0].startswith("# "), page
         first_paragraph = " ".join(lines[2:lines.index("", 2)])
         assert "](../README.md)" in first_paragraph, page
+
+
+def test_the_design_pages_are_indexed_and_link_back():
+    index = os.path.join(DESIGN, "README.md")
+    linked = {os.path.normpath(link.split("#")[0]) for link in _links(_read(index))}
+    assert "../../README.md" in linked and "../../CHANGELOG.md" in linked
+    for path in _design_pages():
+        lines = _read(path).splitlines()
+        assert lines[0].startswith("# "), path
+        first_paragraph = " ".join(lines[2:lines.index("", 2)])
+        if path != index:
+            assert os.path.basename(path) in linked, f"docs/design/README.md does not link {path}"
+            assert "](README.md)" in first_paragraph, path
+        assert "](../../README.md)" in first_paragraph, path
 
 
 def test_readme_keeps_the_two_commands_and_ci_runs_command_2():

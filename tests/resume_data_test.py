@@ -1,9 +1,8 @@
 """A resume trains on the data its run started on (`tfdp.data.fingerprint`), or is refused.
 
-Before (issue 36): extending a run with `data_dir` pointing at a copy of
-Fashion-MNIST whose train labels were shifted was logged as a change "that
-changes neither the model nor its metrics", and switching `$TFDS_DATA_DIR`
-logged nothing; the accountant composed steps on two datasets under one ε.
+Extending a run with `data_dir` pointing at a copy of Fashion-MNIST whose train
+labels were shifted, or after switching `$TFDS_DATA_DIR`, must be refused: the
+accountant would otherwise compose steps on two datasets under one ε.
 """
 
 import json

@@ -39,7 +39,7 @@ def _runbook_command():
 @pytest.mark.slow  # end to end (tests/run_slow.sh); the default suite has the parse below
 def test_the_pod_runbook_command_runs_up_to_the_tpu(run_smoke, monkeypatch):
     # A pod's other hosts run their input as graphs: the pure-TF JPEG-folder input never
-    # calls the numpy sampler or the ArrayRecord reader (tf.numpy_function) (issue 28).
+    # calls the numpy sampler or the ArrayRecord reader (tf.numpy_function).
     from tfdp.data import sampling  # pylint: disable=g-import-not-at-top
     from tfdp.data import tfds_source  # pylint: disable=g-import-not-at-top
 

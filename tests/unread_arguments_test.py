@@ -1,4 +1,4 @@
-"""Issue 36, Sec. 4: a bound argument that the run's branch does not read is refused.
+"""A bound argument that the run's branch does not read is refused.
 
 Gin passes every bound argument to its function, and a function reads some
 only in one branch: `build_optimizer`'s `beta_1` only for Adam, `momentum`

@@ -75,7 +75,7 @@ def test_more_steps_extend_the_run(copy, run_smoke):
     assert json.loads((copy / "privacy_report.json").read_text())["steps"] == 4
 
 
-# -- Issue 19: one workdir, one run, nothing lost -----------------------------------------
+# -- One workdir, one run, nothing lost -----------------------------------------
 
 
 def _tree(workdir):
@@ -278,7 +278,7 @@ def test_a_url_workdir_is_refused_rather_than_run_without_a_lock(run_smoke):
         run_smoke("s3://bucket/wd", ["fashion_mnist.gin"], PARAMS)
 
 
-# -- Issue 29, Sec. 1: a resume never prints a setting that the checkpoint overrides ------
+# -- A resume never prints a setting that the checkpoint overrides ------
 
 
 @pytest.mark.parametrize("param, named", [
@@ -378,7 +378,7 @@ def test_a_finished_run_is_returned_when_its_learning_rate_is_spelt_as_an_int(
     assert _snapshot(copy) == before
 
 
-# -- Issue 29, Sec. 2: "unchanged" only after checking what FINISHED vouches for ----------
+# -- "Unchanged" only after checking what FINISHED vouches for ----------
 
 
 @pytest.fixture(scope="module")
@@ -403,8 +403,7 @@ def _flip_a_byte(path):
     ("flip:export/variables/variables.data-00000-of-00001",
      "export/variables/variables.data-00000-of-00001: same size, other contents"),
     ("flip:export/saved_model.pb", "export/saved_model.pb: same size, other contents"),
-    # Before (issue 36): FINISHED listed saved_model.pb, variables/ and the report's copies
-    # only, so these were "unchanged".
+    # FINISHED lists every file under export/, so these are not "unchanged".
     ("flip:export/fingerprint.pb", "export/fingerprint.pb: same size, other contents"),
     ("plant:export/assets/labels.txt", "export/assets/labels.txt: not there when FINISHED"),
     ("plant:export/extra/notes.md", "export/extra/notes.md: not there when FINISHED"),
@@ -449,7 +448,7 @@ def test_finished_records_a_digest_of_every_file_it_vouches_for(finished):
             "export/variables/variables.index", "export/assets/privacy_report.json",
             "export/assets/privacy_report.md"} <= names
     assert any(name.startswith("export/variables/variables.data-") for name in names)
-    # The whole export, every file under it (issue 36): fingerprint.pb too.
+    # The whole export, every file under it: fingerprint.pb too.
     export = finished[0] / "export"
     assert {f"export/{path.relative_to(export)}" for path in export.rglob("*")
             if path.is_file()} <= names

@@ -310,7 +310,7 @@ def cached_features(train, test, extractor, data_normalization, workdir, *,
                                   for k in ("feature_mean", "feature_variance")}, unsaved)
 
 
-# -- The feature cache: private state of the run, in its workdir (issue 38) ----------------
+# -- The feature cache: private state of the run, in its workdir ---------------------------
 FEATURE_CACHE_DIR = "feature_cache"
 FEATURE_CACHE_RECORD = "cache.json"  # written last: without it, the cache is not there
 ROLES = ("train", "test")

@@ -5,8 +5,8 @@ TensorFlow is imported (`IsMklEnabled` in tensorflow/core/util/port.cc, which
 logs "oneDNN custom operations are on" when they are). Unset, the default is
 on only for CPUs with AVX-512 VNNI or BF16, AVX-VNNI or AMX
 (`DefaultOneDnnPolicy` there): an AVX2-only CPU gets the Eigen kernels, and
-tfdp's DP step runs at half the speed (issue 22; BUILD.md, "oneDNN on and
-off"). So tfdp sets `TF_ENABLE_ONEDNN_OPTS=1` before TensorFlow is imported,
+tfdp's DP step runs at half the speed (docs/design/dp_step.md, "oneDNN on,
+on every host"). So tfdp sets `TF_ENABLE_ONEDNN_OPTS=1` before TensorFlow is imported,
 unless the user set it: `import tfdp` and `python -m tfdp.main` call
 `enable_onednn()`, and so do the tools and benchmarks that train.
 

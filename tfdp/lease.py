@@ -41,7 +41,7 @@ defaults. The message of a refused rerun gives that time.
 Stores: `RamLeaseStore` for ram:// (TensorFlow's in-process file system,
 which the tests use: its preconditions are exact, under a process lock) and
 `GCSLeaseStore` for gs:// (google-cloud-storage's generation preconditions;
-NOT tested here: no Cloud Storage from this machine, BUILD.md).
+NOT tested against real Cloud Storage: docs/design/workdir_protocol.md).
 """
 
 import ctypes
@@ -142,7 +142,7 @@ class RamLeaseStore:
 class GCSLeaseStore:
     """Objects with generation preconditions on Cloud Storage (google-cloud-storage).
 
-    NOT tested against Cloud Storage (BUILD.md, "gs:// workdirs"): each call
+    NOT tested against Cloud Storage (docs/design/workdir_protocol.md): each call
     is the client library's documented precondition (`if_generation_match`;
     0 means "does not exist").
     """

@@ -472,7 +472,7 @@ def exit_now(status):
     refiners; the tf.data iterators, whose destructors wait for their
     threads). On this project's 2-core machine that took from 1 s to 100 s,
     at full CPU, depending on the order in which the garbage was found
-    (issue 29, Sec. 6; BUILD.md, "Exit"). Everything the run promises is on
+    (docs/design/workdir_protocol.md, "The exit"). Everything the run promises is on
     disk by then: checkpoints and the export are written synchronously,
     metrics.jsonl and the reports are closed, FINISHED is fsync'ed, the lock
     released, TensorBoard's writers closed. So the process ends here, every

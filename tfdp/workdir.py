@@ -597,7 +597,7 @@ def write_finished(workdir, record):
     storage.write_whole(storage.join(workdir, FINISHED_FILE), json.dumps(record, indent=1))
 
 
-# -- What FINISHED vouches for: sizes and SHA-256 digests (issue 29) -----------------------
+# -- What FINISHED vouches for: sizes and SHA-256 digests ----------------------------------
 # Files are read through `tfdp.storage` (POSIX locally, tf.io.gfile on gs:// workdirs).
 DIGEST = "sha256"
 
@@ -643,8 +643,8 @@ def changed_since_finished(workdir, record):
 
     Returns:
       A list of lines, one per changed, missing or added file (empty: all
-      unchanged), or None when the record holds no digests (a FINISHED written
-      by a tfdp before issue 29), which cannot be checked.
+      unchanged), or None when the record holds no digests, which cannot be
+      checked.
     """
     recorded = record.get("digests") if isinstance(record, dict) else None
     if not isinstance(recorded, dict) or not recorded:

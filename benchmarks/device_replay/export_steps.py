@@ -13,7 +13,7 @@ norms_f32plan / norms_bf16plan (the same, planned for a float32 device: the cont
 TPU's one-pass bf16).
 Usage: python export_steps.py OUTDIR [MODEL:B:KIND ...]   (default: the cases below)
 
-devrun changes (tfdp after 73e281e, issue 34): every example is clipped to C / (1 + kappa)
+Every example is clipped to C / (1 + kappa)
 (precision.margined_clip_norm, kappa read at trace time from the plan: 1e-3 TF32, 1e-5 float32);
 NAME.extra.npz records C and kappa so replay.py reports the one-hot ratio to both. Large
 arguments (the images) go to shared.npz by content like the variables (plain and dp share

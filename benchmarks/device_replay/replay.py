@@ -13,7 +13,7 @@ or 7 (bf16): round every float32 dot/convolution operand first (stablehlo.reduce
 emulation of the device's matmul input rounding on any backend (not of its algorithms).
 
 devrun changes: the one-hot check reports the vector one example adds over C
-(`*_added_over_C_max`) and over C / (1 + kappa), the norm tfdp clips to since issue 34
+(`*_added_over_C_max`) and over C / (1 + kappa), the norm tfdp clips to
 (`*_added_over_Cm_max`), with C and kappa from NAME.extra.npz (the trace's plan); it runs
 min(N, B) examples (`--onehot N`, 0: all) and `--kinds uniform,flat,halves` picks the inputs.
 TF's large outputs may be stored as digests (d{i}: sum, sum of squares, sum |.|, cosine-weighted

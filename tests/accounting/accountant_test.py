@@ -122,7 +122,7 @@ def test_table_14_imagenet_golden_epsilon():
 @pytest.mark.parametrize("published, sigma, steps", TABLES_15_TO_18)
 def test_tables_15_to_18_wrn_28_10_fine_tuning_golden_epsilon(published, sigma, steps):
     eps = _rdp(sigma, 16384, CIFAR10_N, steps, 1e-5)
-    # Computes to 0.998, 2.003, 4.020, 7.998: within 0.5% (issue 20 asks 1%). The eps=2 and
+    # Computes to 0.998, 2.003, 4.020, 7.998: within 0.5% (tolerance 1%). The eps=2 and
     # eps=4 rows are 0.1% and 0.5% ABOVE the published budget.
     assert eps == pytest.approx(published, rel=0.01)
 

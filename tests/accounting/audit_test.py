@@ -2,7 +2,7 @@
 
 Soundness, power, planted bugs and the theory gap are checked here on the
 exact law of Dirac canary scores (`simulate_gradient_canary_scores`); the
-larger tables are in benchmarks/audit_simulations.py and BUILD.md.
+larger tables are in benchmarks/audit_simulations.py and docs/design/empirical_audit.md.
 """
 
 import doctest
@@ -227,7 +227,7 @@ def test_a_planted_bug_pushes_the_bound_above_the_claim(bug):
 def test_against_theory_the_gaussian_bound_approaches_its_epsilon_as_m_grows():
     # One Gaussian mechanism with analytic epsilon 2 (PLD) at delta = 1e-5, audited at the
     # expected counts: the bound grows with m and stops at about 0.65 of epsilon by
-    # m = 1e5 (the delta term 2 m delta then stops it; BUILD.md has the table to 1e6).
+    # m = 1e5 (the delta term 2 m delta then stops it; design/empirical_audit.md goes to 1e6).
     mechanism = _plan(2.0, 1.0, 1)
     claimed = mechanism.epsilon()
     bounds = [audit.gaussian_audit_at_expected_counts(

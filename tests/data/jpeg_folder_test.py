@@ -167,7 +167,7 @@ def test_bad_arguments_are_refused_with_what_to_do(folder, kwargs, message):
         data.open_split("imagenet2012", args.pop("split"), source="jpeg_folder", **args)
 
 
-# Real folders (issue 36, item 6): names, broken files and duplicates, each refused or read
+# Real folders: names, broken files and duplicates, each refused or read
 # correctly at index time, never a traceback from inside TensorFlow or Python mid-training.
 
 

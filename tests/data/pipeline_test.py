@@ -99,7 +99,7 @@ def test_array_source_rejects_bad_arrays():
 
 
 def test_array_source_holds_cached_features_of_any_rank():
-    # A frozen trunk's features are [N, F] (issue 20); ScatterNet's [N, h, w, K].
+    # A frozen trunk's features are [N, F]; ScatterNet's [N, h, w, K].
     labels = np.arange(10, dtype=np.int32)
     features = np.random.RandomState(0).randn(10, 7).astype(np.float32)
     source = data.ArraySource(features, labels, 10)

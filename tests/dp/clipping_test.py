@@ -7,7 +7,7 @@ import tensorflow as tf
 from tfdp.dp import clipping
 from tfdp.dp import precision
 
-# Every example is clipped to C / (1 + kappa) (issue 34): 1e-5 on this host's float32 matmuls.
+# Every example is clipped to C / (1 + kappa): 1e-5 on this host's float32 matmuls.
 KAPPA = precision.CLIP_MARGINS["float32"]
 
 
@@ -78,7 +78,7 @@ def test_clip_factors_edge_cases():
 @pytest.mark.parametrize("device", [precision.FLOAT32, precision.TF32, precision.BF16],
                          ids=lambda d: d.name)
 def test_the_clip_margin_follows_the_device_class(device):
-    # Issue 34: clipped to C / (1 + kappa), kappa by the device's matmul inputs, read when the
+    # Clipped to C / (1 + kappa), kappa by the device's matmul inputs, read when the
     # factors are traced; a norm of exactly C / (1 + kappa) is not scaled down.
     kappa = {"float32": 1e-5, "tf32": 1e-3, "bf16": 1e-2}[device.name]
     with precision.emulate(device):

@@ -42,7 +42,7 @@ def test_sigma_zero_gives_the_exact_clipped_statistics():
     # Mean squares: (9, 16) clipped to norm 4 -> 4/sqrt(337) * (9, 16); (0, 2) unchanged.
     #   mean_square = (36/sqrt(337), 64/sqrt(337) + 2) / 2.
     #   var = mean_square - mean^2.
-    # Clipped as the DP-SGD step clips: to C / (1 + kappa) (issue 34), so (0, 1), of norm
+    # Clipped as the DP-SGD step clips: to C / (1 + kappa), so (0, 1), of norm
     # exactly C = 1, is scaled down too.
     shrink = 1.0 / (1 + precision.clip_margin())
     expected_mean = np.array([0.3, 0.9]) * shrink
@@ -98,8 +98,8 @@ def test_each_example_contributes_at_most_the_clip_norm():
 
 
 def test_an_overflowing_feature_drops_its_statistic_instead_of_poisoning_the_sums():
-    # Review of issue 34: with tf.clip_by_norm, one feature of 3e38 (its square is inf) made
-    # the released sums NaN, which showed that the example was in the data.
+    # With tf.clip_by_norm, one feature of 3e38 (its square is inf) would make
+    # the released sums NaN, which shows that the example is in the data.
     rng = np.random.default_rng(0)
     features = rng.normal(0.0, 1.0, size=(8, 2, 2, 3)).astype(np.float32)
     clean_mean, clean_square = clipped_channel_sums(

@@ -1,4 +1,4 @@
-"""A device's matmul precision on EVERY matmul and convolution a traced step runs (issue 34).
+"""A device's matmul precision on EVERY matmul and convolution a traced step runs.
 
 Not a test module. `tfdp.dp.precision.emulate` rounds only the inputs of
 `precision.einsum` and `precision.matmul`, the products the ghost rules

@@ -49,17 +49,17 @@ def _per_example(loss_of_example, variable, batch):
     return np.stack(grads)
 
 
-# Issue 27's contract (it replaces issue 18's "equal to the exact norm at 1e-5"): the
+# The contract: the
 # vector a rule adds for an example (`weighted_sum` at that example's one-hot factors,
 # as the device computes it) has a squared norm no larger than the rule's `squares`.
 # Against the exact (float64) gradient the rule may differ by float32 rounding: a held
 # vector is a float32 sum, which on a cancelling example (a square 1e-4 of the batch's
 # largest) comes out 2.4e-5 below the exact square (found with another draw of these
 # normals; the vector added is what the clipping must bound, and it does). Above, the
-# squares may over-count: by at most 2e-3 (1e-3 on the norm, issue 27's 99th
+# squares may over-count: by at most 2e-3 (1e-3 on the norm, the target's 99th
 # percentile) in any one case; the median over-count on real images is measured by
-# benchmarks/ghost_overcount.py (BUILD.md). A Gram-form WS kernel of these 3-example
-# draws over-counts its square by up to 2.5e-4 (seeds 0-8).
+# benchmarks/ghost_overcount.py (docs/design/ghost_norms_and_precision.md). A Gram-form WS
+# kernel of these 3-example draws over-counts its square by up to 2.5e-4 (seeds 0-8).
 OVERCOUNT_RTOL = 2e-3
 EXACT_RTOL = 1e-4
 
@@ -232,7 +232,7 @@ def test_ws_kernel_below_epsilon_has_no_sphere_term(form):
     _check(result, per_example, factors=[1.0, 0.5])
 
 
-# -- Einsum, depthwise and embedding kernels (issue 20, Sec. 5) --------------------
+# -- Einsum, depthwise and embedding kernels --------------------
 
 EINSUM_CASES = [  # (equation, input shape without batch, kernel shape)
     ("abc,cde->abde", (4, 6), (6, 2, 3)),  # attention's query/key/value projections
@@ -432,7 +432,7 @@ def test_form_choice_follows_the_costs():
 def test_form_choice_counts_the_split_passes(device):
     # On a GPU or a TPU every Gram product is six passes: R = 4 (16k x 6 + 5 x 4 x 262k
     # = 5.3M > 8 x 262k) becomes direct, and every WRN-16-4 kernel but the dense head
-    # is direct (XLA: 1.05x the plain step's flops instead of 3.4x, BUILD.md). A large
+    # is direct (XLA: 1.05x the plain step's flops instead of 3.4x: step_cost.md). A large
     # head on one row stays Gram: the direct form would hold 2M floats per example.
     with precision.emulate(device):
         assert ghost_norms.choose_form(4, 512, 512) == ghost_norms.DIRECT
@@ -473,7 +473,7 @@ def test_rules_match_their_exact_class_only():
     assert ghost_norms.find_layer_rule(Derived()) is None
 
 
-# -- Rounding: norms never come out too small (issue 18, §1) ------------------------
+# -- Rounding: norms never come out too small ------------------------
 
 from unittest import mock  # noqa: E402
 
@@ -520,8 +520,8 @@ def _assert_never_too_small(squares, exact, terms, weighted_sum, batch, *, held=
                             rows=None, projection=0):
     """Gram form: never below the exact squared norm of the gradient (a, g) define, and
     above it by at most 1e-2 relative, or 1e-4 of the cancelling terms' size S where the
-    gradient is (nearly) zero (issue 27's contract: these inputs are adversarial, where
-    the float32 bound may over-count; issue 18's float64 rules kept 1e-6). Direct form
+    gradient is (nearly) zero (the contract: these inputs are adversarial, where
+    the float32 bound may over-count; float64 rules would keep 1e-6). Direct form
     (`held`): the float32 per-example gradient is what the sum adds, so the bound is on
     it (below); it is within float32 rounding of the exact one (2^-24 (R + projection)
     S, `projection` the float32 WS projection's rounding). Both: the vector each example
@@ -637,13 +637,13 @@ def test_embedding_norms_never_come_out_too_small(case, vocabulary):
     _assert_never_too_small(squares, exact, terms, weighted_sum, len(ids), held=True, rows=rows)
 
 
-# -- Issue 27: at the precision a GPU or TPU really uses ------------------------------------
+# -- At the precision a GPU or TPU really uses ------------------------------------
 #
 # `precision.emulate(device)` rounds the inputs of every matmul of the rules as a TPU
 # (one bf16 pass) or an Ampere GPU (TF32) does. With the rules told (`handled`, as
 # `precision.device_inputs()` tells them on such a device), what each example adds is
 # never more than its computed norm; without (the rules planning for float32 products),
-# it is, on the cancelling rows of issue 18.
+# it is, on the cancelling rows.
 
 EMULATED = [precision.BF16, precision.TF32]
 
@@ -818,7 +818,7 @@ def test_grouped_route_isolates_non_finite_pixels(monkeypatch, jit):
     np.testing.assert_array_equal(summed.numpy(), clean_sum.numpy())
 
 
-# -- Per-example conv gradients as one grouped convolution (issue 35) -------------------
+# -- Per-example conv gradients as one grouped convolution -------------------
 
 
 @st.composite
@@ -916,7 +916,7 @@ def test_grouped_route_adds_no_more_than_its_norms(case, recompute):
             assert np.all(weighted_sum(tf.zeros([batch])).numpy() == 0)
 
 
-# -- Recomputed per-example gradients: book-keeping's memory for held vectors (issue 35) ----
+# -- Recomputed per-example gradients: book-keeping's memory for held vectors ----
 
 
 def test_recompute_chunks_divide_the_batch_into_at_most_8_chunks_of_8_or_more():

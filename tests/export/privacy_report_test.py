@@ -123,7 +123,7 @@ def test_an_audit_gets_its_own_section_with_the_verdict_and_the_command(tmp_path
 
 @pytest.mark.parametrize("device", ["float32", "tf32", "bf16"])
 def test_the_card_states_the_norm_every_example_was_clipped_to(tmp_path, device):
-    # Issue 34: clipped to C / (1 + kappa), kappa by the device class; the noise stays at C.
+    # Clipped to C / (1 + kappa), kappa by the device class; the noise stays at C.
     from tfdp.dp import precision  # the report itself imports no TensorFlow
 
     emulated = {"float32": precision.FLOAT32, "tf32": precision.TF32, "bf16": precision.BF16}

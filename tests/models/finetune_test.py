@@ -390,7 +390,7 @@ def test_train_and_evaluate_fine_tunes_a_workdir_backbone(
 
 def test_a_resume_reads_the_feature_cache_instead_of_computing_the_features(
         pretrain_workdir, run_smoke, tmp_path, monkeypatch):
-    # Issue 38: the features live in the workdir, and a resumed run reads them (after
+    # The features live in the workdir, and a resumed run reads them (after
     # checking them against the data and the extractor: tests/feature_cache_test.py).
     from tfdp.models import finetune  # pylint: disable=g-import-not-at-top
 
@@ -449,9 +449,9 @@ def test_a_backbone_trained_on_the_private_split_is_refused_before_any_output(
 
 
 def test_every_spelling_of_the_private_dataset_is_recognised(run_smoke, tmp_path):
-    # Issue 26: a backbone trained WITHOUT privacy on fashion_mnist 'train' was accepted for
-    # private fine-tuning on 'train' when the config spelled the dataset
-    # 'fashion_mnist:3.0.1' (dataset names were compared as strings).
+    # A backbone trained WITHOUT privacy on fashion_mnist 'train' must be refused for
+    # private fine-tuning on 'train' however the config spells the dataset
+    # ('fashion_mnist:3.0.1': names are compared as identities, not strings).
     backbone = tmp_path / "backbone"
     run_smoke(backbone, ["fashion_mnist.gin"], ["tfdp.train_and_evaluate.privacy = None",
                                                 "tfdp.DataConfig.dataset = 'fashion_mnist:3.*.*'"])
@@ -520,9 +520,9 @@ class _BatchCenter(keras.layers.Layer):
 
 
 def test_a_cached_trunk_that_mixes_examples_is_refused(tmp_path):
-    # The review of issue 26: head-only fine-tuning caches the trunk's features, and only
+    # Head-only fine-tuning caches the trunk's features, and only
     # the head is wrapped in the DPModel, so a trunk layer that centres by the batch mean
-    # made every cached feature depend on the other images of its batch, unchecked.
+    # would make every cached feature depend on the other images of its batch.
     keras.utils.set_random_seed(0)
     inputs = keras.Input((16, 16, 3))
     x = keras.layers.Conv2D(8, 3, activation="relu")(keras.layers.Rescaling(1 / 255)(inputs))
@@ -544,7 +544,7 @@ def _with_backbone(dataset, split, input_source="array_record"):
 
 
 @pytest.mark.parametrize("dataset, split, input_source, outcome", [
-    # The review of issue 26 (F6): each was accepted as "verified" before, or raised TFDS's
+    # Each must be reported "Not checked", not "verified", and must not raise TFDS's
     # "pass image_size" for ImageNet's varying image sizes.
     ("imagenet2012", "train[:50%]", "array_record", "checked"),
     ("imagenet2012", "train[:60%]", "array_record", "shares examples"),

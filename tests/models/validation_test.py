@@ -137,7 +137,7 @@ def test_iter_layers_visits_every_layer_once_with_paths():
     assert f"{model.name}/logits" in paths
 
 
-# -- refuse_example_mixing: behaviour on a probe batch, not class names (issue 26) ----------
+# -- refuse_example_mixing: behaviour on a probe batch, not class names ----------
 
 from tfdp import accounting  # noqa: E402
 from tfdp import make_private  # noqa: E402
@@ -167,7 +167,7 @@ class _MixingSubclass(keras.Model):
 
 def _mixing_cases():
     return {
-        # Issue 26's two variable-less layers: 1.75 C and 1.695 C on the ghost path.
+        # Two variable-less mixing layers: 1.75 C and 1.695 C on the ghost path if accepted.
         "batch_center": keras.layers.Lambda(lambda t: t - ops.mean(t, axis=0),
                                             name="batch_center"),
         "norm_axis0": keras.layers.LayerNormalization(axis=0, center=False, scale=False,
@@ -272,7 +272,7 @@ def test_a_subclassed_model_is_checked_on_its_first_batch():
         dp.train_on_batch(x, np.array([0, 1, 0, 1]))
 
 
-# -- The review of issue 26: what an outputs-only probe at the first and last example missed --
+# -- What an outputs-only probe at the first and last example would miss --
 
 def _zero_head_model(mixing):
     """A mixing layer under a head initialized to zeros (build_finetune_model's default head):
@@ -411,9 +411,9 @@ class _KerasOpsMix(keras.layers.Layer):
         [_GradientMix(name="act2")], name="inner"), keras.layers.Activation("relu", name="act2")),
 ], ids=["user_layer", "activation_fn", "dense_activation_fn", "keras_ops", "shared_name"])
 def test_user_defined_gradients_are_listed_wherever_they_are_made(make):
-    # Reviewer's finding (2026-11-27): a mixing gradient passed as an Activation's function was
-    # trusted because a Keras layer made it, skipped the backward probe and took the ghost path
-    # (2.0 C). Now the registered gradient's own functions decide.
+    # A mixing gradient passed as an Activation's function must not be trusted because a
+    # Keras layer made it (it would skip the backward probe and take the ghost path: 2.0 C).
+    # The registered gradient's own functions decide.
     from tfdp import models  # pylint: disable=g-import-not-at-top
 
     assert models.user_defined_gradients(make())
@@ -454,14 +454,14 @@ def _first_example_added_then(*layers, beside=None):
     ("beside_a_direct_path", "bitcast"), ("beside_a_direct_path", "numpy_function")])
 def test_a_mix_that_only_a_stop_gradient_lets_into_the_backward_pass_is_refused(
         reach, no_gradient):
-    # Reviewer's case (2026-11-27): the first example added to every row, a conv, then
+    # The first example added to every row, a conv, then
     # `t - stop_gradient(t)`: 0 in the forward pass (the forward probe sees nothing), the
     # identity in the backward one, so each row's conv gradient read the first example. No
     # user-defined gradient, so the backward probe did not run, and the ghost path took it:
     # removing one example moved the clipped sum by 4.19 C.
     import tensorflow as tf  # pylint: disable=g-import-not-at-top
 
-    # The second reviewer's escapes from a list of op names: a value passed on without a
+    # Escapes from a list of op names: a value passed on without a
     # gradient (a bitcast round trip; tf.numpy_function) moved the sum by 7.27 C.
     without_gradient = {
         "stop_gradient": tf.stop_gradient,
@@ -489,7 +489,7 @@ def test_a_mixing_layer_hidden_by_a_saturated_tanh_at_pixel_range_is_refused():
 
 
 def test_a_mixing_layer_behind_a_relu_dead_for_positive_inputs_is_refused():
-    # Reviewer's case: the first example added to every row, then a ReLU conv whose kernel is
+    # The first example added to every row, then a ReLU conv whose kernel is
     # negative, dead for every positive input at both ranges; the signed second probe sees it.
     model = _first_example_added_then(
         keras.layers.Conv2D(2, 1, activation="relu", use_bias=False,

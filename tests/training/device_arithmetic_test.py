@@ -1,4 +1,4 @@
-"""Issue 34: a clip that holds for the arithmetic the machine really does.
+"""A clip that holds for the arithmetic the machine really does.
 
 Each reproduction of the issue is a test here, and each failed on the tree
 before the fix (numbers in the comments):
@@ -98,7 +98,7 @@ def tabular_mlp(features=6, classes=2):
 
 
 def test_a_huge_input_before_a_layer_norm_contributes_at_most_c():
-    # Issue 34, §1: an input of norm 1.5e19 into a Gram-form Dense whose LayerNorm makes the
+    # An input of norm 1.5e19 into a Gram-form Dense whose LayerNorm makes the
     # output gradient ~1e-19: (x.x)(y.y) flushed to 0 while x y^T is of order 1. Before the
     # power-of-two scaling: 8.16 C (this seed; the issue's 5.98 C). The rescaling fuzzer
     # draws norms from 3e18 up (1.04 C at 3e18 before).
@@ -116,7 +116,7 @@ def test_a_huge_input_before_a_layer_norm_contributes_at_most_c():
 
 
 def test_a_tabular_id_column_contributes_at_most_c():
-    # Issue 34, §1: int64 IDs cast to float in the first column (9.1e18, 5.3e18, 3.7e18) of a
+    # Int64 IDs cast to float in the first column (9.1e18, 5.3e18, 3.7e18) of a
     # tabular MLP at Keras' default init. Before: 1.0104 C (this seed; the issue's 1.209 C).
     keras.utils.set_random_seed(1)
     model = tabular_mlp()
@@ -149,10 +149,10 @@ def _unread_entries_case(unread):
 
 @pytest.mark.parametrize("unread", [np.inf, np.nan, 1e30])
 def test_input_entries_no_patch_reads_do_not_set_the_scale(unread):
-    # Review of issue 34: an inf or nan in entries that no patch reads made the input's
-    # largest entry non-finite, which turned the scaling off: 42.3 C at C = 0.01 (also on
-    # 73e281e). A 1e30 there scaled every real entry to ~2^-100, where the flushing allowance
-    # swamped the norm: 1e-16 C. The example must contribute as if they held 0.
+    # An inf or nan in entries that no patch reads must not make the input's largest
+    # entry non-finite, which would turn the scaling off (42.3 C at C = 0.01). A 1e30 there
+    # must not scale every real entry to ~2^-100, where the flushing allowance would swamp
+    # the norm (1e-16 C). The example must contribute as if they held 0.
     contributions = {}
     for value in (0.0, unread):
         model, x, y = _unread_entries_case(value)
@@ -200,7 +200,7 @@ def _small_dp_model():
 @pytest.mark.parametrize("when", ["compile", "trace", "call"])
 def test_grappler_mixed_precision_is_refused_before_any_step(option, when,
                                                             restore_optimizer_options):
-    # Issue 34, §2: with auto_mixed_precision_onednn_bfloat16 on, the traced ghost rules ran in
+    # With auto_mixed_precision_onednn_bfloat16 on, the traced ghost rules would run in
     # bf16 while planned for float32: 1.0032 C (T&B CNN), 1.0016 C through train_on_batch.
     dp = _small_dp_model()
     x, y = np.ones((2, 4), np.float32), np.array([0, 1])
@@ -251,8 +251,8 @@ def test_xla_flags_without_fast_math_are_accepted(monkeypatch, flags):
 
 
 def test_a_precision_change_after_tracing_traces_the_step_again():
-    # Issue 34, §3: a step traced with TF32 off kept its float32 plan after
-    # enable_tensor_float_32_execution(True) (1.00008-1.00015 C emulated). Now the next call
+    # A step traced with TF32 off must not keep its float32 plan after
+    # enable_tensor_float_32_execution(True) (1.00008-1.00015 C emulated): the next call
     # traces again: for the TF32 flag, and for a device that rounds (emulated here).
     dp = _small_dp_model()
     dp.compile(optimizer=keras.optimizers.SGD(0.0))
@@ -326,7 +326,7 @@ def _check_family_under_emulation(name, device):
 @pytest.mark.parametrize("name", ["tramer_cnn",
                                   pytest.param("layer_norm", marks=pytest.mark.slow)])
 def test_every_rounded_matmul_fails_the_float32_plan_and_holds_the_device_plan(name, device):
-    # Issue 34, §4-5. Before: the float32 plan on an emulated TF32 device gave 1.000067 C
+    # A float32 plan on an emulated TF32 device gives 1.000067 C
     # (tramer_cnn) and 1.00017 C (layer_norm); bf16 1.00091 C and 1.0017 C. layer_norm (74 s
     # in CI: its rank-3 Dense) is slow-only, as are the other 11 families (below).
     old = _check_family_under_emulation(name, device)

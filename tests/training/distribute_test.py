@@ -373,7 +373,7 @@ def test_microbatched_sensitivity_is_2c_across_replicas(replica_runs, replicas, 
     # 1, 2 and 4 accumulation chunks of one batch): adding one example moves the others
     # to another replica (and chunk), but microbatches are summed over all chunks and
     # replicas before clipping, so only the added example's microbatch changes.
-    # Each unit is clipped to C / (1 + kappa) (issue 34): 2C becomes 2C / (1 + kappa).
+    # Each unit is clipped to C / (1 + kappa): 2C becomes 2C / (1 + kappa).
     deltas = replica_runs(f"microbatch_deltas_{layout}_{replicas}")
     assert deltas.shape == (16,)
     clipped_to = 1.0 / (1 + precision.CLIP_MARGINS["float32"])
@@ -454,7 +454,7 @@ def test_replicas_that_do_not_split_evenly_over_hosts_are_refused():
         distribute.distribute_chunks(ThreeHosts(), lambda replicas: None, accumulation_steps=1)
 
 
-# -- Issue 29: TF_CONFIG checked, and a worker that never starts is named, not waited for --
+# -- TF_CONFIG checked, and a worker that never starts is named, not waited for --
 
 
 def test_tf_config_addresses_need_a_port(monkeypatch):
@@ -538,7 +538,7 @@ def test_workers_that_start_are_found_and_see_each_other():
     assert not first.is_alive() and errors == [] and len(servers) == 2
 
 
-# -- Issue 36, Sec. 5: only a real worker counts as started; two tasks on one address --
+# -- Only a real worker counts as started; two tasks on one address --
 
 
 def test_two_tasks_with_the_same_address_are_refused_at_once(monkeypatch):

@@ -72,7 +72,7 @@ IMAGE_EXTRA = ["conv_rect", "variable_less", "unruled", "mixing"]
 SEQUENCE_EXTRA = ["attention_causal", "attention_masked", "unruled", "user_einsum", "mixing"]
 VARIABLE_LESS = ["max_pool", "average_pool", "zero_padding", "upsampling", "lambda", "relu"]
 # Layers that mix examples, or keep a statistic of the batch: every one must be refused. The
-# last four passed the first version of the probe (an attacker's review of issue 26).
+# last four passed the first version of the probe (outputs only, at the first and last example).
 MIXING = ["batch_center", "norm_axis0", "add_first", "add_second", "beyond_fourth",
           "gradient_mix", "running_mean"]
 
@@ -310,7 +310,7 @@ def check_case(case):
     spec, images, labels, mask, clip_ratio, clipping, accumulation = case
     # With oneDNN off, TensorFlow cannot run a grouped Conv2D's gradient under
     # tf.vectorized_map ("Fused conv implementation does not support grouped convolutions",
-    # an error, not a wrong number; BUILD.md, Limitations): the oneDNN-on run covers them.
+    # an error, not a wrong number; docs/design/limitations.md): the oneDNN-on run covers them.
     hypothesis.assume(host.onednn_enabled() or not _grouped(spec))
     if _mixes(spec):
         # Refused or not before anything runs the model on the case's batch: a mixing layer

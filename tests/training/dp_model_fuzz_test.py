@@ -47,7 +47,7 @@ def _fuzz(onednn, examples):
     return cases
 
 
-# tfdp turns oneDNN on wherever it runs (BUILD.md, "oneDNN on and off"): the default suite
+# tfdp turns oneDNN on wherever it runs (docs/design/dp_step.md): the default suite
 # fuzzes that setting; oneDNN off (a user's TF_ENABLE_ONEDNN_OPTS=0) is slow-only (56 s).
 @pytest.mark.parametrize("onednn", ["1", pytest.param("0", marks=pytest.mark.slow)])
 def test_fuzz_dp_model_step(onednn):
@@ -192,8 +192,8 @@ def test_a_backward_mix_behind_saturated_activations_keeps_the_sensitivity(clipp
 
 @pytest.mark.parametrize("clipping", ["ghost", "auto"])
 def test_a_live_backward_mix_in_an_activation_is_refused_or_kept_apart(clipping):
-    # Reviewer's finding: the same mix passed as an Activation's function was trusted (a Keras
-    # layer made it) and moved a ghost-clipped sum by 2.0 C. It is now probed and refused.
+    # The same mix passed as an Activation's function must not be trusted because a Keras
+    # layer made it (it would move a ghost-clipped sum by 2.0 C): it is probed and refused.
     import keras  # pylint: disable=g-import-not-at-top
     import tensorflow as tf  # pylint: disable=g-import-not-at-top
 
@@ -246,7 +246,7 @@ def test_a_graph_vectorized_map_cannot_convert_takes_the_loop():
     assert dp_model_fuzz.check_case(case) == "loop"
 
 
-# The slow fuzzer's case (BUILD.md, "Fuzzer findings"): before DPModel recomputed a non-finite
+# The slow fuzzer's case (docs/design/dp_step.md): without the recompute of a non-finite
 # example alone, removing one moved the clipped sum by 2.0 C.
 @pytest.mark.parametrize("mixing", ["add_first", "batch_center"])
 def test_a_nan_example_cannot_reach_the_others_through_a_mix_finite_inputs_cannot_show(mixing):
@@ -336,7 +336,7 @@ def test_fuzz_a_poisoned_example_moves_the_sum_by_at_most_its_own_contribution(
 
 @pytest.mark.slow
 def test_many_recomputed_examples_give_the_same_sum_on_every_call():
-    # Reviewer's case: with oneDNN on, the recompute loop's model calls in parallel iterations
+    # With oneDNN on, the recompute loop's model calls in parallel iterations
     # corrupted memory (a two-branch conv, 256 NaN rows of 512, the step called 40 times: a
     # segfault in 2 of 3 runs, or sums drifting by up to 2.7 C). The loop now runs one
     # iteration at a time. 16 s on the 2-core host.

@@ -360,7 +360,7 @@ def test_microbatched_sensitivity_is_2c_for_any_chunking(accumulation_steps):
     # per-chunk microbatches, adding 4 at index 0 moved the later examples across the chunk
     # boundary and changed both microbatches: ||delta|| = 4C. Microbatches that span the
     # chunks change only the added example's one: <= 2C, whatever the ids.
-    # Each unit is clipped to C / (1 + kappa) (issue 34), so 2C becomes 2C / (1 + kappa).
+    # Each unit is clipped to C / (1 + kappa), so 2C becomes 2C / (1 + kappa).
     deltas = [delta for _, _, delta in _linear_clipped_sums(accumulation_steps, 2)]
     assert len(deltas) == 16
     clipped_to = 1.0 / (1 + precision.clip_margin())
@@ -371,7 +371,7 @@ def test_microbatched_sensitivity_is_2c_for_any_chunking(accumulation_steps):
 @pytest.mark.parametrize("accumulation_steps", [1, 2, 4])
 def test_per_example_sensitivity_is_c_for_any_chunking(accumulation_steps):
     deltas = [delta for _, _, delta in _linear_clipped_sums(accumulation_steps, None)]
-    # exactly the added clipped vector, of norm C / (1 + kappa) (issue 34)
+    # exactly the added clipped vector, of norm C / (1 + kappa)
     assert deltas == pytest.approx([1.0 / (1 + precision.clip_margin())], abs=3e-6)
 
 

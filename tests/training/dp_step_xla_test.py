@@ -1,4 +1,4 @@
-"""The whole DP train step compiles with XLA, with no float64 op and no host callback (issue 27).
+"""The whole DP train step compiles with XLA, with no float64 op and no host callback.
 
 A TPU has no float64 and cannot run a Python callback; XLA compiles the step
 as a TPU needs it (`jit_compile=True`, static shapes). For every shipped model
@@ -11,7 +11,8 @@ holds or casts to float64, no `PyFunc`/`EagerPyFunc`, and no `f64` in the HLO.
 The default suite checks the Tramer & Boneh CNN and a small GN + WS WRN; the
 other families (WRN-16-4, a small NF-ResNet, ScatterNet heads and classifier,
 a keras.applications backbone fine-tuned `head` and `all`) run under
-`-m slow` (their result is in BUILD.md, "Float32 ghost norms").
+`-m slow` (their result is in docs/design/ghost_norms_and_precision.md, "XLA, as a
+TPU needs it").
 """
 
 import keras

@@ -1,4 +1,4 @@
-"""Per-example weights never scale an example's sensitivity (issue 18, §2).
+"""Per-example weights never scale an example's sensitivity.
 
 Keras turns `fit(..., class_weight=...)` into per-example sample weights, and reads
 the third element of a batch as one. Before this fix DPModel took either as its

@@ -1,9 +1,9 @@
-"""Pretrained backbones on the ghost path (issue 20, Sec. 4-5 and its Acceptance).
+"""Pretrained backbones on the ghost path.
 
-- The rules the backbones needed beyond issue 20's first four: grouped Conv2D
-  (ConvNeXt's 7x7 convs are `Conv2D(groups=C)`) and ConvNeXt's LayerScale,
+- The rules for grouped Conv2D (ConvNeXt's 7x7 convs are `Conv2D(groups=C)`) and
+  ConvNeXt's LayerScale,
   against a float64 per-example loop (norms never below it, above it by at most
-  1e-4: issue 27's contract; the clipped sum to 1e-5).
+  1e-4: the contract; the clipped sum to 1e-5).
 - Smoke runs: keras.applications ResNet50, EfficientNetB0 and ConvNeXtTiny
   (weights=None, include_top=False, 32x32x3, saved to .keras and loaded back,
   BatchNorm frozen, a Dense head), under "head" and "all", 2 DP steps each
@@ -41,7 +41,7 @@ from tests.training import ghost_fuzz_test
 from tests.training import ghost_testing
 
 RTOL = 1e-5
-OVERCOUNT = 1e-4  # issue 27: the float32 ghost norms' over-count on ordinary inputs
+OVERCOUNT = 1e-4  # The float32 ghost norms' over-count on ordinary inputs
 INPUT_SHAPE = (32, 32, 3)
 NUM_CLASSES = 10
 APPLICATIONS = ["ResNet50", "EfficientNetB0", "ConvNeXtTiny"]
@@ -133,11 +133,11 @@ def _assert_equal_to_float64_loop(builder, images, labels, l2_clip_norm):
     twin = ghost_testing.float64_twin(builder, model)
     reference = ghost_testing.float64_example_gradients(twin, images, labels)
     norms64 = np.array([ghost_testing.global_norm64(g) for g in reference])
-    # Issue 27's contract (it replaces "equal at 1e-5"): never below the float64 norm,
+    # The contract (it replaces "equal at 1e-5"): never below the float64 norm,
     # above it by at most OVERCOUNT; the sum is checked with the ghost norms' factors.
     assert np.all(norms.numpy() >= norms64 * (1 - RTOL)), (norms, norms64)
     assert np.all(norms.numpy() <= norms64 * (1 + OVERCOUNT)), (norms, norms64)
-    clipped_to = l2_clip_norm / (1 + precision.clip_margin())  # issue 34's margin
+    clipped_to = l2_clip_norm / (1 + precision.clip_margin())  # the clip margin
     factors = np.minimum(1.0, clipped_to / norms.numpy().astype(np.float64))
     expected = [sum(f * g[k] for f, g in zip(factors, reference)) for k in range(len(summed))]
     error = ghost_testing.global_norm64([s.numpy() - e for s, e in zip(summed, expected)])

@@ -16,7 +16,7 @@ from tfdp.training.dp_model import DPModel
 from tests.training import ghost_testing
 
 RTOL = 1e-5
-# Issue 27's contract (it replaces "equal to the other path at 1e-5" for the norms): the
+# The contract (it replaces "equal to the other path at 1e-5" for the norms): the
 # ghost norm never comes out below the float32 reference (by more than the two paths'
 # own float32 rounding, RTOL) and above it by at most OVERCOUNT on ordinary inputs.
 OVERCOUNT = 1e-4
@@ -146,8 +146,8 @@ def _causal_attention(num_classes=10):
 
 
 def test_causal_attention_has_a_rule_that_replays_the_layer_and_equals_the_loop():
-    # Issue 26: MultiHeadAttention(use_causal_mask=True) fell back to the vectorized path,
-    # whose per-example ops are oneDNN's broadcast-matmul bug (1.72 C); it has a rule now.
+    # MultiHeadAttention(use_causal_mask=True) has a rule: the vectorized path's per-example
+    # ops would meet oneDNN's broadcast-matmul bug (1.72 C).
     keras.utils.set_random_seed(0)
     model = _causal_attention()
     ghost = ghost_clipping.GhostClipping(model, model.trainable_variables)
@@ -301,7 +301,7 @@ def _model_sharing_a_layer_with_a_nested_model():
 @pytest.mark.parametrize("builder, shape, fallback", [
     (_model_with_unruled_layer, (6, 6, 1), ["unruled/scale"]),
     (_model_with_shared_layer, (5,), ["shared/kernel", "shared/bias"]),
-    # Issue 18, Sec. 3: a gradient that also flows through a use no rule taps.
+    # A gradient that also flows through a use no rule taps.
     (_model_with_dense_inside_a_custom_layer, (5,), ["twice/kernel", "twice/bias"]),
     (_model_with_lambda_weight_tying, (5,), ["encoder/kernel"]),
     (_model_with_an_op_on_a_kernel, (5,), ["encoder/kernel"]),
@@ -338,7 +338,7 @@ def _nested_models(scale_inputs=False):
 
 
 @pytest.mark.parametrize("builder, shape", [
-    # Issue 18, Sec. 4: normalizations with one of their two variables.
+    # Normalizations with one of their two variables.
     (_dense_then(keras.layers.LayerNormalization, scale=False), (4, 6)),
     (_dense_then(keras.layers.LayerNormalization, center=False), (4, 6)),
     (_dense_then(keras.layers.GroupNormalization, groups=2, center=False), (4, 6)),
@@ -365,7 +365,7 @@ def _model_without_a_rule():
 
 
 def test_ghost_on_a_model_without_any_rule_equals_the_vectorized_path():
-    # Issue 18, Sec. 4: the tapped model's only output is the logits.
+    # The tapped model's only output is the logits.
     keras.utils.set_random_seed(0)
     images, labels = _inputs((6, 6, 1), 1.0)
     ghost, fast, slow = _ghost_and_vectorized(_model_without_a_rule(), images, labels,
@@ -464,8 +464,8 @@ def test_microbatches_and_subclassed_models_use_the_vectorized_path():
     ("mixed_bfloat16", "float32"),
 ])
 def test_mixed_precision_is_refused_with_a_message(model_policy, wrapper_policy):
-    # Issue 18, Sec. 4: it crashed on the ghost path (float16 logits against float32
-    # norms) and would have divided the vectorized update by Keras' loss scale.
+    # It would crash the ghost path (float16 logits against float32
+    # norms) and divide the vectorized update by Keras' loss scale.
     previous = keras.config.dtype_policy()
     try:
         keras.config.set_dtype_policy(model_policy)
@@ -494,7 +494,7 @@ def test_xla_step_of_the_cnn_equals_the_graph_step(clipping_path):
 
 
 # Slow-only: the default suite compiles a GN + WS WRN's DP step with XLA in
-# tests/training/dp_step_xla_test.py (issue 27), and this one took 13 s more.
+# tests/training/dp_step_xla_test.py, and this one took 13 s more.
 @pytest.mark.slow
 @pytest.mark.parametrize("clipping_path", ["ghost", "vectorized"])
 def test_xla_compiles_the_wrn16_4_step_at_a_tiny_batch(clipping_path):
@@ -535,7 +535,7 @@ def test_an_unknown_clipping_path_is_refused_before_the_workdir_is_touched(run_s
     assert not workdir.exists()
 
 
-# -- Frozen BatchNorm (issue 20, Sec. 4) -----------------------------------------
+# -- Frozen BatchNorm -----------------------------------------
 
 
 def _model_with_frozen_batch_norm(num_classes=10):

@@ -6,8 +6,8 @@ paddings, WSConv2D, ScaledWSConv2D, GroupNormalization and LayerNormalization
 with and without scale and center, NFResBlock) and from a custom layer
 without a rule (the fallback), with random depth, Add / Concatenate branches,
 a layer used twice, nested functional models, a layer shared with a nested
-model and a Dense also called inside a rule-less layer (issue 18, §3).
-Issue 20's pretrained-backbone layers: DepthwiseConv2D and grouped Conv2D
+model and a Dense also called inside a rule-less layer.
+The layers of pretrained backbones: DepthwiseConv2D and grouped Conv2D
 (strides, dilation, both paddings, 1 or 2 filters per group), ConvNeXt's
 LayerScale, EinsumDense on 4-D inputs, a frozen BatchNormalization with random
 moving statistics (inference mode), up to three frozen layers
@@ -18,7 +18,7 @@ MultiHeadAttention (self, cross, separate key; with and without biases and
 value_dim), attention-style EinsumDense projections, LayerNorm, Dense and
 residual MLPs. A model with a sequence stage has no fallback layer: its
 vectorized path would meet TF 2.21's oneDNN broadcast-matmul bug, which
-DPModel refuses (BUILD.md, issue 20). Batches are adversarial: near-constant
+DPModel refuses (docs/design/dp_step.md). Batches are adversarial: near-constant
 images at 0 and at 255 with one or two entries off, pixel ranges from 1e-3 to
 1e5, padding rows (mask 0) that hold copies, huge values or NaN; token ids
 all equal, of two values, or negative (`id - vocabulary`, the row
@@ -41,7 +41,7 @@ Definitions.
 
 Assertions, for every real example:
 1. contribution_i <= C (1 + 1e-6).
-2. Issue 27's contract (it replaces issue 18's "equal to float64 at 1e-5"): the
+2. The contract: the
    norm exceeds |v_i| = contribution_i / factor_i (the vector the fast path adds,
    per unit factor) by at most OVERCOUNT_MAX (the float32 rules' rounding bound;
    its size is the "norm over-count" event). One exception: at an emulated
@@ -63,11 +63,11 @@ Assertions, for every real example:
    norm passes if it is within `1e-5 norm64_i + 2 |vec_i - norm64_i|` of the
    float64 norm, i.e. no worse than twice the vectorized path's own
    rounding. The relaxation is recorded with `hypothesis.note` and its size
-   is in the report of issue 18 (BUILD.md, "Privacy fuzzer (issue 18)").
+   is printed by `--hypothesis-show-statistics`.
 3. The contribution's direction: `|contribution_i - factor_i g_i|_64 <= 1e-2 C`
    (relaxed the same way by the vectorized path's error, times the factor).
-   This catches a gradient silently dropped from the sum (issue 18, §3: there
-   the error is ~0.5 C), not rounding: on inputs where the float32 forward
+   This catches a gradient silently dropped from the sum (a layer shared with a
+   nested model: there the error is ~0.5 C), not rounding: on inputs where the float32 forward
    pass itself is ill-conditioned (LayerNorm of a near-constant image, whose
    `x - mean` loses 1% in float32 at 162 +- 1e-3), two float32 paths land
    1e-3..1e-2 C apart by chance (one slow-profile case: ghost 5e-3 C, the
@@ -84,13 +84,14 @@ ranges of 1e5, normalizations of near-constant activations).
 Profiles: "ghost-fuzz-fast" (default suite, 24 derandomized cases of any
 kind), "ghost-fuzz-blocks" (default suite: one derandomized case for each
 other image block kind, `test_fuzz_each_block_kind`), "ghost-fuzz-layers"
-(default suite: 3 derandomized cases for each of issue 20's layers,
-`test_fuzz_each_pretrained_backbone_layer`; with the previous profile, each
+(default suite: 3 derandomized cases for each pretrained-backbone layer,
+`test_fuzz_each_pretrained_backbone_layer`; with the block profile, each
 kind is covered whatever the fast profile's draw favours) and "ghost-fuzz-slow"
 (`-m slow`, random, many more examples). `GHOST_FUZZ_EXAMPLES=n` overrides
 the number of examples of the slow profile.
 
-Reproductions of issue 18, §1 are plain tests at the end.
+Reproductions of the cancellation (1.71 C and 1.18 C on naive float32 rules) are plain
+tests at the end.
 """
 
 import os
@@ -113,7 +114,7 @@ from tests.training import ghost_testing
 
 CONTRIBUTION_RTOL = 1e-6
 NORM_RTOL = 1e-5
-OVERCOUNT_MAX = 1e-2  # issue 27: the float32 bound's over-count, on adversarial inputs
+OVERCOUNT_MAX = 1e-2  # The float32 bound's over-count, on adversarial inputs
 DIRECTION_TOL = 1e-2  # times C
 PADDING_TOL = 1e-4  # times C, per real row
 MIN_CLIP_NORM = 1e-12
@@ -144,13 +145,13 @@ hypothesis.settings.register_profile(
 # `_add_block` adapts them to the current shape (e.g. "valid" padding on a too small
 # input becomes "same"), so that every drawn spec builds.
 RULED = ["conv", "ws_conv", "scaled_ws_conv", "group_norm", "layer_norm", "dense", "nf_block",
-         # Issue 20, Sec. 5: the layers of pretrained backbones.
+         # The layers of pretrained backbones.
          "depthwise", "grouped_conv", "layer_scale", "einsum", "frozen_batch_norm"]
 STRUCTURE = ["add", "concatenate", "shared", "nested", "shared_with_nested", "called_inside"]
 FALLBACK = ["unruled"]
 # Blocks whose variables (may) take the fallback: the whole model's forward pass then runs
 # under tf.vectorized_map, where an EinsumDense on [batch, T, C] meets TF 2.21's oneDNN
-# broadcast-matmul bug (BUILD.md, issue 26). GhostClipping.clipped_sum, which this fuzzer
+# broadcast-matmul bug (docs/design/dp_step.md). GhostClipping.clipped_sum, which this fuzzer
 # calls directly, runs its fallback without DPModel's check of the traced ops, so models with
 # a sequence stage draw their image blocks without them here; tests/training/dp_model_fuzz.py
 # draws them through DPModel, in a process of its own.
@@ -558,7 +559,7 @@ def _vectorized(model, images, labels, loop=False):
 
     With `loop`, a float32 GradientTape per example instead: under
     tf.vectorized_map a Dense or EinsumDense on `[batch, T, C]` meets TF 2.21's
-    oneDNN broadcast-matmul bug (garbage in the last example; BUILD.md, issue 20).
+    oneDNN broadcast-matmul bug (garbage in the last example; docs/design/dp_step.md).
     """
     if loop:
         example_loss = ghost_testing.example_loss_fn(model)
@@ -644,7 +645,7 @@ def check_contributions(builder, images, labels, mask, *, clip_ratio=None, l2_cl
         worst = max(worst, size / c)
         # 1. The sensitivity.
         assert np.isfinite(size) and size <= c * (1 + CONTRIBUTION_RTOL), what
-        # 2. The norm. Issue 27's contract: the norm bounds what is added (1.) and may
+        # 2. The norm. The contract: the norm bounds what is added (1.) and may
         # exceed it by the float32 rules' rounding bound, `slack` (at most OVERCOUNT_MAX on
         # these adversarial inputs); what is added is within NORM_RTOL of the float64 norm.
         added = size / factor if factor > 0 else None  # |v_i|: the vector added per unit factor
@@ -720,7 +721,7 @@ def test_fuzz_every_contribution_is_at_most_c_long(case):
     _check_case(case)
 
 
-# Issue 27: the same fuzzer with every matmul of the rules at a TPU's (one bf16 pass) or an
+# The same fuzzer with every matmul of the rules at a TPU's (one bf16 pass) or an
 # Ampere GPU's (TF32) input precision, emulated on this CPU (`tfdp.dp.precision.emulate`).
 # The slow profile's TF32 case whose device bound is 11x the gradient (C = 1e-12, the floor).
 _CANCELLING_CASE = (
@@ -767,7 +768,7 @@ def test_fuzz_each_block_kind(require, data):
     _check_case(data.draw(cases("image", require)))
 
 
-# Every layer of issue 20's backbones in a few derandomized cases of its own, so that the
+# Every pretrained-backbone layer in a few derandomized cases of its own, so that the
 # fast profile covers each whatever the draw above favours.
 PRETRAINED_BACKBONE_LAYERS = (
     [("image", kind) for kind in ("depthwise", "grouped_conv", "layer_scale", "einsum",
@@ -783,7 +784,7 @@ def test_fuzz_each_pretrained_backbone_layer(inputs, require, data):
     _check_case(data.draw(cases(inputs, require)))
 
 
-# -- Issue 18, §1: the reproductions, on DPModel's default path ----------------------
+# -- The reproductions, on DPModel's default path ----------------------
 
 
 class _Recording(DPModel):
@@ -828,7 +829,7 @@ def _one_entry_off(shape, base, value):
 
 
 def test_conv_on_a_white_image_with_one_pixel_off_contributes_at_most_c():
-    # Issue 18, §1: a 3x3 Conv2D, stride 2, on 5x5x3 pixels in [0, 255] (the group norm
+    # A 3x3 Conv2D, stride 2, on 5x5x3 pixels in [0, 255] (the group norm
     # after it makes sum_r g_r ~ 0, so the kernel gradient is a difference of terms
     # 255^2 * 27 times larger). Before the float64 norms: 1.71 C.
     images = _one_entry_off((5, 5, 3), 255.0, 254.0)
@@ -841,7 +842,7 @@ def test_conv_on_a_white_image_with_one_pixel_off_contributes_at_most_c():
 
 
 def test_ws_conv_and_group_norm_worst_of_576_images_contributes_at_most_c():
-    # Issue 18, §1: WSConv2D then GroupNorm, 576 images: 8x8x3 at 255 with one entry at
+    # WSConv2D then GroupNorm, 576 images: 8x8x3 at 255 with one entry at
     # 254, at 0 with one entry at 1, and at 255 with one entry at 0. Before the float64
     # norms: 1.18 C.
     shape = (8, 8, 3)
@@ -857,7 +858,7 @@ def test_ws_conv_and_group_norm_worst_of_576_images_contributes_at_most_c():
 
 @pytest.mark.parametrize("device", [precision.BF16, precision.TF32], ids=lambda d: d.name)
 def test_the_white_image_reproduction_needs_the_precision_handling(device):
-    # Issue 27: issue 18's conv reproduction with the rules' matmul inputs rounded as a TPU
+    # The conv reproduction with the rules' matmul inputs rounded as a TPU
     # or an Ampere GPU rounds them. Rules that plan for float32 products (handled=False)
     # let examples contribute more than C; with the handling (what
     # `precision.device_inputs()` tells them there) none does.
@@ -865,7 +866,7 @@ def test_the_white_image_reproduction_needs_the_precision_handling(device):
     labels = np.arange(len(images)) % 10
     builder = ghost_testing.conv_group_norm(keras.layers.Conv2D, (5, 5, 3), strides=2,
                                             groups=16, pool=False)
-    # Without the handling also without issue 34's clip margin: the old float32 plan.
+    # Without the handling and without the clip margin: a float32 plan.
     worst = {}
     margins = dict(precision.CLIP_MARGINS)
     for handled in (False, True):

@@ -143,14 +143,14 @@ FAMILIES = {
                                                      norm_order="conv_relu_gn"), (8, 8, 3), 255.0),
     "nf_resnet_blocks": (nf_blocks, (8, 8, 3), 1.0),
     "layer_norm": (layer_norm_model, (4, 6), 1.0),
-    # Issue 20, Sec. 5: the layers of pretrained backbones.
+    # The layers of pretrained backbones.
     "depthwise": (depthwise_model, (7, 7, 2), 255.0),
 }
 
 # Models with EinsumDense (MultiHeadAttention): their reference is a loop over examples,
 # not tf.vectorized_map. Under vectorized_map, Keras' ops.einsum fast path for
 # "abc,cde->abde" (a broadcast tf.matmul with output_type) gives the LAST example wrong
-# outputs and corrupts memory (TF 2.21, Keras 3.15; see the report of issue 20).
+# outputs and corrupts memory (TF 2.21, Keras 3.15; docs/design/dp_step.md).
 LOOP_FAMILIES = {
     "vit_block": (vit_block, (6, 5), 1.0),
     "token_embedding": (token_embedding_model, (5,), 7.0),
@@ -243,7 +243,7 @@ def global_norm64(arrays):
 
 
 def conv_group_norm(cls, input_shape, *, strides, groups, pool):
-    """A builder of issue 18's cancellation canary: `cls(16, 3)` then GroupNorm, pooled
+    """A builder of the cancellation canary: `cls(16, 3)` then GroupNorm, pooled
     or flattened, then Dense(10). On a near-constant image at 255 the group norm makes
     sum_r g_r ~ 0, so the conv kernel's gradient is a difference of large terms."""
 

@@ -170,7 +170,7 @@ def run_case(name, builder, shape, scale, clipping, num_microbatches, seed=0):
 
 
 def _mixing_models():
-    """Issue 26's layers that mix examples without variables: both must be refused."""
+    """Two layers that mix examples without variables: both must be refused."""
     def conv_then(layer):
         inputs = keras.Input((6, 6, 2))
         x = layer(keras.layers.Conv2D(3, 3)(inputs))

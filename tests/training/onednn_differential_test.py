@@ -46,7 +46,7 @@ def _run(group, onednn):
 # TensorFlow's own error, not a privacy failure: with oneDNN off, tf.vectorized_map cannot
 # convert the gradient of a grouped Conv2D (Keras runs it as an XLA-compiled function
 # there) and raises "filter_size does not have enough elements". ConvNeXt's grouped 7x7
-# then needs clipping="ghost" (BUILD.md, Limitations).
+# then needs clipping="ghost" (docs/design/limitations.md).
 GROUPED_CONV_ERROR = "filter_size does not have enough elements"
 
 

@@ -136,7 +136,7 @@ def test_safe_graphs_keep_their_path_and_onednn_off_checks_nothing(monkeypatch):
 def test_a_batch_of_unknown_size_keeps_attention_on_the_ghost_path(monkeypatch, caplog):
     # Poisson batches have an unknown size when the step is traced; two batch axes that
     # both are the batch cannot be proven equal there, and every attention model ran one
-    # example at a time (review of issue 26). The check re-reads the graph at a known size.
+    # example at a time. The check re-reads the graph at a known size.
     monkeypatch.setattr(host, "onednn_enabled", lambda: True)
     dp = DPModel(_attention_model(), _mechanism(), clipping="ghost")
     dp.compile(optimizer=keras.optimizers.SGD(1.0))

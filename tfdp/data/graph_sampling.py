@@ -12,7 +12,7 @@ graph).
 included independently with probability q' <= q = sampling_prob (the
 docstring derives why this is the mechanism the accountant assumes). It costs
 O(N) per step (one 64-bit random word per example): 13 ms of one core at
-N = 1.28M (BUILD.md, "Pure-TF input"), on every host, each of which computes
+N = 1.28M (docs/design/sampling_and_distribution.md), on every host, each of which computes
 the same vector. `shuffled_indices_in_graph` is the non-default shuffle.
 
 The seed is secret (the trainer draws it from OS entropy and keeps it only in

@@ -9,7 +9,7 @@
 |                | (JPEGFolderSource)                       |          | tf.io.read_file      |
 
 `array_record` is the default, and the path every measured result in
-README.md and BUILD.md took. `in_memory` and `jpeg_folder` are the pure-TF
+README.md and docs/design/ took. `in_memory` and `jpeg_folder` are the pure-TF
 input: their reads are TensorFlow ops, and so are their samplers
 (`tfdp.data.graph_sampling`), so the per-host input graph calls no Python
 (what a TPU pod needs; tests/data/inputs_test.py reads the graph). The

@@ -20,7 +20,7 @@ TPU pod's per-host input graphs must; `tfdp.data.open_split` chooses).
 The batch of step t depends only on (seed, t), so a run resumed at step k sees
 the batches an uninterrupted run sees from step k on. Elements are produced in
 order, several in parallel, and prefetched, so reading and decoding overlap the
-training step (BUILD.md gives the measured throughput).
+training step (docs/design/input_pipeline.md gives the measured throughput).
 """
 
 import numpy as np

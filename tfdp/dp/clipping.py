@@ -114,7 +114,7 @@ def clip_factors(
     1e-3 with TF32, 1e-2 with bf16 matmuls), read at trace time: it covers
     arithmetic of the device that no bound models, so that what the device
     really adds is still within C, the sensitivity the noise is calibrated
-    to (issue 34). With `normalize=True` the factor is further divided by C,
+    to. With `normalize=True` the factor is further divided by C,
     the update of De et al. 2022, eq. (3): every contribution then has norm
     `<= 1` and the learning rate does not depend on C.
 

@@ -163,7 +163,7 @@ def choose_form(rows: Optional[int], fan_in: int, fan_out: int,
     textbook R^2 (F + O) against R F O (Li et al. 2022; Bu et al. 2022's
     mixed ghost clipping), matters on a GPU or TPU, where every Gram product
     is six passes: on WRN-16-4 the textbook pick cost 3.4x the plain step's
-    XLA flops and this one 1.05x (BUILD.md, "XLA's cost of the DP step").
+    XLA flops and this one 1.05x (docs/design/step_cost.md).
     An unknown R (dynamic positions) takes the direct form.
 
     Args:
@@ -308,8 +308,8 @@ def _one_block_at_a_time(rows: Rows, num_views: int, fn) -> list:
 # than C. The rules can cancel: the Gram form sums (a_r . a_r')(g_r . g_r') over
 # row pairs, and on a nearly constant image at 255 these terms are 1e6 times the
 # result; weight standardization subtracts two large projections from |h|^2.
-# Computed naively in float32 that cancellation gave one example 1.52 C (issue
-# 18). On a TPU (bf16 matmul passes) it is worse. The contract (issue 27): the
+# Computed naively in float32 that cancellation gives one example 1.52 C. On a
+# TPU (bf16 matmul passes) it is worse. The contract: the
 # vector each example adds to the clipped sum, AS THE DEVICE COMPUTES IT, has norm
 # at most the norm returned for it, in float32, at the device's matmul precision
 # (`tfdp.dp.precision`). So every rule returns, per example, `squares`: an upper
@@ -350,9 +350,9 @@ def _one_block_at_a_time(rows: Rows, num_views: int, fn) -> list:
 #   own terms (`ws_kernel_sq_norms`).
 #
 # What the bound costs: on ordinary images the returned norm exceeds the norm of
-# the vector added by about 1e-5 relative (BUILD.md, "Float32 ghost norms", has
-# the distribution); on adversarial ones (a constant image with one pixel off) it
-# may exceed it more, which only clips that example harder.
+# the vector added by about 1e-5 relative (docs/design/ghost_norms_and_precision.md,
+# "Over-count on ordinary images", has the distribution); on adversarial ones (a constant
+# image with one pixel off) it may exceed it more, which only clips that example harder.
 
 NORM_DTYPE = tf.float32  # the dtype of every rule's squares (no float64 anywhere)
 _U = precision.UNIT_ROUNDOFF
@@ -384,7 +384,7 @@ def _summer(blocks, squares, finish=None):
         if precision.splits():
             # Elementwise products either way there (`precision.weighted_sum`): one
             # multiply_no_nan pass, no cond, whose two branches XLA computes both (a select:
-            # 2.1 of WRN-16-4's 7.8 GB at B = 32, issue 35).
+            # 2.1 of WRN-16-4's 7.8 GB at B = 32).
             summed = [clipping.weighted_sum(factors, b) for b in blocks]
             summed = summed[0] if len(summed) == 1 else tf.concat(summed, axis=-1)
             return summed if finish is None else finish(summed)
@@ -434,7 +434,7 @@ def recomputed_gradients() -> bool:
     `RECOMPUTED_GRADIENTS` if set (True: every grouped-route kernel with a
     static batch, whatever it holds; tests), else `grouped_conv_gradients()`:
     where the per-example gradients are grouped convolutions (a GPU or TPU),
-    whose memory, not their work, sets the DP step's cost (issue 35).
+    whose memory, not their work, sets the DP step's cost.
     """
     if RECOMPUTED_GRADIENTS is not None:
         return RECOMPUTED_GRADIENTS
@@ -632,7 +632,7 @@ class _Gram:
     """The Gram form of one kernel's per-example gradients, and their weighted sum.
 
     Built by `_gram_form`. Every tensor is float32 and per example, and in
-    SCALED units (issue 34; `tfdp.dp.precision`, "Range"): the rows x_r and
+    SCALED units (`tfdp.dp.precision`, "Range"): the rows x_r and
     the output gradients y_r of example i are divided by powers of two that
     bring their largest entries into [1, 4), so that no product of a huge
     factor and a tiny one underflows. The true h is `2^exponent[i]` times the
@@ -739,7 +739,7 @@ def _gram_form(rows: Rows, output_grads: tf.Tensor, num_views: int, *,
     g = example_rows(output_grads, num_views)  # [batch, R, fan_out]
     if scale is not None:
         g = g * scale
-    # Scale-safe (issue 34): the largest |entry| of each example's g and a into [1, 4).
+    # Scale-safe: the largest |entry| of each example's g and a into [1, 4).
     largest_g, largest_a = _largest_entry(g), rows.largest_entry(num_views)
     exponent_g = precision.binary_exponent(largest_g)
     g = g * precision.power_of_two(-exponent_g)[:, None, None]
@@ -971,9 +971,9 @@ def grouped_conv_gradients() -> bool:
 
     `GROUPED_CONV_GRADIENTS` if set, else `precision.splits()`: on a GPU or a
     TPU (whose matmuls round their inputs), where a grouped convolution is the
-    device's own kernel and patches cost memory and bandwidth (issue 35);
-    not on a CPU, where TensorFlow's and XLA's grouped convolutions were 1.3-24x
-    slower than the patches (BUILD.md, "Per-example conv gradients on this CPU").
+    device's own kernel and patches cost memory and bandwidth; not on a CPU,
+    where TensorFlow's and XLA's grouped convolutions are 1.3-24x slower than
+    the patches (docs/design/step_cost.md, "Grouped convolutions").
     """
     if GROUPED_CONV_GRADIENTS is not None:
         return GROUPED_CONV_GRADIENTS
@@ -1126,7 +1126,7 @@ def ws_kernel_sq_norms(
 
     The projection removes most of h on a nearly constant input (h is then
     nearly parallel to 1), so its norm must not be taken as a naive
-    difference of float32 terms (issue 18). Direct form (small kernels):
+    difference of float32 terms. Direct form (small kernels):
     every example's `s_o P_o h_o` is built, held, and its own norm taken (a
     sum of squares: no cancellation). Gram form: the weighted sum of the
     centred rows' products (see "Rounding") is projected once, and

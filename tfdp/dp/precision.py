@@ -53,7 +53,7 @@ stayed at most 0.16 of the bound there); no TPU was checked. What the model
 above does not cover (a compiler's rewrites, a device's own algorithms) the
 clip margin does (`CLIP_MARGINS`): every example is clipped to C / (1 + kappa).
 
-Range (issue 34). The bounds above are relative (Higham's model without
+Range. The bounds above are relative (Higham's model without
 underflow), and a float32 device may flush results and inputs below 2^-126
 (1.18e-38) to zero: TensorFlow's CPU threads do, and so should a TPU. A norm
 that is a product of a huge factor and a tiny one (a Gram form's
@@ -211,7 +211,7 @@ def device_inputs() -> MatmulInputs:
     return FLOAT32
 
 
-# -- The clip margin: error no op-by-op model covers (issue 34) -------------------------
+# -- The clip margin: error no op-by-op model covers -------------------------------------
 
 # kappa per device class: every example is clipped to C / (1 + kappa) while the noise stays
 # calibrated to C, so a contribution that the device computes up to (1 + kappa) times larger
@@ -219,7 +219,7 @@ def device_inputs() -> MatmulInputs:
 # `tfdp.dp.precision` models (round-to-nearest float32 and the device's matmul inputs, with
 # flushing: "Range"); kappa covers what it cannot model, such as a compiler that turns an
 # elementwise weighted sum into a rounded dot, or a convolution algorithm of its own choice.
-# The worst excess seen (BUILD.md, "A clip that holds for the arithmetic the machine"):
+# The worst excess seen (docs/design/ghost_norms_and_precision.md, "The clip margin κ"):
 #   float32 (CPU): none (<= 0.999998 C in every fuzzer and the HLO replay); 1e-5 is 10x
 #     the fuzzers' tolerance of 1e-6.
 #   tf32 (Ampere+ GPU): 8.72e-5 on an H200 (one-hot replay, float32 plan; 7.42e-5 with the
@@ -266,7 +266,7 @@ def clip_margin_record(l2_clip_norm: float, device: Optional[str] = None) -> dic
                     "assumes')")}
 
 
-# -- What may not change after tracing (issue 34) ---------------------------------------
+# -- What may not change after tracing ----------------------------------------------------
 
 _AMP_OPTIONS = ("auto_mixed_precision", "auto_mixed_precision_mkl",
                 "auto_mixed_precision_onednn_bfloat16", "auto_mixed_precision_cpu")

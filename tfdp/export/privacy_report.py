@@ -338,7 +338,7 @@ def render_markdown(report: dict) -> str:
 
 
 def _clip_margin_lines(report: dict) -> list:
-    """The clip margin's row of the card (issue 34), if the report has one."""
+    """The clip margin's row of the card, if the report has one."""
     margin = report.get("clip_margin")
     if not margin:
         return []
@@ -348,7 +348,7 @@ def _clip_margin_lines(report: dict) -> list:
 
 
 def _backbone_lines(report: dict) -> list:
-    """What the guarantee assumes of a fine-tuned model's pretrained backbone (issue 20)."""
+    """What the guarantee assumes of a fine-tuned model's pretrained backbone."""
     backbone = report.get("backbone")
     if not backbone:
         return []

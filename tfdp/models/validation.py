@@ -434,7 +434,7 @@ def _refuse_buggy_matmuls(model, nodes):
             f"wrongly with oneDNN on: {'; '.join(n.describe() for n in risky[:4])}. "
             f"{graph_checks.BROADCAST_MATMUL_BUG} Make the model's matmuls rank 3 (reshape to "
             "[batch, T, C] before a Dense or tf.matmul), or set TF_ENABLE_ONEDNN_OPTS=0 before "
-            "TensorFlow is imported (slower: BUILD.md, 'oneDNN on and off').")
+            "TensorFlow is imported (slower: docs/design/dp_step.md, 'oneDNN on, on every host').")
 
 
 # Modules whose functions may define a trusted gradient: TensorFlow's and Keras' own (e.g.
@@ -469,9 +469,9 @@ def _custom_gradient_ops(model, nodes):
     user's function sits inside TensorFlow's wrappers), comes from
     TensorFlow or Keras. Not the layer it is made in: a Keras layer runs a
     user's function too (`Activation(fn)`, `Dense(activation=fn)`), and a
-    name scope can name two layers (reviewer's finding, 2026-11-27: a mixing
-    gradient passed as an `Activation` was trusted, and moved a ghost-clipped
-    sum by 2.0 C). A gradient that cannot be looked up is not trusted.
+    name scope can name two layers (a mixing gradient passed as an
+    `Activation`, if trusted, would move a ghost-clipped sum by 2.0 C). A
+    gradient that cannot be looked up is not trusted.
     """
     del model  # the registered gradient tells, not the layer
     from tensorflow.python.framework import ops  # pylint: disable=g-import-not-at-top
@@ -495,11 +495,11 @@ def _custom_gradient_ops(model, nodes):
 
 # Ops whose gradient is not the derivative of what they compute: `t - tf.stop_gradient(t)` is
 # 0 in the forward pass but passes the gradient on in the backward one, so a mix before it
-# reaches only the gradients (a reviewer's model: the first example added to every row, a
-# conv, then `t - stop_gradient(t)`; the ghost-clipped sum moved by 4.19 C). Named in the
+# reaches only the gradients (the first example added to every row, a conv, then
+# `t - stop_gradient(t)` would move the ghost-clipped sum by 4.19 C). Named in the
 # refusal only: the backward probe runs for every model, since any op whose output passes a
-# value on without a gradient does the same (a second reviewer's bitcast round trip and
-# tf.numpy_function: 7.27 C through the ghost path when the probe ran only for these).
+# value on without a gradient does the same (a bitcast round trip or tf.numpy_function:
+# 7.27 C through the ghost path if the probe ran only for these ops).
 _GRADIENT_NOT_DERIVATIVE = ("StopGradient", "PreventGradient", "Bitcast", "PyFunc",
                             "PyFuncStateless", "EagerPyFunc")
 

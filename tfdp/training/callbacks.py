@@ -375,7 +375,7 @@ def make_non_private_ledger(num_steps: int, *, sampling_seed: int,
 def saved_data_fingerprint(checkpoint_path: str):
     """The data fingerprints a checkpoint's ledger recorded (a dict), or None if it has none.
 
-    None for a checkpoint written by a tfdp before the fingerprints (issue 36),
+    None for a checkpoint that records no data fingerprints,
     or one whose record is not readable JSON.
     """
     reader = storage.checkpoint_reader(checkpoint_path)

@@ -31,8 +31,8 @@ def refuse_example_weights(class_weight, sample_weight, *, where):
     multiplies that gradient AFTER nothing clips it (Keras applies sample
     weights to the loss), so the example moves the sum by up to w C while
     the privacy report claims C (How to DP-fy ML, Ponomareva et al. 2023,
-    Sec. 5.2: sensitivity). `class_weight={1: 50}` let one example contribute
-    50 C (issue 18). For imbalanced classes, resample the public class
+    Sec. 5.2: sensitivity). `class_weight={1: 50}` would let one example
+    contribute 50 C. For imbalanced classes, resample the public class
     frequencies into the model's bias, or weight classes inside a
     per-example loss that is clipped afterwards (tfdp offers neither yet).
 
@@ -161,9 +161,9 @@ class DPModel(chunked.ChunkedTraining, ema.EMAParameters, keras.Model):
     weights (Keras' `class_weight`, `sample_weight`) would scale an example's
     sensitivity, so `fit` and `train_on_batch` refuse them, `train_step`
     asserts that the mask is 0/1, and the clipped sum reads it as `mask > 0`
-    whatever it holds (issue 18).
+    whatever it holds.
 
-    Chunked input (what the trainer feeds, issue 21): `fit` also takes a
+    Chunked input (what the trainer feeds): `fit` also takes a
     `tfdp.training.distribute.ChunkedInput`, whose elements are single
     accumulation chunks (`tfdp.data.train_chunks`: each host reads only its
     replicas' chunks). One Keras step then pulls `accumulation_steps` chunks
@@ -671,7 +671,7 @@ class DPModel(chunked.ChunkedTraining, ema.EMAParameters, keras.Model):
                     f"time: {ops}. {graph_checks.BROADCAST_MATMUL_BUG} Make the model's "
                     "matmuls rank 3 (reshape to [batch, T, C] before a Dense or tf.matmul), "
                     "or set TF_ENABLE_ONEDNN_OPTS=0 before TensorFlow is imported (slower: "
-                    "BUILD.md, 'oneDNN on and off').")
+                    "docs/design/dp_step.md, 'oneDNN on, on every host').")
             logging.warning(
                 "Per-example clipping: the %s path would run %d batch matmul(s) that "
                 "TensorFlow 2.21's oneDNN kernel computes wrongly (%s); computing per-example "
@@ -836,9 +836,9 @@ class DPModel(chunked.ChunkedTraining, ema.EMAParameters, keras.Model):
                         tf.tensor_scatter_nd_update(out_losses, at, loss),
                         tf.tensor_scatter_nd_update(out_logits, at, logit))
 
-            # One at a time: with oneDNN on, model calls in parallel iterations corrupted
-            # memory (a reviewer's two-branch conv with 256 NaN rows of 512: a segfault in
-            # 2 of 3 runs, sums drifting by up to 2.7 C between calls of the same batch).
+            # One at a time: with oneDNN on, model calls in parallel iterations corrupt memory
+            # (a two-branch conv with 256 NaN rows of 512: a segfault in 2 of 3 runs, or sums
+            # drifting by up to 2.7 C between calls of the same batch).
             _, *out = tf.while_loop(
                 lambda k, *_: k < count, body,
                 (tf.constant(0), list(summed), norms, clipped, losses, logits),

@@ -42,7 +42,7 @@ class NonPrivateModel(chunked.ChunkedTraining, ema.EMAParameters, keras.Model):
     examples and 0 for padding (a mask, never a weight: any value > 0 counts
     as 1).
 
-    Chunked input (what the trainer feeds, issue 21): `fit` also takes a
+    Chunked input (what the trainer feeds): `fit` also takes a
     `tfdp.training.distribute.ChunkedInput` of single accumulation chunks, as
     `DPModel` does (`tfdp.training.chunked`): one Keras step sums
     `accumulation_steps` chunks' gradients, then makes one update.
