@@ -53,29 +53,27 @@ def _free_ports(count):
     return ports
 
 
-@pytest.mark.slow  # end to end (tests/run_slow.sh); the default suite has the per-host
-# input (tests/data/inputs_test.py) and the start checks (distribute_test)
-def test_two_workers_on_loopback_train_and_the_chief_writes_once(tmp_path):
+def _two_workers(tmp_path, workdir, num_steps=NUM_STEPS, static_batch_size="'auto'"):
+    """Runs the smoke config on 2 loopback workers into `workdir`; the temp dirs they used."""
     wrapper = tmp_path / "run_tfdp.py"
     wrapper.write_text(_WRAPPER)
-    workdir = tmp_path / "workdir"
     cluster = {"worker": [f"127.0.0.1:{port}" for port in _free_ports(2)]}
     command = [
         sys.executable, str(wrapper), f"--workdir={workdir}",
         "--gin_file=fashion_mnist.gin", "--gin_file=smoke.gin",
         *[f"--gin_param={p}" for p in (
-            "NUM_EXAMPLES = 64", "BATCH_SIZE = 16", f"NUM_STEPS = {NUM_STEPS}",
+            "NUM_EXAMPLES = 64", "BATCH_SIZE = 16", f"NUM_STEPS = {num_steps}",
             "TARGET_EPSILON = None", "NOISE_MULTIPLIER = 1.0",
             "tfdp.EvaluationConfig.eval_every_steps = 2",
             "tfdp.RuntimeConfig.strategy = 'multi_worker_mirrored'",
-            "tfdp.RuntimeConfig.static_batch_size = 'auto'",
+            f"tfdp.RuntimeConfig.static_batch_size = {static_batch_size}",
             "tfdp.PrivacyConfig.noise_seed = 3",
         )],
     ]
     temp_dirs = [tmp_path / f"tmp{index}" for index in range(2)]
     procs = []
     for index in range(2):
-        temp_dirs[index].mkdir()
+        temp_dirs[index].mkdir(exist_ok=True)
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "TMPDIR": str(temp_dirs[index]),
                "TF_CONFIG": json.dumps({"cluster": cluster,
                                         "task": {"type": "worker", "index": index}}),
@@ -92,6 +90,14 @@ def test_two_workers_on_loopback_train_and_the_chief_writes_once(tmp_path):
                 proc.kill()
     for proc, stderr in zip(procs, errors):
         assert proc.returncode == 0, stderr[-4000:]
+    return temp_dirs
+
+
+@pytest.mark.slow  # end to end (tests/run_slow.sh); the default suite has the per-host
+# input (tests/data/inputs_test.py) and the start checks (distribute_test)
+def test_two_workers_on_loopback_train_and_the_chief_writes_once(tmp_path):
+    workdir = tmp_path / "workdir"
+    temp_dirs = _two_workers(tmp_path, workdir)
 
     report = json.loads((workdir / "privacy_report.json").read_text())
     assert report["steps"] == NUM_STEPS and report["epsilon"] > 0
@@ -112,6 +118,21 @@ def test_two_workers_on_loopback_train_and_the_chief_writes_once(tmp_path):
         "ledger/sampling_seed/.ATTRIBUTES/VARIABLE_VALUE")
     # Worker 1 wrote its copies into a temp dir and deleted it.
     assert not any(name.startswith("tfdp_worker") for name in os.listdir(temp_dirs[1]))
+
+
+@pytest.mark.slow  # two multi-worker runs, end to end
+def test_two_workers_extend_a_workdir_named_like_a_glob_pattern(tmp_path):
+    # The worker that holds no lock reads the chief's checkpoints too: TensorFlow read
+    # `sweep[lr=0.5]/checkpoints` as a pattern there.
+    workdir = tmp_path / "sweep[lr=0.5] {a,b}"
+    # A fixed truncation cap: "auto" depends on the number of steps, and a resume may not
+    # change the mechanism.
+    _two_workers(tmp_path, workdir, num_steps=2, static_batch_size=40)
+    _two_workers(tmp_path, workdir, num_steps=NUM_STEPS, static_batch_size=40)
+    report = json.loads((workdir / "privacy_report.json").read_text())
+    assert report["steps"] == NUM_STEPS
+    lines = (workdir / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [2, 4]  # resumed at 2, not redone
 
 
 # -- Per-host input: 2 workers x 2 replicas read exactly their share --

@@ -194,6 +194,29 @@ def test_the_lock_file_is_locked_too_for_network_file_systems_and_older_runs(
         pass
 
 
+def test_tf_paths_of_a_glob_named_workdir_without_folder_locks(tmp_path, monkeypatch):
+    # Where a folder cannot be flocked (NFS), TensorFlow still gets a path it does not glob.
+    import fcntl  # pylint: disable=g-import-not-at-top
+
+    from tfdp import storage  # pylint: disable=g-import-not-at-top
+
+    real_flock = fcntl.flock
+
+    def no_folder_locks(fd, operation):
+        if os.path.isdir(f"/proc/self/fd/{fd}"):
+            raise OSError(errno.EBADF, "Bad file descriptor")
+        return real_flock(fd, operation)
+
+    monkeypatch.setattr(workdir_lib.fcntl, "flock", no_folder_locks)
+    workdir = tmp_path / "sweep[lr=0.5]"
+    with workdir_lib.locked(workdir):
+        checkpoints = storage.tf_path(str(workdir / "checkpoints"))
+        assert checkpoints.startswith("/proc/self/fd/")
+        os.makedirs(checkpoints)
+        assert (workdir / "checkpoints").is_dir()
+    assert storage.tf_path(str(workdir / "checkpoints")) == str(workdir / "checkpoints")
+
+
 def test_the_lock_holds_across_processes(tmp_path):
     workdir = tmp_path / "wd"
     holder = subprocess.Popen(

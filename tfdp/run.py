@@ -76,6 +76,8 @@ class Run:
         with contextlib.ExitStack() as stack:
             if distribute.is_chief(strategy):
                 stack.enter_context(workdir_lib.locked(workdir))
+            else:  # reads the chief's checkpoints: a workdir named `a[b]` too (storage.tf_path)
+                stack.enter_context(storage.folder_aliased(workdir))
             run.latest, run.finished_report = _check_workdir(workdir, mode, plan, splits,
                                                              data_fingerprint)
             if run.finished_report is None:

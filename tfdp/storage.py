@@ -301,6 +301,30 @@ def tf_path(path):
     return path
 
 
+@contextlib.contextmanager
+def folder_aliased(path):
+    """While the context lasts, `tf_path` names paths in the local folder `path` through it.
+
+    For a folder TensorFlow reads that no lock of this process holds (a
+    backbone's workdir, the chief's workdir on another worker): a local
+    folder whose path holds `[`, `]`, `*`, `?`, `{` or `}` is opened and
+    aliased (`alias_folder`) until the context ends. Any other path, or a
+    folder already aliased, is left as it is.
+    """
+    path = os.fspath(path)
+    if (is_url(path) or not _GLOB_CHARACTERS.search(path) or not os.path.isdir(path)
+            or os.path.abspath(path) in _aliases):
+        yield
+        return
+    folder = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        alias_folder(path, folder)
+        yield
+    finally:
+        alias_folder(path, None)
+        os.close(folder)
+
+
 def checkpoint_reader(prefix):
     """A `tf.train.CheckpointReader` of the checkpoint `prefix` (e.g. WORKDIR/checkpoints/ckpt-4).
 

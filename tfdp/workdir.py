@@ -186,7 +186,8 @@ def locked(workdir, *, lease_seconds=lease_lib.LEASE_SECONDS,
     _held[key] = (mine.st_dev, mine.st_ino)
     storage.alias_folder(workdir, folder_fd)  # TensorFlow's checkpoints: `storage.tf_path`
     try:
-        yield workdir
+        with storage.folder_aliased(workdir):  # where no folder lock was taken (NFS)
+            yield workdir
     finally:
         storage.alias_folder(workdir, None)
         _held.pop(key, None)

@@ -227,6 +227,15 @@ def test_any_file_or_class_name_indexes_and_reads_back(tmp_path, relatives):
     _assert_reads_every_file(data_dir)
 
 
+def test_a_data_dir_and_names_like_glob_patterns_index_and_read_back(tmp_path):
+    # Paths are paths: `[`, `]`, `*`, `?`, `{`, `}` and spaces are never read as a pattern.
+    relatives = ["n[0]/a*.jpg", "n {1,2}/b?.JPEG", "n {1,2}/[c].jpg"]
+    data_dir = _tiny_folder(tmp_path / "data [x] {a,b}*?", relatives)
+    jpeg_folder.index_split(data_dir, "train")
+    assert jpeg_folder.check_index(data_dir, "train") == []
+    _assert_reads_every_file(data_dir)
+
+
 def test_the_tool_writes_a_table_that_reads_back_names_with_tabs_newlines_and_non_ascii(
         tmp_path):
     data_dir = _tiny_folder(tmp_path, ["café/1\t2.jpg", "café/3\n4.JPEG", "z/ü.png.jpg"])

@@ -55,6 +55,18 @@ def test_read_returns_the_examples_at_the_indices(synthetic_imagenet_dir):
             assert np.mean(np.abs(image.astype(int) - expected.astype(int))) < 1.5
 
 
+def test_a_data_dir_named_like_a_glob_pattern_reads_the_same(synthetic_imagenet_dir, tmp_path):
+    # Paths are paths: a data_dir holding `[`, `]`, `*`, `?`, `{`, `}` or spaces.
+    named = tmp_path / "data [x] {a,b}*?"
+    shutil.copytree(synthetic_imagenet_dir, named)
+    indices = tf.constant([39, 0, 17], tf.int64)
+    got, want = (data.TFDSSource("synthetic_imagenet", "train", data_dir=str(d),
+                                 image_size=SIZE).read(indices)
+                 for d in (named, synthetic_imagenet_dir))
+    for x, y in zip(got, want):
+        np.testing.assert_array_equal(x.numpy(), y.numpy())
+
+
 def test_an_image_at_its_target_size_is_not_resampled(tmp_path):
     fixed = data.prepare_synthetic_imagenet(tmp_path, num_train=3, num_validation=1,
                                             image_size=SIZE)

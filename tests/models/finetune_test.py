@@ -89,6 +89,17 @@ def test_workdir_backbone_holds_the_exported_ema_parameters(pretrain_workdir):
     assert not np.allclose(backbone.trainable_variables[0].numpy(), last)
 
 
+def test_a_workdir_backbone_named_like_a_glob_pattern(pretrain_workdir, tmp_path):
+    # TensorFlow reads checkpoint paths as glob patterns: `sweep[lr=0.5]/checkpoints` held
+    # no checkpoint for it.
+    named = tmp_path / "sweep[lr=0.5] {a,b}*?"
+    shutil.copytree(pretrain_workdir, named)
+    backbone, _ = models.load_backbone(str(named))
+    expected, _ = models.load_backbone(pretrain_workdir)
+    for got, want in zip(backbone.weights, expected.weights):
+        np.testing.assert_array_equal(got.numpy(), want.numpy())
+
+
 def test_workdir_backbone_errors(pretrain_workdir, tmp_path):
     with pytest.raises(models.BackboneError, match="does not exist"):
         models.load_backbone(str(tmp_path / "nowhere"))

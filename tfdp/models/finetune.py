@@ -34,6 +34,7 @@ import numpy as np
 import tensorflow as tf
 from absl import logging
 
+from tfdp import storage
 from tfdp.models import validation
 from tfdp.models.feature_extractor import FrozenFeatureExtractor, compute_model_features
 
@@ -406,13 +407,21 @@ def load_backbone(backbone, *, backbone_weights=None, input_shape=None):
 
 
 def _load_workdir(workdir):
+    # TensorFlow reads checkpoint paths as glob patterns: a workdir named `sweep[lr=0.5]` is
+    # read through its open folder (`storage.tf_path`).
+    with storage.folder_aliased(workdir):
+        return _load_aliased_workdir(workdir)
+
+
+def _load_aliased_workdir(workdir):
     config_path = os.path.join(workdir, _OPERATIVE_CONFIG)
     if not os.path.isfile(config_path):
         raise BackboneError(
             f"The backbone folder {workdir!r} is not a tfdp workdir: it has no "
             f"{_OPERATIVE_CONFIG}. Give the --workdir of a pretraining run (python -m "
             "tfdp.main ...), a '.keras' file, or 'keras.applications.<Name>'.")
-    checkpoint = tf.train.latest_checkpoint(os.path.join(workdir, _CHECKPOINT_DIR))
+    checkpoint = tf.train.latest_checkpoint(
+        storage.tf_path(os.path.join(workdir, _CHECKPOINT_DIR)))
     if checkpoint is None:
         raise BackboneError(
             f"The tfdp workdir {workdir!r} has no checkpoint in {_CHECKPOINT_DIR}/, so there "
@@ -422,7 +431,7 @@ def _load_workdir(workdir):
             and os.path.isfile(os.path.join(workdir, _EXPORT_PB))):
         raise BackboneError(
             f"The tfdp workdir {workdir!r} is not finished (no {_FINISHED} or export): its "
-            f"checkpoint {checkpoint} may be partway through training. Run the same "
+            f"checkpoint {storage.user_path(checkpoint)} may be partway through training. Run the same "
             "training command again to finish it, then fine-tune from it.")
     bindings = _operative_bindings(config_path)
     if _data_setting(bindings, "features") is not None:
@@ -440,7 +449,8 @@ def _load_workdir(workdir):
                                           **kwargs)
     _restore_exported_parameters(model, checkpoint)
     logging.info("Backbone %s rebuilt from %s with %s(%s) and weights from %s.",
-                 model.name, config_path, model_fn.configurable.name, kwargs, checkpoint)
+                 model.name, config_path, model_fn.configurable.name, kwargs,
+                 storage.user_path(checkpoint))
     return model
 
 
@@ -554,13 +564,13 @@ def _restore_exported_parameters(model, checkpoint):
         status.assert_existing_objects_matched()
     except (AssertionError, ValueError, tf.errors.InvalidArgumentError) as e:
         raise BackboneError(
-            f"The weights in {checkpoint} do not match the model rebuilt from the workdir's "
+            f"The weights in {storage.user_path(checkpoint)} do not match the model rebuilt from the workdir's "
             f"operative_config.gin ({model.name}): {str(e)[:500]}. Was the workdir written by "
             "another version of the model builder?") from e
     for variable, average in zip(model.trainable_variables, ema):
         variable.assign(average)
     logging.info("Backbone weights: the %s parameters of %s.", "EMA" if has_ema else "last",
-                 checkpoint)
+                 storage.user_path(checkpoint))
 
 
 def _application_constructor(backbone):
