@@ -365,16 +365,16 @@ def test_a_custom_gradient_that_mixes_examples_is_refused():
 def test_keras_own_custom_gradients_are_trusted_and_cheap():
     # EfficientNet's silu activations have TensorFlow's custom gradient; they are not probed
     # in reverse mode (the probe took 41 s for EfficientNetB0 at 32 x 32 when they were).
-    from tfdp.models import validation  # pylint: disable=g-import-not-at-top
+    from tfdp.models.validation import gradients, probe  # pylint: disable=g-import-not-at-top
 
     inputs = keras.Input((8, 8, 3))
     x = keras.layers.Conv2D(4, 3, activation="silu", name="conv_silu")(inputs)
     model = keras.Model(inputs, keras.layers.Dense(2)(keras.layers.Flatten()(x)), name="model")
-    nodes = validation._traced_call(model, (6, 8, 8, 3), True)
-    assert validation._custom_gradient_ops(model, nodes) == []
+    nodes = probe.traced_call(model, (6, 8, 8, 3), True)
+    assert gradients.custom_gradient_ops(model, nodes) == []
     model = _conv_model(_GradientMix(name="gradient_mix"))
-    nodes = validation._traced_call(model, (6, 8, 8, 3), True)
-    assert any("gradient_mix" in name for name in validation._custom_gradient_ops(model, nodes))
+    nodes = probe.traced_call(model, (6, 8, 8, 3), True)
+    assert any("gradient_mix" in name for name in gradients.custom_gradient_ops(model, nodes))
 
 
 def _keras_ops_mix(x):
