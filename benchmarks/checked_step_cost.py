@@ -1,6 +1,6 @@
 """What DPModel's check of the traced ops costs per step: checked vs inline, interleaved.
 
-With oneDNN on, `DPModel._checked` traces each chunk's contribution as a function of
+With oneDNN on, `clip_paths.checked` traces each chunk's contribution as a function of
 its own and calls that function from the train step (docs/design/dp_step.md, "The ops a step runs").
 This times two DPModels of the same model side by side in one process: one as shipped
 ("nested"), one whose check is skipped so that the contribution is built inline in the

@@ -1,6 +1,6 @@
 """Rewrite an exported HloModuleProto so that the HLO -> StableHLO importer takes it (tfdp venv).
 
-Since tfdp 454d579 the DP step holds DPModel._alone_where_not_finite's tf.cond + tf.while_loop;
+Since tfdp 454d579 the DP step holds clip_paths.alone_where_not_finite's tf.cond + tf.while_loop;
 tf2xla bounds the loop's argsort output (a static s32[B]) with `SetBound` custom-calls whose
 literal is a tuple, and the importer (jax 0.10.2 and 0.11.2, and TF 2.21's own
 `stage="stablehlo"`) fails on them: "INTERNAL: Unsupported type: TUPLE". Each SetBound

@@ -466,7 +466,7 @@ def test_a_pixel_no_window_reads_sets_no_scale():
 
 def test_the_example_at_a_time_path_clips_every_example_to_c():
     # The path a step takes where oneDNN would compute the vectorized ops wrongly
-    # (`DPModel._checked`): each example's gradient alone, an example whose gradient is not
+    # (`clip_paths.checked`): each example's gradient alone, an example whose gradient is not
     # finite dropped.
     x, y = _unread_extremes()
     x[0, 0, 0, 0] = np.nan  # a pixel the window reads: example 0's gradient is NaN

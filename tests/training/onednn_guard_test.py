@@ -5,7 +5,7 @@ batch entry or corrupts the heap (`tfdp.graph_checks.BROADCAST_MATMUL_BUG`);
 `tf.vectorized_map` makes that op of an EinsumDense on `[batch, T, C]`. DPModel
 checks the traced ops of each chunk's contribution (not the layer list) and
 computes the per-example gradients one example at a time where the vectorized
-(or ghost) ops would meet it (`DPModel._checked`). The crash itself is tested in
+(or ghost) ops would meet it (`clip_paths.checked`). The crash itself is tested in
 a process of its own: tests/training/onednn_differential_test.py.
 """
 

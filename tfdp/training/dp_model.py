@@ -1,7 +1,6 @@
 """DPModel: a keras.Model whose train_step is DP-SGD."""
 
 import inspect
-import traceback
 
 import keras
 import numpy as np
@@ -9,15 +8,13 @@ import tensorflow as tf
 from absl import logging
 
 from tfdp import accounting
-from tfdp import host
 from tfdp import models
 from tfdp.dp import clipping
 from tfdp.dp import coins
-from tfdp.dp import compiler_checks
-from tfdp import graph_checks
 from tfdp.dp import noise
 from tfdp.dp import precision
 from tfdp.training import chunked
+from tfdp.training import clip_paths
 from tfdp.training import ema
 from tfdp.training import ghost_clipping
 
@@ -100,52 +97,16 @@ class DPModel(chunked.ChunkedTraining, ema.EMAParameters, keras.Model):
     No update sits inside a conditional, which keeps the step valid under
     every tf.distribute strategy.
 
-    Replicas. Keras 3 all-reduces gradients across replicas with a SUM
-    (`keras/src/backend/tensorflow/optimizer.py`). Each replica therefore adds
-    its own independent draw of std `noise_stddev / sqrt(R)`
-    (`tfdp.dp.noise.noise_stddev_per_replica`); the sum has std exactly
-    `noise_stddev`. (De et al. 2022, App. A.1, instead share one draw scaled
-    by 1/R; both are exact, independent draws need no shared key.) The draws
-    are independent because the noise generator is a `tf.random.Generator`
-    created in `__init__`, i.e. under the strategy scope where the DPModel
-    must be built: such a generator hashes `replica_id_in_sync_group` into its
-    Philox key on every draw (`tensorflow/python/ops/stateful_random_ops.py`,
-    `_preprocess_key`), so the replicas share the counter but not the key.
-    Its state starts from OS entropy (`tfdp.dp.coins`) unless `noise_seed` is
-    fixed, and it is checkpointed: a run resumed from step t continues the
-    counter from there, so noise already used is never redrawn for another
-    batch (steps after the checkpoint are replayed with the same batch AND
-    the same noise). Verified by `tests/training/distribute_test.py` (a KS
-    test on the summed noise for R = 1, 2, 4; shared draws would give std
-    sqrt(R) times too large). Build the DPModel inside `strategy.scope()`;
-    each replica receives a contiguous slice of the logical batch
-    (`tfdp.training.distribute`).
-
-    Microbatching (`mechanism.num_microbatches` = M, TF Privacy's semantics).
-    Each example joins microbatch j ~ Uniform{0..M-1}, drawn i.i.d. from the
-    noise generator (`draw_microbatch_ids`), independent of the data and of
-    its position. The gradient SUM and the count of every microbatch are
-    accumulated over all chunks and, with an all-reduce, over all replicas;
-    only then is each microbatch's MEAN clipped, and the clipped means are
-    summed (How to DP-fy ML, Ponomareva et al. 2023, Sec. 5.6, Algorithm 3).
-    So the clipped sum depends only on the multiset of (example, microbatch)
-    pairs, not on how the batch was cut into chunks and replicas, and adding
-    or removing one example changes one microbatch's clipped mean from v to
-    v', |v - v'| <= 2C: the mechanism's 2C sensitivity. (Clipping microbatches
-    per chunk or per replica would not give this: one added example shifts
-    every later example into another chunk, and several microbatches change.)
-    Memory: M accumulators of the model's size per replica.
-
-    EMA (`ema_decay`). After every update the average `e <- d e + (1 - d) w`
-    with `d = min(ema_decay, (1 + t) / (10 + t))` (De et al. 2022, App. C.3);
-    `use_ema_parameters()` swaps it in for evaluation and export. Under a
-    strategy the EMA variables are mirrored with `aggregation="none"`: every
-    replica assigns its own copy in replica context, with no communication.
-    The copies stay identical because every replica computes the same value
-    from identical inputs (the EMA starts as a copy of the weights, and Keras
-    applies the same all-reduced gradient to every copy of the weights) - the
-    invariant Keras relies on for its own weights and slots. Tested with 2 and
-    4 replicas in `tests/training/distribute_test.py`.
+    Replicas: each replica adds an independent draw of std
+    `noise_stddev / sqrt(R)` to its share, so the SUM that Keras all-reduces
+    has std exactly `noise_stddev`; the generator's state is checkpointed, so
+    a resumed run never redraws used noise. Microbatches
+    (`mechanism.num_microbatches` = M): each example joins microbatch
+    j ~ Uniform{0..M-1} (`draw_microbatch_ids`); each microbatch's mean is
+    clipped after accumulating over all chunks and replicas (sensitivity
+    2C). EMA: `e <- d e + (1 - d) w`, `d = min(ema_decay, (1 + t) / (10 + t))`
+    (De et al. 2022, App. C.3). Why each is exact: docs/design/dp_step.md,
+    "Replicas, microbatches and the EMA".
 
     Inputs to `fit`: a `tf.data.Dataset` (or a distributed one) of logical
     batches drawn with the sampler the mechanism assumes (Poisson:
@@ -229,7 +190,7 @@ class DPModel(chunked.ChunkedTraining, ema.EMAParameters, keras.Model):
         self.model = model
         self.clipping = clipping
         self._ghost = None  # the GhostClipping chosen in compile(), or None
-        self._loop = False  # per-example gradients one example at a time (`_checked`)
+        self._loop = False  # per-example gradients one example at a time (`clip_paths.checked`)
         self._mixing_checked = False  # models.refuse_example_mixing has passed (`compile`)
         self._traced_plan = None  # precision.step_plan() of the traced step (`_chunk_contribution`)
         self.mechanism = mechanism
@@ -350,7 +311,7 @@ class DPModel(chunked.ChunkedTraining, ema.EMAParameters, keras.Model):
         # Again here: trainability may have changed since __init__ (e.g. a BatchNorm unfrozen).
         models.validate_dp_model(self.model)
         # Behaviour, not names: a Lambda or a variable-less layer may mix examples too. A
-        # model that does not state its input shape is checked on the first batch's (`_checked`).
+        # model that does not state its input shape is checked on the first batch's (`clip_paths.checked`).
         self._mixing_checked = False
         if models.input_example_shape(self.model) is not None:
             models.refuse_example_mixing(self.model)
@@ -404,7 +365,7 @@ class DPModel(chunked.ChunkedTraining, ema.EMAParameters, keras.Model):
         `compile` chooses "ghost" or "vectorized"; the first trace of the
         train step changes it to "loop" where the chosen path's ops would
         meet oneDNN's broadcast-matmul bug, or where `tf.vectorized_map`
-        cannot convert its graph (`_checked`).
+        cannot convert its graph (`clip_paths.checked`).
         """
         if self._loop:
             return "loop"
@@ -420,7 +381,7 @@ class DPModel(chunked.ChunkedTraining, ema.EMAParameters, keras.Model):
         """Loss of one example: the mean over its views (De et al. 2022, eq. (4)).
 
         `beside_zeros`: run the model on the example's views followed by as many zero
-        rows, and take the loss of the views only (`_alone_where_not_finite`).
+        rows, and take the loss of the views only (`clip_paths.alone_where_not_finite`).
         """
         images, label = example
         # One example is [H, W, C] (one view) or [K, H, W, C] (K views); the
@@ -598,119 +559,7 @@ class DPModel(chunked.ChunkedTraining, ema.EMAParameters, keras.Model):
             # a known length of 1, or any length of 2 or more, runs. Every path comes here:
             # chunks of `_accumulate` and elements of chunked input alike.
             tensors = tuple(_pad_rows(tensors, 1, min_rows=2))
-        return self._checked(self._chunk_contribution_on_path, tensors)
-
-    def _checked(self, contribution_fn, tensors):
-        """`contribution_fn(*tensors)`, on a path whose ops oneDNN computes correctly.
-
-        TensorFlow 2.21's oneDNN batch matmul computes a rank-4 matmul that
-        broadcasts one operand wrongly, or corrupts the heap
-        (`tfdp.graph_checks.BROADCAST_MATMUL_BUG`): one example's
-        "gradient" could then be anything, and the clip would bound nothing.
-        `tf.vectorized_map` makes that op of any matmul on a rank-3
-        activation (a Dense or EinsumDense on `[batch, T, C]`, in layers at
-        any depth, user layers included), and a model can make it itself.
-        So the check reads the ops that will run, not the layers: with oneDNN
-        on, the chunk's contribution is traced as a function of its own, its
-        graph (nested functions included) is searched for such a matmul
-        (`graph_checks.broadcast_batch_matmuls`), and only a graph without
-        one is called. If the ghost or vectorized path has one, the
-        per-example gradients are computed one example at a time instead
-        (`clipping.per_example_gradients(method="loop")`, whose ops keep the
-        shapes of a batch of one), with a warning, and that graph is checked
-        the same way; so are they where `tf.vectorized_map` cannot convert the
-        chosen path's graph (a ValueError raised in its conversion).
-
-        It is also where a model that did not state its input shape at
-        `compile` (a subclassed model) is checked for mixing examples, on the
-        shape of the first batch traced (`models.refuse_example_mixing`, run
-        eagerly from the trace).
-
-        Raises:
-          ValueError: if even the loop's graph has such a matmul (the model
-            makes one itself); the message names the ops and the way out.
-          tfdp.models.ExampleMixingError: a model that mixes examples.
-        """
-        if not self._mixing_checked:
-            images = tensors[0]
-            example = images.shape[2:] if images.shape.rank == self._input_rank + 1 else (
-                images.shape[1:])
-            with tf.init_scope():  # eagerly, out of the train function's trace
-                models.refuse_example_mixing(self.model, tuple(example))
-            self._mixing_checked = True
-        if not self._matmuls_run_on_onednn():
-            return contribution_fn(*tensors)
-        specs = [tf.TensorSpec.from_tensor(t) for t in tensors]
-        while True:
-            try:
-                concrete = tf.function(lambda *args: contribution_fn(*args),
-                                       autograph=False).get_concrete_function(*specs)
-            except ValueError as error:
-                if self._loop or not _raised_by_vectorization(error):
-                    raise
-                # tf.vectorized_map cannot convert some graphs (a grouped Conv2D before an
-                # attention mask computed from the input: "Dimension 1 in both shapes must
-                # be equal"; found by the DP-model fuzzer); one example at a time can.
-                logging.warning(
-                    "Per-example clipping: tf.vectorized_map cannot convert the %s path (%s); "
-                    "computing per-example gradients one example at a time instead (slower).",
-                    self.clipping_path, str(error).strip().splitlines()[-1][:300])
-                self._loop = True
-                continue
-            risky = graph_checks.broadcast_batch_matmuls(graph_checks.graph_nodes(concrete))
-            if risky and specs[0].shape[0] is None:
-                risky = self._risky_at_a_known_batch_size(contribution_fn, specs)
-            if not risky:
-                return concrete(*tensors)
-            ops = "; ".join(node.describe() for node in risky[:4]) + (
-                f" and {len(risky) - 4} more" if len(risky) > 4 else "")
-            if self._loop:
-                raise ValueError(
-                    f"{self.model.name}'s per-example gradients need a batch matmul that "
-                    f"TensorFlow 2.21 computes wrongly with oneDNN on, even one example at a "
-                    f"time: {ops}. {graph_checks.BROADCAST_MATMUL_BUG} Make the model's "
-                    "matmuls rank 3 (reshape to [batch, T, C] before a Dense or tf.matmul), "
-                    "or set TF_ENABLE_ONEDNN_OPTS=0 before TensorFlow is imported (slower: "
-                    "docs/design/dp_step.md, 'oneDNN on, on every host').")
-            logging.warning(
-                "Per-example clipping: the %s path would run %d batch matmul(s) that "
-                "TensorFlow 2.21's oneDNN kernel computes wrongly (%s); computing per-example "
-                "gradients one example at a time instead (slower; TF_ENABLE_ONEDNN_OPTS=0 "
-                "avoids the bug).", self.clipping_path, len(risky), ops)
-            self._loop = True
-
-    def _matmuls_run_on_onednn(self):
-        """Whether this step's matmuls may run on TensorFlow's oneDNN CPU kernels.
-
-        No if oneDNN is off (`host.onednn_enabled() is False`; None, unknown,
-        counts as on), or if they run on an accelerator: a TPU strategy, or a
-        visible GPU, where TensorFlow places them (cuBLAS), so that attention
-        models keep their fast path there.
-        """
-        if host.onednn_enabled() is False:
-            return False
-        if isinstance(self.distribute_strategy, tf.distribute.TPUStrategy):
-            return False
-        return not tf.config.list_logical_devices("GPU")
-
-    @staticmethod
-    def _risky_at_a_known_batch_size(contribution_fn, specs):
-        """The risky matmuls of `contribution_fn` traced at a batch of 7 (a Poisson batch's
-        size is unknown when the step is traced).
-
-        With an unknown batch size, two batch axes that both are the batch
-        (`[B, heads, T, d] x [B, heads, d, T]` in attention) cannot be proven
-        equal and count as broadcasting (`graph_checks`): every attention model
-        would run one example at a time under `make_private`. Traced at a known
-        size, such axes are equal and are not flagged, while an axis that is 1
-        where the other is the batch still is; so what this trace flags is what
-        may broadcast at any batch size. (7: a size that a constant of the
-        model is unlikely to equal by chance.)
-        """
-        static = [tf.TensorSpec([7, *spec.shape[1:]], spec.dtype) for spec in specs]
-        concrete = tf.function(lambda *args: contribution_fn(*args),
-                               autograph=False).get_concrete_function(*static)
-        return graph_checks.broadcast_batch_matmuls(graph_checks.graph_nodes(concrete))
+        return clip_paths.checked(self, self._chunk_contribution_on_path, tensors)
 
     def _chunk_contribution_on_path(self, images, labels, mask, ids=None):
         """`_chunk_contribution` on the current path, unchecked."""
@@ -763,8 +612,10 @@ class DPModel(chunked.ChunkedTraining, ema.EMAParameters, keras.Model):
                 images, labels, mask, l2_clip_norm=self.mechanism.l2_clip_norm,
                 normalize=self.mechanism.normalize_update, loss_fn=self._loss_fn,
                 example_loss_fn=self._example_loss)
-            summed, norms, clipped, losses, logits = self._alone_where_not_finite(
-                ghost, images, labels, mask)
+            summed, norms, clipped, losses, logits = clip_paths.alone_where_not_finite(
+                ghost, images, labels, mask, variables=self.trainable_variables,
+                example_loss=self._example_loss, l2_clip_norm=self.mechanism.l2_clip_norm,
+                normalize=self.mechanism.normalize_update)
         else:
             grads, (losses, logits) = clipping.per_example_gradients(
                 self._example_loss, self.trainable_variables, (images, labels),
@@ -782,71 +633,6 @@ class DPModel(chunked.ChunkedTraining, ema.EMAParameters, keras.Model):
             tf.reduce_sum(mask),
         )
         return summed, stats
-
-    def _alone_where_not_finite(self, ghost, images, labels, mask):
-        """The ghost path's outputs, with each real example whose norm is not finite
-        recomputed alone (beside zero rows, apart from the rest of the batch).
-
-        The ghost path runs the batch's forward and backward passes together. A mix
-        of examples that finite values cannot show (`refuse_example_mixing` probes
-        finite batches) can still carry one example's NaN or inf to the others:
-        `0 * NaN` is NaN (a 2x2 conv with dilation 2 on 1x1 images reads only its
-        zero padding, yet its backward pass multiplies the mixed NaN by 0). Their
-        norms then come out non-finite and the ghost path drops them, so adding or
-        removing that one example would move every other contribution (the
-        DP-model fuzzer: 2.0 C). Each such example is recomputed here on its own,
-        with the per-example gradient, norm and clip of `tfdp.dp.clipping` (what
-        the loop path does), and added to the ghost sum of the others (where a
-        non-finite example's factor is 0: dropped, `clipping.weighted_sum`). An
-        example that is non-finite on its own is dropped as before. The model runs
-        on the example beside as many zero rows, whose loss is not taken: a model
-        that needs two rows (`t + t[1:2]`) still runs, and a mix that finite values
-        cannot show carries nothing from a finite zero row. Free unless some norm
-        is not finite; its cost is one example's pass per such example.
-        """
-        summed, norms, clipped, losses, logits = ghost
-        alone = tf.logical_and(mask > 0, tf.logical_not(compiler_checks.is_finite(norms)))
-
-        def recompute():
-            # Those rows first; no tf.where, whose output shape XLA cannot compile.
-            rows = tf.argsort(tf.cast(alone, tf.int32), direction="DESCENDING", stable=True)
-            count = tf.reduce_sum(tf.cast(alone, tf.int32))
-            variables = self.trainable_variables
-
-            def body(k, total, out_norms, out_clipped, out_losses, out_logits):
-                # tf.gather, not `images[i]`: XLA would take a strided slice's data-dependent
-                # start as a compile-time constant, bake the batch into the program and
-                # compile it again for every batch (27 s a step for the CNN at B = 64).
-                i = tf.gather(rows, k)
-                example = (tf.gather(images, i), tf.gather(labels, i))
-                with tf.GradientTape() as tape:
-                    loss, (_, logit) = self._example_loss(example, beside_zeros=True)
-                grads = tape.gradient(loss, variables,
-                                      unconnected_gradients=tf.UnconnectedGradients.ZERO)
-                # A batch of one: `[1, *variable.shape]` (an Embedding's IndexedSlices densified).
-                grads = [tf.convert_to_tensor(g)[tf.newaxis] for g in grads]
-                one, norm, was_clipped = clipping.clipped_sum(
-                    grads, self.mechanism.l2_clip_norm,
-                    normalize=self.mechanism.normalize_update)
-                loss, logit = loss[tf.newaxis], logit[tf.newaxis]
-                at = [[i]]
-                return (k + 1, [a + b for a, b in zip(total, one)],
-                        tf.tensor_scatter_nd_update(out_norms, at, tf.cast(norm, norms.dtype)),
-                        tf.tensor_scatter_nd_update(out_clipped, at, was_clipped),
-                        tf.tensor_scatter_nd_update(out_losses, at, loss),
-                        tf.tensor_scatter_nd_update(out_logits, at, logit))
-
-            # One at a time: with oneDNN on, model calls in parallel iterations corrupt memory
-            # (a two-branch conv with 256 NaN rows of 512: a segfault in 2 of 3 runs, or sums
-            # drifting by up to 2.7 C between calls of the same batch).
-            _, *out = tf.while_loop(
-                lambda k, *_: k < count, body,
-                (tf.constant(0), list(summed), norms, clipped, losses, logits),
-                parallel_iterations=1)
-            return tuple(out)
-
-        return tf.cond(tf.reduce_any(alone), recompute,
-                       lambda: (list(summed), norms, clipped, losses, logits))
 
     @property
     def _per_example_method(self):
@@ -912,12 +698,6 @@ def _hits(logits, labels):
     """float32 [batch]: 1 where the arg-max logit is the label."""
     predicted = tf.argmax(logits, -1, output_type=tf.int32)
     return tf.cast(tf.equal(predicted, tf.cast(labels, tf.int32)), tf.float32)
-
-
-def _raised_by_vectorization(error):
-    """Whether `error` was raised while `tf.vectorized_map` converted a graph (pfor)."""
-    frames = traceback.extract_tb(error.__traceback__)
-    return any("parallel_for" in frame.filename for frame in frames)
 
 
 def _pad_rows(tensors, multiple, min_rows=1):
