@@ -196,43 +196,26 @@ OPTIONAL_MACROS = {"AUGMULT": 2, "ACCUMULATION_STEPS": 2, "IMAGE_SIZE": 32}
 
 
 def _smoke_param(config):
-    # The rows this function leaves in the default suite are listed in
-    # tests/slow_cases.txt too, except fashion_mnist.gin's (the README job's config): the
-    # "default-suite" runs named below run under -m slow.
-    # The WRN rows of one table differ only in (sigma, steps, lr, epsilon), all checked by
-    # test_config_epsilon_matches_the_paper, and the two tables only in DEPTH, AUGMULT,
-    # BATCH_SIZE and ACCUMULATION_STEPS, which the smoke run overrides (DEPTH = 10, width 1):
-    # both tables' files bind the same settings through _cifar10_wrn_common.gin, so their
-    # smoke runs run the same model and code path. One row (WRN-16-4, eps = 8) runs in the
-    # default suite, the other 11 under `-m slow`, to keep CI under its 10-minute budget.
-    if config.startswith("cifar10_wrn") and config != "cifar10_wrn16_4_eps8.gin":
-        return _param(config, pytest.mark.slow)
-    # The fine-tuning configs share two fragments: one config of each runs by default (the
-    # frozen-trunk and cached-feature paths themselves are tested with the model builder).
-    if "_finetune_" in config and config not in (
-            "cifar10_finetune_wrn28_10_all_eps8.gin", "imagenet_finetune_nfresnet_head_eps8.gin"):
-        return _param(config, pytest.mark.slow)
-    # imagenet.gin runs 2 steps end to end in the default suite (tests/runbook_test.py, on
-    # a synthetic JPEG folder); both ImageNet configs' mock-data runs are slow-only.
-    if config in ("imagenet.gin", "imagenet_tan.gin"):
-        return _param(config, pytest.mark.slow)
-    # cifar10_tramer_cnn.gin (15 s): its model runs in fashion_mnist.gin's default run and
-    # CIFAR-10's mock data in cifar10_wrn16_4_eps8.gin's; its epsilon is checked against the
-    # paper by test_config_epsilon_matches_the_paper. Slow-only, to keep the default suite's time.
-    if config == "cifar10_tramer_cnn.gin":
-        return _param(config, pytest.mark.slow)
-    # The ScatterNet CNNs (15-29 s) and the CIFAR-10 ScatterNet + linear (13 s): their
-    # builders run in fashion_mnist_recipe.gin and tests/models; slow-only. So is
-    # fashion_mnist_scatternet_linear.gin (15-45 s): fashion_mnist_recipe.gin includes it and
-    # only adds settings (normalize_update, accumulation, EMA) and another learning rate, so
-    # the recipe's default-suite run reads every binding of it, on the same features and model.
-    # fashion_mnist_best.gin (GN-WS head on ScatterNet features): its builder's tests are in
-    # tests/models/scatternet_models_test.py; the recipe's settings run in the recipe's run.
-    if config in ("fashion_mnist_scatternet_cnn.gin", "cifar10_scatternet_cnn.gin",
-                  "cifar10_scatternet_linear.gin", "fashion_mnist_scatternet_linear.gin",
-                  "fashion_mnist_best.gin"):
-        return _param(config, pytest.mark.slow)
-    return _param(config)
+    # Only fashion_mnist.gin's run (the README job's config) is in the default suite; every
+    # other config's 2-step run is under -m slow, to keep CI under its 10-minute budget. The
+    # default suite keeps each config's epsilon against its paper
+    # (test_config_epsilon_matches_the_paper) and one mechanism plan per config family
+    # (tests/configs_equality_test.py). What the runs under -m slow share:
+    # - the WRN rows of one table differ only in (sigma, steps, lr, epsilon), and the two
+    #   tables only in DEPTH, AUGMULT, BATCH_SIZE and ACCUMULATION_STEPS, which the smoke run
+    #   overrides (DEPTH = 10, width 1): both tables' files bind the same settings through
+    #   _cifar10_wrn_common.gin, so their smoke runs run the same model and code path;
+    # - the fine-tuning configs share two fragments (the frozen-trunk and cached-feature paths
+    #   themselves are tested with the model builder);
+    # - imagenet.gin also runs 2 steps end to end on a synthetic JPEG folder
+    #   (tests/runbook_test.py);
+    # - cifar10_tramer_cnn.gin's model is fashion_mnist.gin's; fashion_mnist_recipe.gin
+    #   includes fashion_mnist_scatternet_linear.gin and only adds settings (normalize_update,
+    #   accumulation, EMA) and another learning rate; the ScatterNet builders and
+    #   fashion_mnist_best.gin's GN-WS head are tested in tests/models.
+    if config == "fashion_mnist.gin":
+        return _param(config)
+    return _param(config, pytest.mark.slow)
 
 
 @pytest.fixture(scope="module")

@@ -17,6 +17,7 @@ from tfdp import models
 MOCK_EXAMPLES = 64  # the N that conftest.py's run_smoke trains on
 
 
+@pytest.mark.slow
 def test_smoke_run_writes_every_output(tmp_path, run_smoke, caplog):
     with caplog.at_level("INFO", logger="absl"):  # absl logs the progress lines
         report = run_smoke(tmp_path, ["fashion_mnist.gin"])
@@ -61,6 +62,7 @@ def test_smoke_run_writes_every_output(tmp_path, run_smoke, caplog):
     assert os.path.exists(tmp_path / "export" / "assets" / "privacy_report.json")
 
 
+@pytest.mark.slow
 def test_num_examples_must_match_the_data(tmp_path, run_smoke):
     with pytest.raises(ValueError, match=f"set NUM_EXAMPLES = {MOCK_EXAMPLES}"):
         run_smoke(tmp_path, ["fashion_mnist.gin"], [f"NUM_EXAMPLES = {MOCK_EXAMPLES + 1}"])
@@ -75,6 +77,7 @@ def test_augmenting_precomputed_features_is_refused_before_any_output(tmp_path, 
     assert not os.listdir(tmp_path)
 
 
+@pytest.mark.slow
 def test_recipe_smoke_run_reports_ema_and_augtest_and_the_same_epsilon(tmp_path, run_smoke):
     # augmult changes nothing in the accounting: same epsilon as one view.
     base = run_smoke(tmp_path / "k1", ["fashion_mnist.gin"], [
@@ -95,6 +98,7 @@ def test_recipe_smoke_run_reports_ema_and_augtest_and_the_same_epsilon(tmp_path,
         assert 0.0 <= last[key] <= 1.0
 
 
+@pytest.mark.slow
 def test_microbatched_run_states_it_in_the_report(tmp_path, run_smoke):
     report = run_smoke(tmp_path, ["fashion_mnist.gin"], [
         "tfdp.PrivacyConfig.num_microbatches = 4"])
@@ -103,6 +107,7 @@ def test_microbatched_run_states_it_in_the_report(tmp_path, run_smoke):
     assert report["noise_stddev"] == pytest.approx(0.2 * report["noise_multiplier"])
 
 
+@pytest.mark.slow
 def test_simulation_is_labelled_in_metrics_and_report(tmp_path, run_smoke):
     simulation = {"reference": "B=2048 sigma=1.93", "reference_batch_size": 2048,
                   "reference_noise_multiplier": 1.93, "reference_epsilon": 3.0}
@@ -116,6 +121,7 @@ def test_simulation_is_labelled_in_metrics_and_report(tmp_path, run_smoke):
     assert last["simulation"] is True
 
 
+@pytest.mark.slow
 def test_runs_of_a_study_compose_in_the_ledger(tmp_path, run_smoke):
     from tfdp import accounting  # pylint: disable=g-import-not-at-top
 
@@ -206,6 +212,7 @@ def test_sampling_coins_are_secret_by_default(tmp_path, run_smoke):
     assert reports[0]["coins"]["noise_seed"].startswith("fixed by the user")
 
 
+@pytest.mark.slow
 def test_a_fixed_sampling_seed_reproduces_the_batches_and_is_reported(tmp_path, run_smoke):
     fixed = ["tfdp.PrivacyConfig.noise_seed = 11", "tfdp.PrivacyConfig.sampling_seed = 5"]
     reports = [run_smoke(tmp_path / name, ["fashion_mnist.gin"], fixed) for name in ("a", "b")]
@@ -398,6 +405,7 @@ for i in range(runs):
 """
 
 
+@pytest.mark.slow
 def test_runs_of_a_study_starting_and_finishing_at_once_are_all_counted(tmp_path):
     # Through the trainer's own read-modify-write, with its epsilon and its restore on a
     # refusal: 4 processes of 4 runs (tests/accounting/ledger_test.py: 4 x 200 appends).

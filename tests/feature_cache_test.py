@@ -103,6 +103,7 @@ def test_a_cache_of_another_extractor_is_refused_and_kept(tmp_path):
     assert renamed.computed == [features.PROBE_EXAMPLES]
 
 
+@pytest.mark.slow
 @hypothesis.settings(max_examples=15, deadline=None)
 @hypothesis.given(relative=st.floats(1e-7, 0.5), channel=st.integers(0, 2),
                   shift=st.booleans())

@@ -51,7 +51,7 @@ def test_import_tfdp_turns_onednn_on_when_the_user_did_not_choose():
     assert out[1].startswith("host: ") and " cores; " in out[1]
 
 
-@pytest.mark.parametrize("value", ["0", "false"])
+@pytest.mark.parametrize("value", [pytest.param("0", marks=pytest.mark.slow), "false"])
 def test_the_user_s_zero_is_respected_and_tensorflow_agrees(value):
     # TensorFlow is imported after tfdp: it reads the variable tfdp left alone.
     done = _python("import os, tfdp, tensorflow; from tfdp import host; "
@@ -114,6 +114,7 @@ EQUALITY_TESTS = [
     "(tramer_cnn or tramer_cifar_cnn)) or test_conv2d_kernel or test_ws_kernel_chains"]
 
 
+@pytest.mark.slow
 def test_ghost_norm_equality_holds_under_the_other_onednn_setting():
     other = "0" if host.onednn_enabled() else "1"
     env = dict(os.environ, **{host.ENV_VAR: other, "PYTHONPATH": REPO})

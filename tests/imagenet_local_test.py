@@ -90,6 +90,7 @@ def test_a_truncated_shard_is_refused_before_the_workdir_is_touched(
     assert not (tmp_path / "wd").exists()
 
 
+@pytest.mark.slow
 def test_a_corrupt_record_met_in_training_is_named_with_the_command(
         tmp_path, run_smoke, synthetic_imagenet_dir, monkeypatch):
     # A split too large to be read whole at start (monkeypatched here): before, a

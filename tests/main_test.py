@@ -47,6 +47,7 @@ def _run(tmp_path, *args):
     )
 
 
+@pytest.mark.slow
 def test_cli_unknown_gin_file_exits_2_with_the_list(tmp_path):
     result = _run(tmp_path, "--gin_file=nope.gin")
     assert result.returncode == 2
@@ -96,6 +97,7 @@ def test_every_shipped_config_uses_every_macro_it_sets(config):
         gin.clear_config()
 
 
+@pytest.mark.slow
 def test_cli_required_macro_left_unset_names_the_gin_param_to_add(tmp_path):
     # Before: gin's "No bindings specified for 'PRETRAINED_BACKBONE/gin.macro'" followed
     # by the whole config.
@@ -106,13 +108,13 @@ def test_cli_required_macro_left_unset_names_the_gin_param_to_add(tmp_path):
     assert not os.path.exists(tmp_path / "wd")
 
 
-# One name in the default suite (each CLI test starts TensorFlow: about 5 s); the other, and
-# the CLI's unclosed bracket (its message is test_an_unclosed_bracket_names_its_file_or_param's,
-# in process), under -m slow.
+# Each CLI test starts TensorFlow (about 5 s): the default suite keeps the bad privacy
+# parameter's (above); both names here, and the CLI's unclosed bracket (its message is
+# test_an_unclosed_bracket_names_its_file_or_param's, in process), run under -m slow.
+@pytest.mark.slow
 @pytest.mark.parametrize("param, message", [
     ("tfdp.OptimizationConfig.sampling='possion'", "Unknown sampling scheme 'possion'"),
-    pytest.param("tfdp.PrivacyConfig.accountant='rpd'", "Unknown accountant 'rpd'",
-                 marks=pytest.mark.slow),
+    ("tfdp.PrivacyConfig.accountant='rpd'", "Unknown accountant 'rpd'"),
 ])
 def test_cli_error_is_printed_once_without_gin_s_location(tmp_path, param, message):
     # Unknown names used to surface after data loading and compilation, leaving a

@@ -415,6 +415,7 @@ def _worker0_command(tmp_path, cluster, *params):
     return command, env
 
 
+@pytest.mark.slow
 def test_two_tasks_with_the_same_address_are_refused_at_start(tmp_path):
     # Before: worker 0 probed worker 1's address, reached its own listener, and then waited
     # in TensorFlow's cluster setup forever, printing nothing (killed here after 120 s).

@@ -43,6 +43,7 @@ class _absl_warnings:
         logging.getLogger("absl").removeHandler(self.handler)
 
 
+@pytest.mark.slow
 def test_non_private_run_trains_and_exports_not_private(non_private_run):
     workdir, report, _ = non_private_run
     assert report["privacy"] == "NOT PRIVATE" and "epsilon" not in report
@@ -123,6 +124,7 @@ def test_a_non_private_workdir_is_not_resumed_privately(tmp_path, run_smoke):
     assert not REPORT_FILES & set(before)
 
 
+@pytest.mark.slow
 def test_a_non_private_run_resumes_and_a_finished_one_is_returned(tmp_path, run_smoke):
     run_smoke(tmp_path, ["fashion_mnist.gin"], NOT_PRIVATE)
     again = run_smoke(tmp_path, ["fashion_mnist.gin"], NOT_PRIVATE)  # finished: untouched
@@ -164,6 +166,7 @@ def test_the_report_of_a_whole_split_has_no_slice_sentence():
     assert "`train[2000:]`" in line and "N = 5 counts only" in line
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("config", [
     "fashion_mnist.gin",
     pytest.param("fashion_mnist_recipe.gin", marks=pytest.mark.slow),
@@ -182,6 +185,7 @@ def test_every_fashion_mnist_config_runs_without_privacy(tmp_path, run_smoke, co
     assert set(os.listdir(tmp_path / "export" / "assets")) == NOT_PRIVATE_FILES
 
 
+@pytest.mark.slow
 def test_the_model_is_checkpointed_where_a_private_run_keeps_it(non_private_run, tmp_path,
                                                                 run_smoke):
     # A workdir used as a pretrained backbone (tfdp.models.build_finetune_model) reads the

@@ -148,8 +148,8 @@ def _pretrained_with_batch_norm():
 
 @pytest.mark.parametrize("trainable, trained", [
     ("head", {"classifier"}),
-    ("all", {"conv", "classifier"}),
-    (["con*"], {"conv", "classifier"}),
+    pytest.param("all", {"conv", "classifier"}, marks=pytest.mark.slow),
+    pytest.param(["con*"], {"conv", "classifier"}, marks=pytest.mark.slow),
 ])
 def test_make_private_fine_tuning_modes(trainable, trained):
     model = _pretrained_with_batch_norm()
@@ -231,6 +231,7 @@ def test_export_to_an_empty_path_is_refused(trained, tmp_path, monkeypatch):
     assert os.listdir(tmp_path) == []
 
 
+@pytest.mark.slow
 def test_the_delta_warning_is_given_once_per_make_private(recwarn):
     # Before: 16 copies of "delta >= 1/num_examples" from one call (calibration builds a
     # DPMechanism per candidate sigma), whenever warnings were shown "always".

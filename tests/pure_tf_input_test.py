@@ -57,6 +57,7 @@ def test_a_resumed_pure_tf_run_continues_the_secret_stream_and_keeps_the_seed_se
             assert not any(e in content for e in encodings), path
 
 
+@pytest.mark.slow
 def test_the_report_s_sampling_section_is_the_array_record_path_s(tmp_path, run_smoke):
     graph = run_smoke(tmp_path / "graph", ["fashion_mnist.gin"], [IN_MEMORY])
     numpy = run_smoke(tmp_path / "numpy", ["fashion_mnist.gin"], [])

@@ -69,6 +69,7 @@ def test_the_same_command_returns_the_finished_report_untouched(finished_run, ru
     assert _text(f"{url}/FINISHED") == before
 
 
+@pytest.mark.slow
 def test_more_steps_resume_from_the_url_checkpoint(finished_run, run_smoke):
     url, _ = finished_run
     longer = run_smoke(url, ["fashion_mnist.gin"], [*PARAMS, "NUM_STEPS = 4"])
@@ -77,6 +78,7 @@ def test_more_steps_resume_from_the_url_checkpoint(finished_run, run_smoke):
         2, 4]
 
 
+@pytest.mark.slow
 def test_a_failed_export_leaves_no_finished_and_the_same_command_finishes(run_smoke,
                                                                           monkeypatch):
     url = _url()

@@ -82,6 +82,7 @@ def test_a_resume_on_other_labels_is_refused_naming_the_split(stopped, dirs, run
     assert _tree(workdir) == before
 
 
+@pytest.mark.slow
 def test_the_same_files_moved_elsewhere_resume(stopped, dirs, run_smoke, tmp_path):
     workdir = tmp_path / "wd"
     shutil.copytree(stopped, workdir)

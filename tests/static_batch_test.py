@@ -17,6 +17,7 @@ def _run(run_smoke, workdir, *params):
         "TARGET_EPSILON = None", "NOISE_MULTIPLIER = 1.0", *params])
 
 
+@pytest.mark.slow
 def test_static_batches_state_the_cap_and_the_truncation_bound(tmp_path, run_smoke):
     report = _run(run_smoke, tmp_path, "tfdp.RuntimeConfig.static_batch_size = 36",
                   "tfdp.OptimizationConfig.accumulation_steps = 2")
@@ -52,6 +53,7 @@ def test_checkpoint_interval_must_divide_the_evaluation_interval(tmp_path, run_s
         _run(run_smoke, tmp_path, "tfdp.RuntimeConfig.checkpoint_every_steps = 3")
 
 
+@pytest.mark.slow
 def test_checkpoints_every_step_evaluate_every_two(tmp_path, run_smoke):
     report = _run(run_smoke, tmp_path, "NUM_STEPS = 4",
                   "tfdp.RuntimeConfig.checkpoint_every_steps = 1",

@@ -194,6 +194,7 @@ def test_augmentation_kwargs_that_the_augmentation_refuses_stop_the_run_before_t
     assert not (tmp_path / "wd").exists()
 
 
+@pytest.mark.slow
 def test_operative_config_says_which_file_binding_the_switch_left_unread(tmp_path, run_smoke):
     # gin still lists the file's momentum = 0.9 among build_optimizer's values; the file the
     # run writes says, first, that the run did not read it.

@@ -116,6 +116,7 @@ def test_a_folder_with_someone_s_outputs_is_refused(tmp_path, run_smoke, name):
     assert (workdir / name).read_text() == "their file"
 
 
+@pytest.mark.slow
 def test_a_folder_with_unrelated_files_is_used_and_they_stay(tmp_path, run_smoke):
     workdir = tmp_path / "mine"
     workdir.mkdir()
@@ -125,6 +126,7 @@ def test_a_folder_with_unrelated_files_is_used_and_they_stay(tmp_path, run_smoke
     assert (workdir / "FINISHED").exists() and not (workdir / ".tfdp.lock").exists()
 
 
+@pytest.mark.slow
 def test_a_missing_export_is_written_again_never_called_unchanged(copy, run_smoke, caplog):
     # Before: "already holds this finished run; its report and export are unchanged",
     # with no export/ there.
@@ -309,6 +311,7 @@ def test_a_resume_that_would_change_training_is_refused_by_name(copy, run_smoke,
     assert _tree(copy) == before
 
 
+@pytest.mark.slow
 def test_a_resume_may_change_what_does_not_change_training_and_the_rerun_is_unchanged(
         copy, run_smoke, caplog):
     # Before: the extended run kept the first run's settings in its checkpoint, so the same
@@ -548,6 +551,7 @@ def test_a_run_whose_workdir_is_moved_stops_before_its_next_write(tmp_path, run_
     assert (moved / "checkpoints").is_dir()  # its checkpoint 0, where it was moved
 
 
+@pytest.mark.slow
 def test_a_workdir_named_like_a_glob_pattern_trains_resumes_and_extends(tmp_path, run_smoke):
     # `sweep[lr=0.5]`: TensorFlow read the checkpoint prefix as a glob pattern, called the
     # checkpoint corrupt and refused to resume ("Use a new workdir").

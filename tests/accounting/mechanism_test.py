@@ -32,8 +32,15 @@ def test_noise_is_calibrated_to_the_target():
         target_epsilon=3.0, sampling_prob=2048 / 60000, num_steps=1172, delta=1e-5), rel=1e-3)
 
 
-@pytest.mark.parametrize("change", [dict(delta=1e-6), dict(num_steps=101), dict(batch_size=601),
-                                    dict(accountant="pld"), dict(sampling="shuffle"), {}])
+# One search runs in the default suite (the shuffle case), the others under -m slow.
+@pytest.mark.parametrize("change", [
+    pytest.param(dict(delta=1e-6), marks=pytest.mark.slow),
+    pytest.param(dict(num_steps=101), marks=pytest.mark.slow),
+    pytest.param(dict(batch_size=601), marks=pytest.mark.slow),
+    pytest.param(dict(accountant="pld"), marks=pytest.mark.slow),
+    dict(sampling="shuffle"),
+    pytest.param({}, marks=pytest.mark.slow),
+])
 def test_a_calibration_is_searched_once_per_mechanism_and_target(monkeypatch, change):
     # The cache of `calibrated` must give a repeated plan the searched value, and search
     # again for any other field or target: a stale sigma would be a wrong guarantee.

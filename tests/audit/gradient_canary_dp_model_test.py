@@ -68,8 +68,9 @@ def _train(mechanism, included, *, cls=GradientCanaryDPModel, coordinates=None, 
     return dp, before
 
 
-@pytest.mark.parametrize("coordinates", [None, np.array([0, 19, 20, 42, 37])],
-                         ids=["dedicated", "model"])
+@pytest.mark.parametrize("coordinates", [
+    None, pytest.param(np.array([0, 19, 20, 42, 37]), marks=pytest.mark.slow),
+], ids=["dedicated", "model"])
 def test_included_canaries_add_one_clipped_example_at_their_coordinate_each_step(coordinates):
     # q = 1 and almost no noise: an included canary scores C per step, T = 3 -> 1.5;
     # an excluded one 0. With SGD at lr 1, the model's parameter at a canary's coordinate
@@ -85,6 +86,7 @@ def test_included_canaries_add_one_clipped_example_at_their_coordinate_each_step
     np.testing.assert_allclose(after, expected, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_canaries_join_each_step_independently_with_probability_q():
     # q = 1/2, T = 8: an included canary's score / C is Binomial(8, 1/2).
     included = np.ones(4000, bool)
@@ -94,6 +96,7 @@ def test_canaries_join_each_step_independently_with_probability_q():
     assert np.var(counts) == pytest.approx(2.0, rel=0.1)
 
 
+@pytest.mark.slow
 def test_the_audit_catches_each_planted_bug_through_the_real_step():
     # Claimed epsilon 3 (PLD, 4 full-batch steps); 20000 canaries on dedicated coordinates,
     # 3% of them guessed (as in tests/accounting/audit_test.py). With one noise seed, the two

@@ -51,6 +51,7 @@ def test_parse_case():
         xla_step_cost.parse_case("resnet:8")
 
 
+@pytest.mark.slow
 def test_export_writes_both_steps(exported):
     out_dir, metas = exported
     assert [m["name"] for m in metas] == ["tramer_cnn_b4_plain", "tramer_cnn_b4_dp"]
@@ -82,6 +83,7 @@ def test_cost_in_the_side_interpreter(exported):
     assert table[2].startswith(f"| {CASE} |")
 
 
+@pytest.mark.slow
 def test_layers_export_each_kernels_rule(tmp_path):
     metas = xla_step_cost.export_layers("tramer_cnn:2", str(tmp_path), plan="tf32", first=2)
     assert len(metas) == 2

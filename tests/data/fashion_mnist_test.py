@@ -166,7 +166,7 @@ def test_real_fashion_mnist_conversion(tmp_path):
   np.testing.assert_array_equal(np.bincount(test.labels), [1000] * 10)
 
 
-@pytest.mark.parametrize("damage", ["delete", "truncate"])
+@pytest.mark.parametrize("damage", [pytest.param("delete", marks=pytest.mark.slow), "truncate"])
 def test_a_half_prepared_folder_is_refused_naming_the_shard(tmp_path, damage):
   # Before: "Fashion-MNIST is in ..." and exit 0, with a shard missing.
   import subprocess  # pylint: disable=g-import-not-at-top

@@ -120,7 +120,7 @@ def test_inclusions_are_independent_across_steps():
 
 @pytest.mark.parametrize("num_examples, batch_size, num_steps", [
     (200, 30, 3000),           # small N, q = 0.15
-    (1271167, 16384, 300),     # imagenet.gin: q = 0.0129
+    pytest.param(1271167, 16384, 300, marks=pytest.mark.slow),  # imagenet.gin: q = 0.0129
 ])
 def test_batch_size_is_binomial(num_examples, batch_size, num_steps):
     q = batch_size / num_examples

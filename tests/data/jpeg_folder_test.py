@@ -236,6 +236,7 @@ def test_a_data_dir_and_names_like_glob_patterns_index_and_read_back(tmp_path):
     _assert_reads_every_file(data_dir)
 
 
+@pytest.mark.slow
 def test_the_tool_writes_a_table_that_reads_back_names_with_tabs_newlines_and_non_ascii(
         tmp_path):
     data_dir = _tiny_folder(tmp_path, ["café/1\t2.jpg", "café/3\n4.JPEG", "z/ü.png.jpg"])
@@ -289,6 +290,7 @@ def test_a_dangling_symlink_in_place_of_a_class_folder_is_refused(tmp_path):
         jpeg_folder.index_split(data_dir, "train")
 
 
+@pytest.mark.slow
 def test_the_tool_names_every_bad_file_and_ends_without_a_traceback(tmp_path):
     data_dir = _tiny_folder(tmp_path, ["a/1.jpg", "a/2.jpg", "b/3.jpg", "b/4.jpg", "b/5.jpg"])
     _truncate(os.path.join(data_dir, "train", "a", "1.jpg"))
@@ -394,6 +396,7 @@ def test_an_image_listed_twice_is_refused_naming_both_paths(tmp_path, duplicate,
     assert not os.path.exists(jpeg_folder.index_path(data_dir, "train"))
 
 
+@pytest.mark.slow
 def test_the_tool_refuses_a_symlinked_class_folder_and_lists_every_pair(tmp_path):
     data_dir = _tiny_folder(tmp_path, ["a/1.jpg", "a/2.jpg", "b/3.jpg"])
     _symlinked_class(data_dir)
@@ -403,6 +406,7 @@ def test_the_tool_refuses_a_symlinked_class_folder_and_lists_every_pair(tmp_path
     assert done.stdout.splitlines()[-2:] == ["a/1.jpg\tc/1.jpg", "a/2.jpg\tc/2.jpg"]
 
 
+@pytest.mark.slow
 def test_allowed_duplicates_are_listed_refused_by_a_private_run_and_warned_otherwise(
         tmp_path, caplog):
     # A non-private run may read a folder with duplicates (--allow_duplicates); a private one

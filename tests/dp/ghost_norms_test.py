@@ -25,7 +25,10 @@ def form(request, monkeypatch):
     return request.param
 
 
-@pytest.fixture(params=["direct", "direct_grouped", "direct_recomputed", "gram"])
+CONV_FORMS = ["direct", "direct_grouped", "direct_recomputed", "gram"]
+
+
+@pytest.fixture(params=CONV_FORMS)
 def conv_form(request, monkeypatch):
     """As `form`, for convolutions: the direct form from patches, or from one grouped
     convolution (`conv2d_example_gradients`, a GPU's or a TPU's route), held or recomputed
@@ -702,7 +705,8 @@ def _worst_excess(results, batch):
     return worst
 
 
-@pytest.mark.parametrize("device", EMULATED, ids=lambda d: d.name)
+@pytest.mark.parametrize("device", [pytest.param(precision.BF16, marks=pytest.mark.slow),
+                                    precision.TF32], ids=lambda d: d.name)  # TF32 by default
 @settings(max_examples=30, deadline=None, derandomize=True)
 @given(case=_cancelling_rows())
 def test_no_rule_adds_more_than_its_norm_at_emulated_device_precision(device, case):
@@ -714,6 +718,7 @@ def test_no_rule_adds_more_than_its_norm_at_emulated_device_precision(device, ca
     assert worst <= 1.0, worst
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("device", EMULATED, ids=lambda d: d.name)
 def test_without_the_precision_handling_the_emulated_device_breaks_the_bound(device):
     # The same rules planning for float32 products on a device that rounds their inputs:
@@ -736,7 +741,8 @@ def test_without_the_precision_handling_the_emulated_device_breaks_the_bound(dev
     assert found > 1 + 2.0**-(device.bits + 2), found
 
 
-@pytest.mark.parametrize("form", [ghost_norms.DIRECT, ghost_norms.GRAM])
+@pytest.mark.parametrize("form", [ghost_norms.DIRECT,
+                                  pytest.param(ghost_norms.GRAM, marks=pytest.mark.slow)])
 def test_rules_trace_with_a_dynamic_batch(form):
     # The trainer's Poisson batches have no static size: the rows of each example must
     # keep theirs (the Gram form, the staged sums and WS need it). A README run failed
@@ -761,7 +767,10 @@ def test_rules_trace_with_a_dynamic_batch(form):
     np.testing.assert_allclose(squares[0].numpy(), eager[0].numpy(), rtol=2e-4)
 
 
-@pytest.mark.parametrize("jit", [False, True])
+# Under -m slow: the Gram form without XLA (with XLA it skips); the direct routes run by default.
+@pytest.mark.parametrize("conv_form, jit", [
+    pytest.param(form, jit, marks=[pytest.mark.slow] if (form, jit) == ("gram", False) else [])
+    for form in CONV_FORMS for jit in (False, True)], indirect=["conv_form"])
 def test_conv_rules_trace_with_a_dynamic_batch(conv_form, jit):
     if jit and conv_form == ghost_norms.GRAM:
         pytest.skip("XLA with a dynamic batch: the direct routes (the Gram form's is above)")
@@ -1025,7 +1034,7 @@ def test_a_recompute_that_differs_adds_no_more_than_the_first_norm(case, scales,
         assert np.all(np.isfinite(weighted_sum(tf.where(np.isfinite(squares), 0.5, 0.0))))
 
 
-@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("jit", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_recomputed_chunks_of_several_examples_are_the_held_vectors(monkeypatch, jit):
     # Chunks of 2 examples of K = 2 views (6 examples, 3 chunks), a stride-2 conv and a WS
     # conv, eagerly and under XLA: the recomputed route gives the held route's squares and,

@@ -76,6 +76,7 @@ def _saved_model_cli(export_dir, npy, out_dir):
         capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_saved_model_cli_run(exported, tmp_path):
     # It failed with "Could not find variable logits/bias" for the tf.Module export.
     model, export_dir, images = exported

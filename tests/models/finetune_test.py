@@ -74,6 +74,7 @@ def test_head_initializer_is_used(keras_backbone):
     np.testing.assert_array_equal(model.get_layer("head").get_layer("head_logits").kernel, 1.0)
 
 
+@pytest.mark.slow
 def test_workdir_backbone_holds_the_exported_ema_parameters(pretrain_workdir):
     backbone, preprocess = models.load_backbone(pretrain_workdir)
     assert preprocess is None
@@ -100,6 +101,7 @@ def test_a_workdir_backbone_named_like_a_glob_pattern(pretrain_workdir, tmp_path
         np.testing.assert_array_equal(got.numpy(), want.numpy())
 
 
+@pytest.mark.slow
 def test_workdir_backbone_errors(pretrain_workdir, tmp_path):
     with pytest.raises(models.BackboneError, match="does not exist"):
         models.load_backbone(str(tmp_path / "nowhere"))
@@ -121,6 +123,7 @@ def test_workdir_backbone_errors(pretrain_workdir, tmp_path):
         models.load_backbone(pretrain_workdir, backbone_weights="w.h5")
 
 
+@pytest.mark.slow
 def test_workdir_backbone_whose_weights_do_not_match(pretrain_workdir, tmp_path):
     changed = tmp_path / "changed"
     shutil.copytree(pretrain_workdir, changed)
@@ -141,6 +144,7 @@ def application_weights(tmp_path_factory):
     return path, app
 
 
+@pytest.mark.slow
 def test_keras_application_with_local_weights(application_weights):
     path, app = application_weights
     model = models.build_finetune_model(
@@ -160,6 +164,7 @@ def test_keras_application_with_local_weights(application_weights):
     models.validate_dp_model(model)  # frozen BatchNorm is accepted
 
 
+@pytest.mark.slow
 def test_keras_application_errors(application_weights, keras_backbone, tmp_path):
     with pytest.raises(models.BackboneError, match="Unknown Keras application.*ResNet50"):
         models.load_backbone("keras.applications.ResNet5O")
@@ -288,6 +293,7 @@ def _mechanism(batch_size):
                                      l2_clip_norm=0.1, target_delta=1e-5, noise_multiplier=1.0)
 
 
+@pytest.mark.slow
 def test_head_on_cached_features_equals_head_on_the_frozen_model(keras_backbone):
     model = models.build_finetune_model(10, (28, 28, 1), backbone=keras_backbone[0],
                                         head_initializer="glorot_uniform")
@@ -328,7 +334,7 @@ def _op_types(concrete):
     return ops
 
 
-@pytest.mark.parametrize("trainable", ["head", "all"])
+@pytest.mark.parametrize("trainable", ["head", pytest.param("all", marks=pytest.mark.slow)])
 def test_augmult_views_run_no_backward_pass_through_a_frozen_trunk(keras_backbone, trainable):
     model = models.build_finetune_model(10, (28, 28, 1), backbone=keras_backbone[0],
                                         trainable=trainable)
@@ -350,6 +356,7 @@ def test_augmult_views_run_no_backward_pass_through_a_frozen_trunk(keras_backbon
 # -- End to end: train_and_evaluate from a tfdp workdir ------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("trainable, augmult, cached", [
     ("head", 0, True),
     pytest.param("head", 2, False, marks=pytest.mark.slow),
@@ -399,6 +406,7 @@ def test_train_and_evaluate_fine_tunes_a_workdir_backbone(
         np.testing.assert_allclose(logits, features @ kernel + bias, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_a_resume_reads_the_feature_cache_instead_of_computing_the_features(
         pretrain_workdir, run_smoke, tmp_path, monkeypatch):
     # The features live in the workdir, and a resumed run reads them (after
@@ -459,6 +467,7 @@ def test_a_backbone_trained_on_the_private_split_is_refused_before_any_output(
     assert os.listdir(workdir) == []
 
 
+@pytest.mark.slow
 def test_every_spelling_of_the_private_dataset_is_recognised(run_smoke, tmp_path):
     # A backbone trained WITHOUT privacy on fashion_mnist 'train' must be refused for
     # private fine-tuning on 'train' however the config spells the dataset
@@ -493,6 +502,7 @@ def test_dataset_identity_of_a_name_tfds_refuses():
         data.dataset_identity(" fashion_mnist")
 
 
+@pytest.mark.slow
 def test_the_report_says_whence_the_backbone_came(run_smoke, tmp_path, pretrain_workdir,
                                                     keras_backbone):
     checked = run_smoke(tmp_path / "a", ["fashion_mnist_finetune.gin"], [

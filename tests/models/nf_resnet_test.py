@@ -23,6 +23,7 @@ def test_relu_gain_gives_unit_variance():
     assert np.var(RELU_GAIN * np.maximum(z, 0.0)) == pytest.approx(1.0, abs=0.01)
 
 
+@pytest.mark.slow
 def test_nf_resnet50_parameter_count():
     # 25,556,984 = 25,557,032 (BatchNorm ResNet-50, the "25.5M" of the
     # literature) - 64 (the stem conv has a gain but no bias, where ResNet-50's
@@ -47,6 +48,7 @@ def small_nf_resnet():
     return build_nf_resnet(50, 5, input_shape=(16, 16, 3), width=1, alpha=0.2)
 
 
+@pytest.mark.slow
 def test_beta_follows_the_expected_variance_schedule(small_nf_resnet):
     alpha = 0.2
     model = small_nf_resnet
@@ -115,6 +117,7 @@ def test_forward_on_a_batch_of_two_small_images(small_nf_resnet):
     validate_dp_model(model, check_inputs=images)
 
 
+@pytest.mark.slow
 def test_per_example_gradients_of_nf_blocks_under_vectorized_map(check_per_example_grads):
     # The full NF-ResNet-50 takes ~30 s here; two blocks (one transition) cover
     # every layer type it uses.

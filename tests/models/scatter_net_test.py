@@ -57,6 +57,7 @@ def test_channels_are_ordered_input_channel_major():
         )
 
 
+@pytest.mark.slow
 def test_compute_features_applies_the_authors_scaling_in_batches():
     images = np.random.default_rng(2).integers(0, 256, (5, 28, 28, 1), dtype=np.uint8)
     features = compute_scatternet_features(images, batch_size=2)  # 3 batches, last partial
@@ -65,6 +66,7 @@ def test_compute_features_applies_the_authors_scaling_in_batches():
     np.testing.assert_allclose(features, expected, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_classifier_composes_scatternet_and_head():
     images = np.random.default_rng(3).integers(0, 256, (2, 28, 28, 1), dtype=np.uint8)
     head = build_scatternet_cnn((7, 7, 81), 10, groups=27)

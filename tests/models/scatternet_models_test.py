@@ -123,6 +123,7 @@ def test_cnn_architecture_errors():
         build_scatternet_cnn((8, 8, 243), 10, architecture="resnet")
 
 
+@pytest.mark.slow
 def test_heads_forward_and_per_example_gradients(check_per_example_grads):
     features = np.random.default_rng(1).normal(size=(2, 7, 7, 81)).astype(np.float32)
     for model in (

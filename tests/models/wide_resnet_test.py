@@ -73,6 +73,7 @@ def test_forward_on_a_batch_of_two():
     validate_dp_model(model, check_inputs=images)
 
 
+@pytest.mark.slow
 def test_per_example_gradients_under_vectorized_map(check_per_example_grads):
     model = build_wide_resnet(10, 1, 3, input_shape=(8, 8, 3), norm_order="conv_relu_gn")
     images = np.random.default_rng(1).uniform(0, 255, (2, 8, 8, 3)).astype(np.float32)

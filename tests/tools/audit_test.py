@@ -119,11 +119,13 @@ def _audit_run(kind, workdir, extra, capsys):
     return payload, report
 
 
+@pytest.mark.slow
 def test_gradient_audit_of_a_smoke_run_fills_the_report(tmp_path, capsys):
     payload, _ = _audit_run("gradient", tmp_path, ["--num_canaries", "50"], capsys)
     assert payload["num_canaries"] == 50 and "dedicated" in payload["canaries"]
 
 
+@pytest.mark.slow
 def test_input_audit_trains_on_the_included_canaries(tmp_path, capsys):
     payload, report = _audit_run("input", tmp_path, ["--num_canaries", "20"], capsys)
     # N' = 64 - 20 canary originals + the included canaries, and the report says so.

@@ -142,6 +142,7 @@ def _drop_root_privileges():
     return ["setpriv", "--bounding-set=-dac_override,-dac_read_search,-fowner"]
 
 
+@pytest.mark.slow
 def test_a_read_only_data_dir_is_refused_in_one_line(source_dir, tmp_path):
     # Before: "PermissionError: [Errno 13] Permission denied: '.../fashion_mnist'", as a
     # traceback.

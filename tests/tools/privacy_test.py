@@ -102,6 +102,7 @@ def test_epsilon_pld_and_text(capsys):
     assert "{" not in out  # No JSON without --json.
 
 
+@pytest.mark.slow
 def test_calibrate_noise_multiplier(tmp_path):
     out, _ = _json(
         ["calibrate", *CIFAR, "--batch_size", "4096", "--steps", "2468", "--target_epsilon", "8"],

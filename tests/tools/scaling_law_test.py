@@ -424,6 +424,7 @@ def test_curve_errors_exit_2(tmp_path, capsys):
     assert status == 2 and "no evaluation in metrics.jsonl has both" in stderr
 
 
+@pytest.mark.slow
 def test_script_runs_from_another_directory(tmp_path):
     workdirs = _scaling_family(
         tmp_path, prefix="a", sigma_ref=3.0, intercept=0.80, slope=-0.015, noise=(0, 0, 0),

@@ -42,6 +42,7 @@ def _dp_model(accumulation_steps=A, num_microbatches=None):
     return model, dp
 
 
+@pytest.mark.slow
 def test_chunk_elements_give_the_update_of_whole_logical_batches():
     x, y, mask = _batches()
     model, dp = _dp_model()
@@ -68,6 +69,7 @@ class _Noiseless(DPModel):
         return summed
 
 
+@pytest.mark.slow
 def test_the_accumulators_are_zeroed_per_update_and_kept_out_of_checkpoints(tmp_path):
     x, y, mask = _batches()
     chunks = tf.data.Dataset.from_tensor_slices(

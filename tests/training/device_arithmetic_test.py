@@ -147,7 +147,8 @@ def _unread_entries_case(unread):
     return model, x, y.astype(np.int32)
 
 
-@pytest.mark.parametrize("unread", [np.inf, np.nan, 1e30])
+@pytest.mark.parametrize("unread", [pytest.param(np.inf, marks=pytest.mark.slow), np.nan,
+                                    pytest.param(1e30, marks=pytest.mark.slow)])
 def test_input_entries_no_patch_reads_do_not_set_the_scale(unread):
     # An inf or nan in entries that no patch reads must not make the input's largest
     # entry non-finite, which would turn the scaling off (42.3 C at C = 0.01). A 1e30 there
@@ -322,7 +323,9 @@ def _check_family_under_emulation(name, device):
     return old
 
 
-@pytest.mark.parametrize("device", [precision.TF32, precision.BF16], ids=lambda d: d.name)
+@pytest.mark.parametrize("device", [precision.TF32,
+                                    pytest.param(precision.BF16, marks=pytest.mark.slow)],
+                         ids=lambda d: d.name)  # the CNN at TF32 in the default suite
 @pytest.mark.parametrize("name", ["tramer_cnn",
                                   pytest.param("layer_norm", marks=pytest.mark.slow)])
 def test_every_rounded_matmul_fails_the_float32_plan_and_holds_the_device_plan(name, device):

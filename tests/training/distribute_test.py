@@ -417,6 +417,7 @@ def test_one_replica_keeps_the_dataset():
     assert distribute.distribute_logical_batches(tf.distribute.get_strategy(), ds) is ds
 
 
+@pytest.mark.slow
 def test_static_chunks_give_the_update_of_variable_chunks():
     # The same 8 examples (2 masked) in 4 chunks: static [4, 2, ...] reshape
     # (XLA/TPU path) vs dynamic slicing of a batch of unknown size.
@@ -560,6 +561,7 @@ def test_two_tasks_with_the_same_address_are_refused_at_once(monkeypatch):
         distribute.make_strategy("multi_worker_mirrored")
 
 
+@pytest.mark.slow
 def test_a_port_held_by_another_process_is_not_a_worker_and_the_wait_ends(caplog):
     # Before: anything that accepted a connection on worker 1's port (a stale process,
     # another service) counted as worker 1, and TensorFlow's cluster setup then waited forever.
@@ -582,6 +584,7 @@ def test_a_port_held_by_another_process_is_not_a_worker_and_the_wait_ends(caplog
     assert waits and "not as a tfdp worker" in waits[0], waits
 
 
+@pytest.mark.slow
 def test_a_worker_that_answers_as_another_task_is_not_taken_for_it():
     # Worker 1's address reaches a tfdp worker that is task 0 of its TF_CONFIG (e.g. a
     # TF_CONFIG copied to both hosts without changing the index).
@@ -628,6 +631,7 @@ print("the strategy was built")
 '''
 
 
+@pytest.mark.slow
 def test_the_wait_for_tensorflow_s_cluster_is_bounded_too(tmp_path):
     # Before: MultiWorkerMirroredStrategy() waited for worker 1 forever, with no output,
     # holding the interpreter (no Python thread or signal handler ran) and catching SIGTERM.

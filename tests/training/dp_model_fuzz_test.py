@@ -146,7 +146,7 @@ def test_the_attention_case_of_one_example_runs_vectorized_with_onednn_off():
 # gradient as its own example's. Through clipping="ghost", removing one example moved the
 # clipped sum by 1.10 C. DPModel now takes the vectorized path for any model with user-defined
 # gradients (`models.user_defined_gradients`), where each example's backward pass runs alone.
-@pytest.mark.parametrize("clipping", ["ghost", "auto"])
+@pytest.mark.parametrize("clipping", [pytest.param("ghost", marks=pytest.mark.slow), "auto"])
 def test_a_backward_mix_behind_saturated_activations_keeps_the_sensitivity(clipping):
     import keras  # pylint: disable=g-import-not-at-top
     import numpy as np  # pylint: disable=g-import-not-at-top
@@ -219,6 +219,7 @@ def test_a_live_backward_mix_in_an_activation_is_refused_or_kept_apart(clipping)
         dp.compile(optimizer=keras.optimizers.SGD(0.0))
 
 
+@pytest.mark.slow
 def test_a_graph_vectorized_map_cannot_convert_takes_the_loop():
     # The slow fuzzer's crash (oneDNN on): a grouped Conv2D before attention with a padding
     # mask computed from the input; tf.vectorized_map failed to trace it ("Dimension 1 in

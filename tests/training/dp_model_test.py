@@ -77,6 +77,7 @@ def test_noise_std_is_sigma_c_over_b_once_per_logical_batch(accumulation_steps):
         assert stats.kstest(deltas, "norm", args=(0, wrong)).pvalue < 1e-6
 
 
+@pytest.mark.slow
 def test_accumulated_chunks_give_the_same_update_as_one_pass():
     x, y = _batch(n=7)  # 7 examples in 3 chunks of 3, 3, 1
     updates = []
@@ -115,6 +116,7 @@ def test_update_divides_by_the_expected_batch_size_not_the_realized_one():
         np.testing.assert_allclose(w1, w0 - lr * e / b, rtol=1e-4, atol=1e-7)
 
 
+@pytest.mark.slow
 def test_identity_views_give_the_same_update_as_one_view():
     # De et al. eq. (4): K identical views average to the single-view gradient.
     x, y = _batch()
@@ -251,6 +253,7 @@ def test_each_clipped_contribution_is_bounded_for_any_augmult(augmult, normalize
     assert np.all(contributions.numpy() <= (1.0 if normalize else c) * (1 + 1e-5))
 
 
+@pytest.mark.slow
 def test_ema_follows_the_warmup_schedule():
     # noise 0, two updates; e_1 = 0.1 e_0 + 0.9 w_1, e_2 = (2/11) e_1 + (9/11) w_2.
     model = _mlp(hidden=16)
@@ -272,7 +275,7 @@ def test_ema_follows_the_warmup_schedule():
     np.testing.assert_array_equal(model.trainable_variables[0].numpy(), w2[0])
 
 
-@pytest.mark.parametrize("accumulation_steps", [1, 3])
+@pytest.mark.parametrize("accumulation_steps", [1, pytest.param(3, marks=pytest.mark.slow)])
 def test_an_empty_poisson_batch_still_takes_a_noisy_step(accumulation_steps):
     # Poisson sampling can draw no example at all; the step is then pure noise.
     model = _mlp(hidden=16)
@@ -375,7 +378,8 @@ def test_per_example_sensitivity_is_c_for_any_chunking(accumulation_steps):
     assert deltas == pytest.approx([1.0 / (1 + precision.clip_margin())], abs=3e-6)
 
 
-@pytest.mark.parametrize("batch, accumulation_steps", [(0, 1), (0, 2), (1, 2), (3, 4)])
+@pytest.mark.parametrize("batch, accumulation_steps", [
+    (0, 1), *(pytest.param(*case, marks=pytest.mark.slow) for case in [(0, 2), (1, 2), (3, 4)])])
 def test_empty_chunks_of_a_conv_model_are_padded_not_an_error(batch, accumulation_steps):
     # Poisson batches can be empty or smaller than the chunk count; vectorized conv kernel
     # gradients fail on an empty chunk ("Tried to stack elements of an empty list").
@@ -404,6 +408,7 @@ def test_compile_refuses_a_batch_norm_unfrozen_after_the_model_was_wrapped():
         dp.compile(optimizer="sgd")
 
 
+@pytest.mark.slow
 def test_the_jit_compiled_step_compiles_once_for_every_batch():
     # The recompute of non-finite examples first indexed the batch with `images[i]`: XLA took
     # the slice's data-dependent start as a compile-time constant, baked each batch into the

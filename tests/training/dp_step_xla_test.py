@@ -101,11 +101,10 @@ def test_the_check_sees_a_float64_op_inside_the_step():
 
 
 # The WRN's XLA compile with views took 19-23 s (2 cores): it runs under -m slow, and so does
-# the CNN's (24 s in the suite; tests/slow_cases.txt). The default suite traces the WRN's step
-# with views without compiling it (below): every node of its graph is checked as here.
-@pytest.mark.parametrize("family", [
-    pytest.param(family, marks=[pytest.mark.slow] if family == "wrn_gn_ws" else [])
-    for family in sorted(FAST)])
+# the CNN's (24 s in the suite). The default suite traces the WRN's step with views without
+# compiling it (below): every node of its graph is checked as here.
+@pytest.mark.slow
+@pytest.mark.parametrize("family", sorted(FAST))
 def test_augmult_views_compile_without_float64(family):
     keras.utils.set_random_seed(0)
     builder, shape, scale = FAST[family]

@@ -153,8 +153,11 @@ GROUPED_CASES = [  # (channels, filters, groups, kernel, strides, dilation, padd
 ]
 
 
-@pytest.mark.parametrize("case", GROUPED_CASES)
-@pytest.mark.parametrize("num_views", [None, 2])
+# Every case runs without views in the default suite; with views, all but two (-m slow) do.
+@pytest.mark.parametrize("case, num_views", [
+    pytest.param(case, num_views, id=f"{num_views}-case{i}",
+                 marks=[pytest.mark.slow] if num_views == 2 and i in (1, 4) else [])
+    for num_views in (None, 2) for i, case in enumerate(GROUPED_CASES)])
 def test_grouped_conv2d_rule_equals_a_float64_loop(case, num_views):
     channels, filters, groups, kernel, strides, dilation, padding, size = case
 
@@ -178,6 +181,7 @@ def test_grouped_rule_refuses_groups_that_do_not_divide():
             strides=(1, 1), dilation_rate=(1, 1), padding="same", groups=3)
 
 
+@pytest.mark.slow
 def test_convnext_block_equals_a_float64_loop_and_layer_scale_replays_the_layer():
     builder = ghost_testing.convnext_block_model
     rng = np.random.default_rng(2)
@@ -280,15 +284,13 @@ def _frozen_state(model):
 
 
 # Every application under both modes runs under -m slow (tests/run_slow.sh); the default
-# suite runs EfficientNetB0's "head" mode (depthwise and pointwise convs, squeeze-excite,
-# frozen BatchNorms: the most kinds of layer of the three), and each layer rule of the "all"
-# modes against a float64 loop (the grouped-conv and ConvNeXt-block tests above,
-# ghost_fuzz_test). The "all" modes took 39-52 s each, ResNet50's and ConvNeXtTiny's "head"
-# modes 25 and 23 s (2026-11-27, 2 shared cores, AVX-512 with oneDNN on).
+# suite checks their layer rules against a float64 loop (the grouped-conv test above,
+# ghost_fuzz_test's pretrained-backbone layers). The "all" modes took 39-52 s each, ResNet50's
+# and ConvNeXtTiny's "head" modes 25 and 23 s (2026-11-27, 2 shared cores, AVX-512 with oneDNN
+# on).
+@pytest.mark.slow
 @pytest.mark.parametrize("name, trainable", [
-    pytest.param(name, trainable, marks=[] if (name, trainable) == ("EfficientNetB0", "head")
-                 else [pytest.mark.slow])
-    for name in APPLICATIONS for trainable in ("head", "all")])
+    (name, trainable) for name in APPLICATIONS for trainable in ("head", "all")])
 def test_keras_application_trains_two_dp_steps_on_the_ghost_path(
         name, trainable, saved_application, tensorflow_warnings):
     keras.utils.set_random_seed(0)
@@ -311,6 +313,7 @@ def test_keras_application_trains_two_dp_steps_on_the_ghost_path(
                if v.path.startswith(head.name))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("depth", [2])
 def test_a_small_vit_trains_two_dp_steps_on_the_ghost_path(depth,
                                                             tensorflow_warnings):

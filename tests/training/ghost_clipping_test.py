@@ -69,8 +69,16 @@ def _assert_same_sum(fast, slow):
     np.testing.assert_allclose(fast, slow, rtol=RTOL, atol=RTOL * np.max(np.abs(slow)))
 
 
-@pytest.mark.parametrize("num_views", [None, 2])
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+# Under -m slow: the ReLU + GroupNorm WRN, the NF-ResNet blocks without views and the
+# GN + WS WRN with views; every other case runs in the default suite.
+SLOW_FAMILY_CASES = {("nf_resnet_blocks", None), ("wrn_gn_ws", 2), ("wrn_relu_gn", None),
+                     ("wrn_relu_gn", 2)}
+
+
+@pytest.mark.parametrize("family, num_views", [
+    pytest.param(family, num_views,
+                 marks=[pytest.mark.slow] if (family, num_views) in SLOW_FAMILY_CASES else [])
+    for family in sorted(FAMILIES) for num_views in (None, 2)])
 def test_norms_and_clipped_sum_equal_the_vectorized_path(family, num_views):
     builder, shape, scale = FAMILIES[family]
     keras.utils.set_random_seed(0)
@@ -103,7 +111,9 @@ def _per_example_loop(model, images, labels):
 
 
 @pytest.mark.parametrize("num_views", [None, 2])
-@pytest.mark.parametrize("family", sorted(LOOP_FAMILIES))
+@pytest.mark.parametrize("family", [  # the ConvNeXt block under -m slow
+    pytest.param(family, marks=[pytest.mark.slow] if family == "convnext_block" else [])
+    for family in sorted(LOOP_FAMILIES)])
 def test_attention_and_embeddings_equal_the_per_example_loop(family, num_views):
     builder, shape, scale = LOOP_FAMILIES[family]
     keras.utils.set_random_seed(0)
@@ -406,6 +416,7 @@ def _assert_same_update(a, b):
     assert np.linalg.norm(a - b) <= RTOL * np.linalg.norm(b)
 
 
+@pytest.mark.slow
 def test_auto_takes_the_ghost_path_and_gives_the_vectorized_update():
     data = _inputs((28, 28, 1), 255.0, batch=5, num_views=2)
     dp, ghost = _update(lambda: models.build_tramer_cnn(10), "auto", data,
@@ -428,6 +439,7 @@ def test_auto_takes_the_vectorized_path_when_a_layer_has_no_rule(builder, shape,
     assert named in caplog.text
 
 
+@pytest.mark.slow
 def test_ghost_logs_the_fallback_layers_once(caplog):
     with caplog.at_level(logging.WARNING):
         dp, _ = _update(_model_with_unruled_layer, "ghost", _inputs((6, 6, 1), 1.0))
@@ -484,7 +496,8 @@ def test_clipping_is_validated_and_in_the_config():
     assert dp.get_config()["clipping"] == "ghost"
 
 
-@pytest.mark.parametrize("clipping_path", ["ghost", "vectorized"])
+@pytest.mark.parametrize("clipping_path",
+                         ["ghost", pytest.param("vectorized", marks=pytest.mark.slow)])
 def test_xla_step_of_the_cnn_equals_the_graph_step(clipping_path):
     data = _inputs((28, 28, 1), 255.0, batch=4)
     _, compiled = _update(lambda: models.build_tramer_cnn(10), clipping_path, data,
@@ -506,7 +519,8 @@ def test_xla_compiles_the_wrn16_4_step_at_a_tiny_batch(clipping_path):
     assert any(np.any(u != 0) for u in update)
 
 
-@pytest.mark.parametrize("clipping_path, fallback", [("auto", False), ("vectorized", True)])
+@pytest.mark.parametrize("clipping_path, fallback", [
+    pytest.param("auto", False, marks=pytest.mark.slow), ("vectorized", True)])
 def test_no_sequential_conv_gradients_on_the_ghost_path(clipping_path, fallback,
                                                       tensorflow_warnings):
     # Every shipped config of the default suite is checked the same way in configs_test.py.
@@ -519,6 +533,7 @@ def test_no_sequential_conv_gradients_on_the_ghost_path(clipping_path, fallback,
 # -- Gin switches --------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_gin_switches_compile_the_step_with_static_poisson_batches(run_smoke, tmp_path):
     report = run_smoke(tmp_path, ["fashion_mnist.gin"], [
         "tfdp.RuntimeConfig.jit_compile = True",
@@ -601,6 +616,7 @@ def test_a_trainable_batch_norm_is_refused_by_dp_model():
         DPModel(model, _mechanism())
 
 
+@pytest.mark.slow
 def test_a_vit_block_trains_under_dp_model_on_the_ghost_path(caplog):
     # clipping='auto' takes the ghost path: every layer, attention included, has a rule
     # (no per-example loop warning).

@@ -735,7 +735,8 @@ _CANCELLING_CASE = (
     np.array([4], np.int32), np.array([1.0], np.float32), 0.01)
 
 
-@pytest.mark.parametrize("device", [precision.BF16, precision.TF32], ids=lambda d: d.name)
+@pytest.mark.parametrize("device", [pytest.param(precision.BF16, marks=pytest.mark.slow),
+                                    precision.TF32], ids=lambda d: d.name)  # TF32 by default
 @hypothesis.settings(hypothesis.settings.get_profile("ghost-fuzz-emulated"))
 @hypothesis.given(case=cases())
 @hypothesis.example(case=_CANCELLING_CASE)
@@ -775,9 +776,15 @@ PRETRAINED_BACKBONE_LAYERS = (
                                   "frozen_batch_norm", "frozen")]
     + [("image_to_sequence", kind) for kind in SEQUENCE + ["position"]]
     + [("tokens", kind) for kind in ("attention", "einsum", "position", "frozen")])
+# Under -m slow: the sequence layers on image_to_sequence inputs but LayerNorm, and the
+# tokens' einsum and frozen layers.
+SLOW_BACKBONE_LAYERS = ({("image_to_sequence", kind) for kind in SEQUENCE + ["position"]
+                         if kind != "layer_norm"} | {("tokens", "einsum"), ("tokens", "frozen")})
 
 
-@pytest.mark.parametrize("inputs, require", PRETRAINED_BACKBONE_LAYERS)
+@pytest.mark.parametrize("inputs, require", [
+    pytest.param(*case, marks=[pytest.mark.slow] if case in SLOW_BACKBONE_LAYERS else [])
+    for case in PRETRAINED_BACKBONE_LAYERS])
 @hypothesis.settings(hypothesis.settings.get_profile("ghost-fuzz-layers"))
 @hypothesis.given(data=st.data())
 def test_fuzz_each_pretrained_backbone_layer(inputs, require, data):
@@ -856,6 +863,7 @@ def test_ws_conv_and_group_norm_worst_of_576_images_contributes_at_most_c():
     assert contributions.max() <= 1 + CONTRIBUTION_RTOL, contributions.max()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("device", [precision.BF16, precision.TF32], ids=lambda d: d.name)
 def test_the_white_image_reproduction_needs_the_precision_handling(device):
     # The conv reproduction with the rules' matmul inputs rounded as a TPU

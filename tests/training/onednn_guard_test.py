@@ -122,6 +122,7 @@ def test_a_model_whose_step_alone_forms_the_buggy_matmul_is_refused(monkeypatch)
             *spec)
 
 
+@pytest.mark.slow
 def test_safe_graphs_keep_their_path_and_onednn_off_checks_nothing(monkeypatch):
     monkeypatch.setattr(host, "onednn_enabled", lambda: True)
     dp, _ = _contribution(_sequence_model, "vectorized")  # Dense on [batch, T, C]: rank 2
