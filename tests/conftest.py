@@ -36,49 +36,19 @@ def _run_smoke(workdir, gin_files, extra_params=(), mock=True):
         gin.clear_config()
 
 
-SLOW_CASES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "slow_cases.txt")
-
-
-def read_slow_cases(path=SLOW_CASES):
-    """The test ids of `tests/slow_cases.txt` (comments and blank lines left out)."""
-    with open(path) as f:
-        return [line.strip() for line in f if line.strip() and not line.startswith("#")]
-
-
-def slow_case_matches(case, nodeid):
-    """Whether `case` (a line of slow_cases.txt) names the test `nodeid`.
-
-    `file::test` names every case of that test (not `file::test_longer`), `file::test[id]`
-    that case, and `file::test[id` cut short (no `]`) every case whose id starts with it.
-    """
-    if "[" not in case:
-        return nodeid == case or nodeid.startswith(case + "[")
-    return nodeid == case if case.endswith("]") else nodeid.startswith(case)
-
-
-COLLECTED_FILES = pytest.StashKey[set]()  # test files the collection read (before -m)
-STALE_SLOW_CASES = pytest.StashKey[list]()  # lines of slow_cases.txt naming nothing collected
+SLOW_BY_NODEID = pytest.StashKey[dict]()  # every collected test's id: whether it is marked slow
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    """Marks the cases of `tests/slow_cases.txt` `slow`, before `-m` selects.
+    """Stashes every collected test's id and whether it is marked `slow`, before `-m` selects.
 
-    Also stashes, for `tests/slow_cases_test.py` (a test's failure, which pytest-xdist
-    reports, where an error raised here in a worker would be dropped): the files collected,
-    and the lines that name no collected test of a collected file (a renamed test).
+    For `tests/slow_cases_test.py`, which checks that the default suite keeps a case of each
+    privacy, accounting and workdir rule: after `-m "not slow"` a test marked slow in every
+    case is no longer among the session's items.
     """
-    cases = read_slow_cases()
-    found = set()
-    for item in items:
-        for case in cases:
-            if slow_case_matches(case, item.nodeid):
-                item.add_marker(pytest.mark.slow)
-                found.add(case)
-    files = {item.nodeid.split("::")[0] for item in items}
-    config.stash[COLLECTED_FILES] = files
-    config.stash[STALE_SLOW_CASES] = [
-        case for case in cases if case not in found and case.split("::")[0] in files]
+    config.stash[SLOW_BY_NODEID] = {
+        item.nodeid: item.get_closest_marker("slow") is not None for item in items}
 
 
 @pytest.hookimpl(hookwrapper=True)

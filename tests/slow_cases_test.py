@@ -1,11 +1,11 @@
-"""tests/slow_cases.txt: what the default suite leaves to `-m slow`, and what it must keep."""
+"""What the default suite leaves to `-m slow` (`@pytest.mark.slow`), and what it must keep."""
 
 import os
 
 import pytest
 
 # Each privacy, accounting or workdir rule's check keeps at least one case in the default
-# suite (README's command 2, CI): slow_cases.txt may list other cases of these, never all.
+# suite (README's command 2, CI): other cases of these may be marked slow, never all.
 KEPT = [
     "tests/training/distribute_test.py::test_summed_noise_has_std_sigma_c_over_b_for_every_replica_count",
     "tests/training/distribute_test.py::test_microbatched_sensitivity_is_2c_across_replicas",
@@ -59,9 +59,11 @@ ALL_CASES_KEPT = ["tests/configs_test.py::test_config_epsilon_matches_the_paper"
                   "tests/readme_test.py::"]
 
 
+
+
 @pytest.fixture
 def conftest_module(request):
-    """tests/conftest.py as pytest loaded it: its matcher, its list reader, its stash keys."""
+    """tests/conftest.py as pytest loaded it: its stash key."""
     path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "conftest.py")
     for plugin in request.config.pluginmanager.get_plugins():
         if os.path.abspath(getattr(plugin, "__file__", "") or "") == path:
@@ -69,64 +71,70 @@ def conftest_module(request):
     raise AssertionError("tests/conftest.py is not loaded")
 
 
-def test_a_line_names_a_test_its_cases_or_a_case_cut_short(conftest_module):
-    match = conftest_module.slow_case_matches
-    assert match("tests/a_test.py::test_x", "tests/a_test.py::test_x")
-    assert match("tests/a_test.py::test_x", "tests/a_test.py::test_x[1-2]")
-    assert not match("tests/a_test.py::test_x", "tests/a_test.py::test_x_long")
-    assert not match("tests/a_test.py::test_x", "tests/b_test.py::test_x")
-    assert match("tests/a_test.py::test_x[1-2]", "tests/a_test.py::test_x[1-2]")
-    assert not match("tests/a_test.py::test_x[1-2]", "tests/a_test.py::test_x[1-20]")
-    assert match("tests/a_test.py::test_x[1-", "tests/a_test.py::test_x[1-20 and more]")
-    assert not match("tests/a_test.py::test_x[1-", "tests/a_test.py::test_x[2-1]")
+def _names(test, nodeid):
+    """Whether `test` names the collected test `nodeid`.
+
+    `file::test` names every case of that test (not `file::test_longer`), `file::test[id]`
+    that case, and `file::` every test of the file.
+    """
+    if test.endswith("::"):
+        return nodeid.startswith(test)
+    if test.endswith("]"):
+        return nodeid == test
+    return nodeid == test or nodeid.startswith(test + "[")
 
 
-def test_every_line_is_a_test_id_and_no_line_is_there_twice(conftest_module):
-    cases = conftest_module.read_slow_cases()
-    assert len(cases) == len(set(cases)) > 100
-    for case in cases:
-        path, _, name = case.partition("::")
-        assert path.startswith("tests/") and path.endswith("_test.py") and os.path.isfile(
-            os.path.join(os.path.dirname(os.path.dirname(__file__)), path)), case
-        assert name.startswith("test_"), case
+def _cases(test, slow_by_nodeid):
+    """The collected cases `test` names, each with whether it is marked slow."""
+    return {nodeid: slow for nodeid, slow in slow_by_nodeid.items() if _names(test, nodeid)}
 
 
-def test_the_list_leaves_a_case_of_every_privacy_check_in_the_default_suite(conftest_module):
-    cases = conftest_module.read_slow_cases()
-    for test in KEPT:
-        assert test not in cases, f"{test}: every case would leave the default suite"
-    for test in ALL_CASES_KEPT:
-        assert not [case for case in cases if case.startswith(test)], test
-
-
-def _whole_files_run(config):
-    """Whether this run selects whole files (no node ids, no -k, not --lf's failures only)."""
-    return not (config.getoption("lf", False) or config.getoption("keyword")
-                or any("::" in arg for arg in config.args))
-
-
-def test_every_line_names_a_collected_test(request, conftest_module):
-    # A renamed or removed test must be renamed or removed in slow_cases.txt too: its old
-    # line would otherwise name nothing, and the renamed test would silently run by default.
-    if not _whole_files_run(request.config):
-        pytest.skip("this run collected parts of files: a line may name a test left out")
-    stale = request.config.stash[conftest_module.STALE_SLOW_CASES]
-    assert not stale, f"lines of tests/slow_cases.txt that name no test: {stale}"
-
-
-def test_the_default_suite_runs_a_case_of_each_kept_check(request, conftest_module):
-    # Behaviour, not the list's text: among the tests this run selected (the default suite
-    # with README's command 2), each kept check of a collected file has a case. A run of
-    # some files only checks the checks of those files.
-    if "not slow" not in (request.config.getoption("markexpr") or ""):
-        pytest.skip("only meaningful in a run that leaves out -m slow (the default suite)")
-    if not _whole_files_run(request.config):
+def _collected(request, conftest_module):
+    """Every collected test's id and whether it is marked slow, and the files collected."""
+    # A run of node ids or of --lf's failures collects parts of files: a kept check's
+    # other cases may be left out.
+    config = request.config
+    if config.getoption("lf", False) or any("::" in arg for arg in config.args):
         pytest.skip("this run collected parts of files")
-    collected = request.config.stash[conftest_module.COLLECTED_FILES]
-    selected = [item.nodeid for item in request.session.items]
+    slow_by_nodeid = config.stash[conftest_module.SLOW_BY_NODEID]
+    files = {nodeid.split("::")[0] for nodeid in slow_by_nodeid}
+    if not files & {test.split("::")[0] for test in KEPT + ALL_CASES_KEPT}:
+        pytest.skip("this run collected none of the kept checks' files")
+    return slow_by_nodeid, files
+
+
+def test_the_default_suite_keeps_a_case_of_each_kept_check(request, conftest_module):
+    # On the marks of the collected tests, whatever -m selected: among the tests this run
+    # collected, each kept check of a collected file has a case not marked slow. A renamed
+    # check, whose old name names nothing collected, fails too. A run of some files only
+    # checks the checks of those files.
+    slow_by_nodeid, files = _collected(request, conftest_module)
     for test in KEPT:
-        if test.split("::")[0] in collected:
-            assert any(conftest_module.slow_case_matches(test, nodeid) for nodeid in selected), (
-                f"{test} has no case in the default suite")
+        if test.split("::")[0] in files:
+            cases = _cases(test, slow_by_nodeid)
+            assert cases, f"{test}: no such test was collected"
+            assert not all(cases.values()), f"{test}: every case is marked slow"
 
 
+def test_every_case_of_the_always_kept_checks_stays_in_the_default_suite(request,
+                                                                         conftest_module):
+    slow_by_nodeid, files = _collected(request, conftest_module)
+    for test in ALL_CASES_KEPT:
+        if test.split("::")[0] in files:
+            cases = _cases(test, slow_by_nodeid)
+            assert cases, f"{test}: no such test was collected"
+            slow = [nodeid for nodeid, is_slow in cases.items() if is_slow]
+            assert not slow, f"marked slow, and every case of {test} must stay: {slow}"
+
+
+def test_a_kept_check_names_its_cases():
+    marked = {"tests/a_test.py::test_x": False, "tests/a_test.py::test_x[1-2]": True,
+              "tests/a_test.py::test_x_long": True, "tests/b_test.py::test_x": True,
+              "tests/a_test.py::test_y[1]": True}
+    assert _cases("tests/a_test.py::test_x", marked) == {
+        "tests/a_test.py::test_x": False, "tests/a_test.py::test_x[1-2]": True}
+    assert _cases("tests/a_test.py::test_x[1-2]", marked) == {
+        "tests/a_test.py::test_x[1-2]": True}
+    assert set(_cases("tests/a_test.py::", marked)) == {
+        "tests/a_test.py::test_x", "tests/a_test.py::test_x[1-2]",
+        "tests/a_test.py::test_x_long", "tests/a_test.py::test_y[1]"}
