@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The end-to-end acceptance runs and long sweeps that the default suite leaves out
-# (`-m slow`; setup.cfg), and the cases listed in tests/slow_cases.txt. Each property they
-# check also has a test in the default suite (README's command 2; tests/slow_cases_test.py).
+# The end-to-end acceptance runs, long sweeps and other tests that the default suite leaves
+# out: those marked `@pytest.mark.slow` (`-m slow`; setup.cfg). Each property they check also
+# has a test in the default suite (README's command 2; tests/slow_cases_test.py).
 # Run from the repository root, in its venv:
 #   bash tests/run_slow.sh                 # all of them (over an hour on 2 cores)
 #   bash tests/run_slow.sh tests/resume_test.py tests/multi_worker_test.py   # some
