@@ -9,7 +9,9 @@ ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
 # `accounting` (pure Python over dp_accounting) and the leaves.
 FLOORS = ["data", "augment", "models", "dp", "training", "export", "audit"]
 LEAVES = {"storage", "host", "gin_bindings", "graph_checks", "lease", "workdir", "accounting",
-          "process_settings"}
+          "process_settings", "atomic_file"}
+# Leaves of pure Python that import no other part of tfdp: `accounting` may use them.
+PURE_LEAVES = {"atomic_file"}
 # The stages of the trainer, built on the floors (and the CLI over them).
 STAGES = {"configs", "planning", "inputs", "features", "modes", "run", "resume_rule",
           "experiment", "private_training", "main"}
@@ -58,14 +60,29 @@ def test_nothing_imports_the_trainer_but_the_cli():
     assert users <= {"main"}, users
 
 
-def test_accounting_imports_no_tensorflow_and_no_other_part():
+def _imported_names(path):
+    """Every module name `path` imports (`from tfdp import x` gives `tfdp.x`)."""
+    names = []
+    for node in ast.walk(ast.parse(open(path).read())):
+        if isinstance(node, ast.Import):
+            names += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            names += ([f"tfdp.{a.name}" for a in node.names] if node.module == "tfdp"
+                      else [node.module or ""])
+    return names
+
+
+def test_accounting_imports_no_tensorflow_and_no_other_part_but_pure_leaves():
+    allowed = ("tfdp.accounting",) + tuple(f"tfdp.{leaf}" for leaf in PURE_LEAVES)
     for folder, _, files in os.walk(os.path.join(ROOT, "accounting")):
         for name in (n for n in files if n.endswith(".py")):
-            tree = ast.parse(open(os.path.join(folder, name)).read())
-            for node in ast.walk(tree):
-                names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
-                         [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
-                for imported in names:
-                    assert not imported.startswith(("tensorflow", "keras")), (name, imported)
-                    assert not imported.startswith("tfdp.") or imported.startswith(
-                        "tfdp.accounting"), (name, imported)
+            for imported in _imported_names(os.path.join(folder, name)):
+                assert not imported.startswith(("tensorflow", "keras")), (name, imported)
+                assert not imported.startswith("tfdp.") or imported.startswith(
+                    allowed), (name, imported)
+
+
+def test_pure_leaves_import_no_tensorflow_and_no_part_of_tfdp():
+    for leaf in PURE_LEAVES:
+        for imported in _imported_names(os.path.join(ROOT, leaf + ".py")):
+            assert not imported.startswith(("tensorflow", "keras", "tfdp")), (leaf, imported)

@@ -4,7 +4,7 @@ Every file operation on a run's workdir goes through these few helpers, so
 a workdir may be a local (or mounted) folder or a `tf.io.gfile` URL: gs://
 (Cloud Storage) on a TPU pod, ram:// (TensorFlow's in-memory file system)
 in the tests. Local paths keep the POSIX operations they always had (atomic
-rename, fsync); URLs go through `tf.io.gfile`, imported only then, so the
+rename, fsync: `tfdp.atomic_file`); URLs go through `tf.io.gfile`, imported only then, so the
 CLI checks a local workdir without importing TensorFlow.
 
 An object store has no atomic rename and no partial objects: an object
@@ -19,6 +19,8 @@ import glob as glob_lib
 import os
 import re
 import shutil
+
+from tfdp import atomic_file
 
 _URL = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*://")
 
@@ -135,8 +137,8 @@ def read_text(path):
 def write_whole(path, content):
     """Writes `content` (str or bytes) to `path` so that no reader sees a part of it.
 
-    Local: to `path.tmp-PID`, flushed to disk (fsync), renamed over `path`.
-    URL: one object, uploaded in one write.
+    Local: `tfdp.atomic_file` (a temporary file beside `path`, flushed to
+    disk, renamed over `path`). URL: one object, uploaded in one write.
     """
     data = content.encode("utf-8") if isinstance(content, str) else bytes(content)
     _write_with(path, lambda f: f.write(data))
@@ -152,24 +154,15 @@ def _write_with(path, write):
         with _gfile().GFile(path, "wb") as f:
             write(f)
         return
-    tmp = f"{path}.tmp-{os.getpid()}"
-    try:
-        with open(tmp, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
+    with atomic_file.replacing(path) as f:
+        write(f)
 
 
 def write_array(path, array):
     """Writes a NumPy array as a .npy file so that no reader sees a part of it.
 
-    As `write_whole`, without a second copy of the array in memory: locally to
-    `path.tmp-PID`, flushed to disk (fsync) and renamed over `path`; on a URL,
-    one object.
+    As `write_whole`, without a second copy of the array in memory: locally
+    through `tfdp.atomic_file`; on a URL, one object.
     """
     import numpy as np  # pylint: disable=g-import-not-at-top
 
@@ -211,7 +204,7 @@ def move(source, target):
         copy(source, target)
         os.unlink(source)
     else:
-        os.replace(source, target)
+        atomic_file.move(source, target)
 
 
 def remove(path):

@@ -16,12 +16,8 @@ The file is replaced atomically (written beside it, then renamed over it, keepin
 Exits 1 with one "error: ..." line on a file it cannot read or write.
 """
 
-import contextlib
-import os
 import re
-import shutil
 import sys
-import tempfile
 
 from absl import app
 from absl import flags
@@ -41,6 +37,7 @@ def main(argv):
             print(f"error: cannot read {path}: {getattr(e, 'strerror', None) or e}",
                   file=sys.stderr)
             sys.exit(1)
+    from tfdp import atomic_file  # pylint: disable=g-import-not-at-top
     from tfdp import configs  # pylint: disable=g-import-not-at-top
 
     for path, text in texts.items():
@@ -56,28 +53,12 @@ def main(argv):
                   "setting) is listed as not used. Bind tfdp.RuntimeConfig.seed to fix them.")
         if found and not _DRY_RUN.value:
             try:
-                _replace(path, configs.migrate(text))
+                # Beside the file, then renamed over it: a full disk never leaves half a file.
+                atomic_file.write_text(path, configs.migrate(text))
             except OSError as e:
                 print(f"error: cannot write {path} (left as it was): {e.strerror}",
                       file=sys.stderr)
                 sys.exit(1)
-
-
-def _replace(path, text):
-    """Writes `text` beside `path` and renames it over: a full disk never leaves half a file."""
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".migrate-", suffix=".gin", dir=folder)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        shutil.copymode(path, tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
-        raise
 
 
 if __name__ == "__main__":

@@ -43,13 +43,13 @@ import datetime
 import hashlib
 import json
 import os
-import tempfile
 import threading
 from typing import Any, Dict, List, Optional, Tuple
 
 import dp_accounting
 import filelock
 
+from tfdp import atomic_file
 from tfdp.accounting import accountant as accountant_lib
 from tfdp.accounting import mechanism as mechanism_lib
 
@@ -233,23 +233,22 @@ def read_text(study_dir: str) -> Optional[str]:
 
 
 def write_text(study_dir: str, text: Optional[str]) -> None:
-    """Replaces the ledger with `text` atomically (None: removes it); hold `study_lock`."""
+    """Replaces the ledger with `text` atomically (`tfdp.atomic_file`); hold `study_lock`.
+
+    Args:
+      study_dir: the study directory.
+      text: the ledger's new content, or None to remove the ledger.
+
+    Raises:
+      OSError: the ledger cannot be written or removed; a failed write leaves
+        it as it was.
+    """
     path = ledger_path(study_dir)
     if text is None:
         if os.path.exists(path):
             os.remove(path)
         return
-    fd, tmp_path = tempfile.mkstemp(dir=os.fspath(study_dir), suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp_path, path)
-    except BaseException:
-        if os.path.exists(tmp_path):
-            os.remove(tmp_path)
-        raise
+    atomic_file.write_text(path, text)
 
 
 def run_event(record: Dict[str, Any]) -> dp_accounting.DpEvent:

@@ -58,6 +58,7 @@ import re
 import numpy as np
 import tensorflow as tf
 
+from tfdp import storage
 from tfdp.data import errors
 
 INDEX_SUFFIX = ".tfdp_index.tsv"
@@ -190,8 +191,7 @@ def write_index(path, header, rows):
     """
     lines = [f"# {INDEX_FORMAT} {json.dumps(header, sort_keys=True)}"]
     lines += [f"{json.dumps(relative)}\t{label}\t{size}" for relative, label, size in rows]
-    with tf.io.gfile.GFile(path, "w") as f:
-        f.write("\n".join(lines) + "\n")
+    storage.write_whole(path, "\n".join(lines) + "\n")
 
 
 def read_index(path):

@@ -15,6 +15,8 @@ import math
 import os
 import platform
 
+from tfdp import atomic_file
+
 REPORT_JSON = "privacy_report.json"
 REPORT_MD = "privacy_report.md"
 # A non-private run (`privacy=None`) writes these INSTEAD of the report, in the workdir
@@ -496,15 +498,13 @@ def write_privacy_report(report: dict, directory) -> tuple[str, str]:
 def _write_pair(report, directory, json_name, md_name, render):
     json_path = os.path.join(directory, json_name)
     md_path = os.path.join(directory, md_name)
-    # Each file is written next to its place and renamed in: a reader never
-    # sees half a report.
-    with open(json_path + ".tmp", "w") as f:
-        json.dump(report, f, indent=2, sort_keys=True, default=_json_default)
-        f.write("\n")
-    with open(md_path + ".tmp", "w") as f:
-        f.write(render(report))
-    os.replace(md_path + ".tmp", md_path)
-    os.replace(json_path + ".tmp", json_path)
+    # Each file is written next to its place and renamed in (`tfdp.atomic_file`): a reader
+    # never sees half a report. Both are written before either is renamed in.
+    with atomic_file.replacing(json_path, "w") as json_file, \
+            atomic_file.replacing(md_path, "w") as md_file:
+        json.dump(report, json_file, indent=2, sort_keys=True, default=_json_default)
+        json_file.write("\n")
+        md_file.write(render(report))
     return json_path, md_path
 
 
