@@ -8,6 +8,7 @@ lost it stops. (Cloud Storage itself is not reachable from here; docs/design/wor
 """
 
 import json
+import os
 import re
 import threading
 import time
@@ -122,9 +123,46 @@ def test_a_run_that_lost_its_lease_stops(url):
             store.replace(lock, json.dumps({"id": "thief", "expires": time.time() + 60}).encode(),
                           generation)
             deadline = time.time() + 10
-            while time.time() < deadline:  # the work of the run, interrupted
+            while time.time() < deadline:  # the run's steps, each checking its workdir
+                workdir_lib.check_held(url)
                 time.sleep(0.01)
+            raise AssertionError("the run went on after losing its lease")
     assert _record(lock)["id"] == "thief"  # the loser does not delete the winner's lease
+
+
+def test_a_lost_lease_stops_a_keras_fit_at_its_next_step(url):
+    import keras  # pylint: disable=g-import-not-at-top
+    import numpy as np  # pylint: disable=g-import-not-at-top
+
+    from tfdp.training import callbacks  # pylint: disable=g-import-not-at-top
+
+    store, lock = lease_lib.RamLeaseStore(), f"{url}/{workdir_lib.LOCK_FILE}"
+    seen = []  # per step: was the lease lost when the step ended?
+
+    class Steps(keras.callbacks.Callback):
+        def __init__(self, lease):
+            super().__init__()
+            self.lease = lease
+
+        def on_train_batch_end(self, batch, logs=None):
+            seen.append(self.lease.lost)
+            if batch == 2:  # another run takes the workdir over
+                _, generation = store.read(lock)
+                store.replace(lock, json.dumps({"id": "thief", "expires": time.time() + 60}
+                                               ).encode(), generation)
+            time.sleep(0.02)  # a step of the run
+
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse")
+    with pytest.raises(workdir_lib.WorkdirLockedError, match=r"lost its lease on the workdir"):
+        with workdir_lib.locked(url, lease_seconds=5.0, renew_every_seconds=0.1):
+            lease = workdir_lib._leases[url]  # pylint: disable=protected-access
+            # As the trainer orders them: the check, then what would write.
+            model.fit(np.zeros((4000, 2)), np.zeros((4000, 1)), batch_size=1, epochs=1,
+                      verbose=0, callbacks=[Steps(lease), callbacks.WorkdirHeld(url)])
+    assert lease.lost and _record(lock)["id"] == "thief"
+    # Stopped at the end of the step during which the flag was set: no step ends after it.
+    assert seen.count(True) <= 1 and len(seen) < 200, (len(seen), seen.count(True))
 
 
 @pytest.mark.parametrize("bad", [("s3://b/wd", r"s3://b/wd is a s3:// URL"),
@@ -278,8 +316,8 @@ def test_gs_without_credentials_says_what_to_do(fake_gcs, monkeypatch):
 
 
 # -- A lost lease stops the run whatever its signal dispositions ----------------
-# A run started as `cmd &` from a script ignores SIGINT; the stop used to be a SIGINT to the
-# main thread, so such a run trained on after another run took its workdir over.
+# A run started as `cmd &` from a script ignores SIGINT: the stop is no signal but a flag that
+# the run checks at every step, and the process exits if the run does not react in time.
 _LOSER = r'''
 import json, signal, sys, time
 signal.signal(signal.SIGINT, signal.SIG_IGN)  # as a background job of a shell script
@@ -293,7 +331,11 @@ try:
         store.replace(lock, json.dumps({"id": "thief", "expires": time.time() + 60}).encode(),
                       generation)
         taken = time.time()
-        if work == "python":  # the run's Python loop (Keras' fit returns to Python each step)
+        if work == "python":  # the run's steps, each checking its workdir (as WorkdirHeld)
+            while time.time() < taken + 30:
+                workdir_lib.check_held(url)
+                sum(range(1000))
+        elif work == "unchecked":  # a long stretch of Python work without a check
             while time.time() < taken + 30:
                 sum(range(1000))
         else:  # stuck in one long native call
@@ -318,7 +360,7 @@ def busy_cpu():
     spinner.wait()
 
 
-@pytest.mark.parametrize("work", ["python", "native"])
+@pytest.mark.parametrize("work", ["python", "unchecked", "native"])
 def test_a_run_that_ignores_sigint_stops_within_a_renewal_of_losing_its_lease(
         tmp_path, busy_cpu, work):
     import subprocess  # pylint: disable=g-import-not-at-top
@@ -328,18 +370,21 @@ def test_a_run_that_ignores_sigint_stops_within_a_renewal_of_losing_its_lease(
     script.write_text(_LOSER)
     renew = 1.0
     started = time.time()
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # this tfdp, not another
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run([sys.executable, str(script), f"ram://loser/{uuid.uuid4().hex}",
-                           str(renew), work], capture_output=True, text=True, timeout=120)
+                           str(renew), work], capture_output=True, text=True, timeout=120,
+                          env=env)
     assert "STILL RUNNING" not in proc.stdout, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     if work == "python":
-        # Interrupted at the first renewal after the takeover (<= renew), plus scheduling.
+        # Stopped at the first step after the first renewal after the takeover (<= renew).
         assert proc.returncode == 2, proc.stdout + proc.stderr[-3000:]
         elapsed = float(proc.stdout.split("STOPPED after ")[1].split(" s")[0])
         assert elapsed < renew + 1.0, proc.stdout
         assert "lost its lease on the workdir" in proc.stdout
     else:
-        # No Python code runs to be interrupted: the process exits one renewal later.
+        # Nothing checks the flag: the process exits one renewal later.
         assert proc.returncode == lease_lib.LOST_EXIT_STATUS, proc.stdout + proc.stderr[-3000:]
         assert "did not stop within 1 s of losing its workdir lease" in proc.stderr
         assert time.time() - started < 25  # not the 30 s sleep (the interpreter's start incl.)

@@ -18,17 +18,18 @@ time and an expiry time.
   on the generation it read, so of two runs taking over, one wins.
 - **Lost**: if a renewal finds another generation (someone took over after
   this run failed to renew in time: a host paused longer than the lease),
-  or cannot renew before the expiry, the holder stops. The thread that took
-  the lease gets a `LeaseLostError` raised into it (an asynchronous
-  exception, not a signal: a run started as `cmd &` from a script ignores
-  SIGINT, and a run must stop whatever its signal dispositions), and
-  `tfdp.workdir.locked` turns it into a WorkdirLockedError. If that thread
-  has not let go of the lease within `renew_every_seconds` (stuck in a long
-  native call), the process exits at once with status `LOST_EXIT_STATUS`.
-  A run stops at the first renewal after its lease was taken over; what it
-  wrote between the takeover and that renewal (a host paused for minutes
-  resumes before its renewal thread wakes) is bounded by one renewal period,
-  not prevented.
+  or cannot renew before the expiry, the holder stops. The renewal thread
+  sets the flag `Lease.lost_event`; the run checks it at every training
+  step, at every evaluation batch and before each of its writes
+  (`tfdp.workdir.check_held`), and stops with a WorkdirLockedError. A flag,
+  not a signal: a run started as `cmd &` from a script ignores SIGINT, and
+  a run must stop whatever its signal dispositions. If the run has not let
+  go of the lease within `renew_every_seconds` of the loss (stuck in a long
+  native call, or in a stretch of work without a check), the process exits
+  at once with status `LOST_EXIT_STATUS`. A run stops at the first renewal
+  after its lease was taken over; what it wrote between the takeover and
+  that renewal (a host paused for minutes resumes before its renewal thread
+  wakes) is bounded by one renewal period, not prevented.
 - **Released** at the end: the object is deleted (precondition: our
   generation).
 
@@ -44,7 +45,6 @@ which the tests use: its preconditions are exact, under a process lock) and
 NOT tested against real Cloud Storage: docs/design/workdir_protocol.md).
 """
 
-import ctypes
 import dataclasses
 import datetime
 import json
@@ -61,14 +61,6 @@ CLOCK_SKEW_SECONDS = 30.0
 LOST_EXIT_STATUS = 75
 # An expiry after this (the year 5138) is not a time a run wrote: the record is unreadable.
 LATEST_EXPIRY = 1e11
-
-
-class LeaseLostError(KeyboardInterrupt):
-    """Raised into the thread that holds a lease when the run loses it.
-
-    A KeyboardInterrupt (a BaseException), so that no `except Exception` on
-    the way (Keras' callbacks, TensorFlow) swallows it: the run stops.
-    """
 
 
 class LeaseHeldError(Exception):
@@ -230,14 +222,14 @@ class Lease:
       store: a `RamLeaseStore` or `GCSLeaseStore`.
       lease_seconds: how long a lease lives without renewal.
       renew_every_seconds: the renewal period (< lease_seconds).
-      lost: set when a renewal finds the lease taken over, or cannot renew in time.
+      lost_event: a `threading.Event`, set when a renewal finds the lease
+        taken over, or cannot renew in time; the run checks it (`lost`).
     """
 
     path: str
     store: object
     lease_seconds: float = LEASE_SECONDS
     renew_every_seconds: float = RENEW_EVERY_SECONDS
-    lost: bool = False
 
     def __post_init__(self):
         if not 0 < self.renew_every_seconds < self.lease_seconds:
@@ -249,10 +241,15 @@ class Lease:
                             timespec="seconds")}
         self._generation = None
         self._expires = 0.0
+        self.lost_event = threading.Event()
         self._stop = threading.Event()
-        self._stopping = threading.Lock()  # no LeaseLostError once release() has begun
+        self._stopping = threading.Lock()  # never lost once release() has begun
         self._thread = None
-        self._owner = None
+
+    @property
+    def lost(self):
+        """True once this run has lost the lease (`lost_event` is set)."""
+        return self.lost_event.is_set()
 
     def acquire(self):
         """Takes the lease, or takes over an expired one; then renews it in the background.
@@ -276,19 +273,17 @@ class Lease:
             if generation is None:
                 continue  # someone else took it over or renewed: read again
         self._generation = generation
-        self._owner = threading.get_ident()
         self._thread = threading.Thread(target=self._renew_loop, name="tfdp-lease",
                                         daemon=True)
         self._thread.start()
 
     def release(self):
-        """Stops renewing and deletes the lease if it is still this run's."""
+        """Stops renewing and deletes the lease if it is still this run's.
+
+        Also tells the watchdog of a lost lease that the run has stopped.
+        """
         with self._stopping:
             self._stop.set()
-            if self.lost and threading.get_ident() == self._owner:
-                # A LeaseLostError not yet raised would land after the block (or in here):
-                # cancel it; `tfdp.workdir.locked` raises for a lost lease anyway.
-                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self._owner), None)
         if self._thread is not None:
             self._thread.join()
         if self._generation is not None and not self.lost:
@@ -319,15 +314,19 @@ class Lease:
             self._generation = generation
 
     def _stop_the_run(self):
-        """Lost: raises LeaseLostError in the owner; exits the process if it does not stop."""
+        """Lost: sets `lost_event` for the run to see; exits the process if it does not stop.
+
+        The run checks the flag at its next step or write and releases the
+        lease on its way out; one that has not within `renew_every_seconds`
+        (a long native call, a stretch of work without a check) is ended
+        with `os._exit(LOST_EXIT_STATUS)`.
+        """
         with self._stopping:
             if self._stop.is_set():  # released meanwhile: the run has already stopped
                 return
-            self.lost = True
+            self.lost_event.set()
             _log_error(f"This run lost its workdir lease {self.path} (taken over, or not "
                        "renewed in time); it stops so that two runs never write one workdir.")
-            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self._owner),
-                                                       ctypes.py_object(LeaseLostError))
         if not self._stop.wait(self.renew_every_seconds):
             _log_error(f"The run did not stop within {self.renew_every_seconds:g} s of losing "
                        f"its workdir lease {self.path}; exiting now (status "

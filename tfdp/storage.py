@@ -48,6 +48,14 @@ def join(path, *parts):
     return os.path.join(path, *parts)
 
 
+def parent(path):
+    """The folder that holds `path` (a URL stays a URL; a trailing "/" is ignored)."""
+    path = os.fspath(path)
+    if is_url(path):
+        return path.rstrip("/").rsplit("/", 1)[0]
+    return os.path.dirname(os.path.normpath(path))
+
+
 def exists(path):
     """True if a file, folder (or, locally, a dangling symlink) is at `path`."""
     return _gfile().exists(path) if is_url(path) else os.path.lexists(path)

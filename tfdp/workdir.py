@@ -74,23 +74,33 @@ class WorkdirLockedError(WorkdirError):
 
 
 _held = {}  # absolute path of a workdir this process holds -> (st_dev, st_ino) of its folder
+_leases = {}  # URL of a workdir this process holds -> its `tfdp.lease.Lease`
 
 
 def check_held(workdir):
-    """Raises if `workdir` no longer names the folder this process locked.
+    """Raises if this process no longer holds `workdir`: the run must stop before writing.
 
     A run writes by path: if its workdir was moved aside (`mv wd wd.old`),
     replaced or removed while it ran, a second run may already hold a new
-    folder at the same path, and both would write into it. So the trainer
-    checks this before each of its writes (every step's callbacks, the
-    export, FINISHED) and stops instead. A no-op for a URL (its lease
-    protects it) or a path this process does not hold.
+    folder at the same path, and both would write into it. On an object
+    store, another run may have taken the workdir's lease over (`tfdp.lease`:
+    its renewal thread then sets the lease's `lost_event`). So the trainer
+    checks this at every training step, at every evaluation batch and before
+    each of its writes (the callbacks' writes, the export, FINISHED) and
+    stops instead. A no-op for a path this process does not hold.
+
+    Args:
+      workdir: the workdir (a local path or a URL).
 
     Raises:
-      WorkdirError: the path names another folder, or none.
+      WorkdirLockedError: the workdir is a URL whose lease this run has lost.
+      WorkdirError: the local path names another folder, or none.
     """
     workdir = os.fspath(workdir)
     if storage.is_url(workdir):
+        lease = _leases.get(_lease_key(workdir))
+        if lease is not None and lease.lost:
+            raise _lost_lease(workdir)
         return
     held = _held.get(os.path.abspath(workdir))
     if held is None:
@@ -160,7 +170,8 @@ def locked(workdir, *, lease_seconds=lease_lib.LEASE_SECONDS,
 
     Raises:
       WorkdirLockedError: another process holds the lock; the message names it.
-        Also raised from inside the block when this run loses its lease.
+        Also raised when this run loses its lease: from inside the block by
+        `check_held` (at the run's next step or write), else as the block ends.
       WorkdirError: the workdir cannot be created or written (read-only, full,
         a file in the way, no permission), or is a URL tfdp cannot lock.
     """
@@ -225,32 +236,40 @@ def _leased(workdir, lease_seconds, renew_every_seconds):
         raise WorkdirError(
             f"Cannot write into the workdir {workdir}: {_first_line(e)} "
             f"({type(e).__name__}). Check the URL and your write access to it.") from None
-    lost = WorkdirLockedError(
-        f"This run lost its lease on the workdir {workdir} (another run took it over after it "
-        "expired, or it could not be renewed) and stopped, so that two runs never write one "
-        "workdir. Run the same command again once the other run has ended; it resumes from "
-        "the last checkpoint.")
+    key = _lease_key(workdir)
+    _leases[key] = lease
     try:
         yield
-    except KeyboardInterrupt:  # lease_lib.LeaseLostError is one
+    except KeyboardInterrupt:
         _release(lease, workdir, created)
         if lease.lost:
-            raise lost from None
+            raise _lost_lease(workdir) from None
         raise
     except BaseException:
         _release(lease, workdir, created)
         raise
+    finally:
+        _leases.pop(key, None)
     _release(lease, workdir, created)
     if lease.lost:  # lost after the block's last check: its writes may be mixed with another's
-        raise lost
+        raise _lost_lease(workdir)
+
+
+def _lost_lease(workdir):
+    return WorkdirLockedError(
+        f"This run lost its lease on the workdir {workdir} (another run took it over after it "
+        "expired, or it could not be renewed) and stopped, so that two runs never write one "
+        "workdir. Run the same command again once the other run has ended; it resumes from "
+        "the last checkpoint.")
+
+
+def _lease_key(url):
+    return os.fspath(url).rstrip("/")
 
 
 def _release(lease, workdir, created):
-    """Releases `lease`, even if its LeaseLostError arrives inside the release itself."""
-    try:
-        lease.release()
-    except lease_lib.LeaseLostError:
-        lease.release()
+    """Releases `lease`; removes the workdir if this run created it and it is empty."""
+    lease.release()
     if created:
         storage.rmdir_if_empty(workdir)
 

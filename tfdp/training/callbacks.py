@@ -15,11 +15,17 @@ from tfdp import workdir as workdir_lib
 
 
 class WorkdirHeld(keras.callbacks.Callback):
-    """Stops training when the workdir path no longer names the folder the run locked.
+    """Stops training when the run no longer holds its workdir.
 
-    First among the run's callbacks, so that no later one (metrics, a
-    checkpoint, TensorBoard) writes into a folder another run may hold
-    (`tfdp.workdir.check_held`). Checked at every step's end and epoch's end.
+    A local workdir path that no longer names the folder the run locked, or
+    a URL workdir whose lease the run has lost (`tfdp.lease`), raises
+    `tfdp.workdir.check_held`'s error. First among the run's callbacks, so
+    that no later one (metrics, a checkpoint, TensorBoard) writes into a
+    folder another run may hold. Checked at every training step's end, every
+    evaluation batch's end and every epoch's end.
+
+    Args:
+      workdir: the run's output folder (a local path or a URL).
     """
 
     def __init__(self, workdir):
@@ -30,6 +36,9 @@ class WorkdirHeld(keras.callbacks.Callback):
         workdir_lib.check_held(self.workdir)
 
     def on_train_batch_end(self, batch, logs=None):
+        workdir_lib.check_held(self.workdir)
+
+    def on_test_batch_end(self, batch, logs=None):
         workdir_lib.check_held(self.workdir)
 
     def on_epoch_end(self, epoch, logs=None):
@@ -119,7 +128,7 @@ class MetricsJsonl(keras.callbacks.Callback):
             record[name] = float(value)
         record["wall_time_s"] = round(time.time() - self._start, 2)
         record.update(self.extra)
-        workdir_lib.check_held(os.path.dirname(self.path))
+        workdir_lib.check_held(storage.parent(self.path))
         storage.append_text(self.path, json.dumps(record) + "\n")
 
 
@@ -236,7 +245,7 @@ class OperativeConfigSaver(keras.callbacks.Callback):
 
             header = "".join(f"# NOT READ by this run: {text}\n"
                              for text in gin_bindings.NOT_READ)
-            workdir_lib.check_held(os.path.dirname(self.path))
+            workdir_lib.check_held(storage.parent(self.path))
             storage.write_whole(self.path, header + ("\n" if header else "")
                                 + gin.operative_config_str())
             self._done = True
@@ -266,7 +275,7 @@ class CheckpointCallback(keras.callbacks.Callback):
         self.ledger = ledger
 
     def on_epoch_end(self, epoch, logs=None):
-        workdir_lib.check_held(os.path.dirname(os.path.normpath(self.manager.directory)))
+        workdir_lib.check_held(storage.parent(self.manager.directory))
         save_checkpoint(self.manager, self.ledger, int(self.model.optimizer.iterations.numpy()))
 
 
@@ -543,7 +552,7 @@ class TensorBoardScalars(keras.callbacks.Callback):
         self._writers = {}
 
     def _writer(self, name):
-        workdir_lib.check_held(os.path.dirname(os.path.normpath(self.log_dir)))
+        workdir_lib.check_held(storage.parent(self.log_dir))
         if name not in self._writers:
             self._writers[name] = tf.summary.create_file_writer(
                 os.path.join(self.log_dir, name))

@@ -6,7 +6,7 @@ import tensorflow as tf
 from tfdp import augment
 
 
-def test_accuracy(model, dataset, *, augtest=None):
+def test_accuracy(model, dataset, *, augtest=None, check=None):
     """Accuracy of `model` on `dataset`, optionally by AugTest majority vote.
 
     Args:
@@ -17,9 +17,15 @@ def test_accuracy(model, dataset, *, augtest=None):
         same K = augmult augmented views (seeded by (seed, batch index)) and the
         predicted class is the majority vote of the K predictions (TAN, Sander
         et al. 2023, Sec. 4.2, Table 2; ties: `tfdp.augment.majority_vote`).
+      check: None, or a function of no argument called before every batch
+        (the run's `tfdp.workdir.check_held`: a run that no longer holds its
+        workdir stops within one batch).
 
     Returns:
       Accuracy in [0, 1], a Python float.
+
+    Raises:
+      Whatever `check` raises.
     """
 
     @tf.function
@@ -39,6 +45,8 @@ def test_accuracy(model, dataset, *, augtest=None):
 
     correct = total = 0
     for step, (images, labels) in dataset.enumerate():
+        if check is not None:
+            check()
         predictions = predict(step, images)
         correct += int(tf.reduce_sum(tf.cast(predictions == tf.cast(labels, tf.int32), tf.int32)))
         total += int(tf.shape(labels)[0])
@@ -55,21 +63,24 @@ class ExtraEvaluation(keras.callbacks.Callback):
       dp_model: the `DPModel` being trained.
       dataset: the evaluation dataset (see `test_accuracy`).
       augtest: None or `(augment_fn, augmult, seed)`.
+      check: None, or a function called before every batch (`test_accuracy`).
     """
 
-    def __init__(self, dp_model, dataset, *, augtest=None):
+    def __init__(self, dp_model, dataset, *, augtest=None, check=None):
         super().__init__()
         self.dp_model = dp_model
         self.dataset = dataset
         self.augtest = augtest
+        self.check = check
 
     def on_epoch_end(self, epoch, logs=None):
         if logs is None:
             return
         with self.dp_model.use_ema_parameters():
             if self.dp_model.ema_variables:
-                logs["val_ema_accuracy"] = test_accuracy(self.dp_model.model, self.dataset)
+                logs["val_ema_accuracy"] = test_accuracy(self.dp_model.model, self.dataset,
+                                                         check=self.check)
             if self.augtest is not None:
                 logs["val_augtest_accuracy"] = test_accuracy(
-                    self.dp_model.model, self.dataset, augtest=self.augtest
+                    self.dp_model.model, self.dataset, augtest=self.augtest, check=self.check
                 )

@@ -5,9 +5,11 @@ the last step all fall on epoch ends, and a resumed run keeps the same
 epoch (and evaluation) boundaries as an uninterrupted one.
 """
 
+import functools
 import math
 import os
 
+from tfdp import workdir as workdir_lib
 from tfdp.training import callbacks as callbacks_lib
 from tfdp.training import evaluation
 
@@ -41,7 +43,9 @@ def fit(dp_model, plan, *, step_callback, metrics_fields, manager, ledger, train
     callbacks = [
         callbacks_lib.WorkdirHeld(out_dir),
         callbacks_lib.EvaluationEpochsOnly(
-            evaluation.ExtraEvaluation(dp_model, eval_ds, augtest=augtest)),
+            evaluation.ExtraEvaluation(dp_model, eval_ds, augtest=augtest,
+                                       check=functools.partial(workdir_lib.check_held,
+                                                               out_dir))),
         step_callback,
         callbacks_lib.ProgressLog(plan, bar=progress_bar),
         callbacks_lib.CheckpointCallback(manager, ledger),
