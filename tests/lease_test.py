@@ -156,7 +156,7 @@ def test_a_lost_lease_stops_a_keras_fit_at_its_next_step(url):
     model.compile(optimizer="sgd", loss="mse")
     with pytest.raises(workdir_lib.WorkdirLockedError, match=r"lost its lease on the workdir"):
         with workdir_lib.locked(url, lease_seconds=5.0, renew_every_seconds=0.1):
-            lease = workdir_lib._leases[url]  # pylint: disable=protected-access
+            lease, _ = workdir_lib._leases[url]  # pylint: disable=protected-access
             # As the trainer orders them: the check, then what would write.
             model.fit(np.zeros((4000, 2)), np.zeros((4000, 1)), batch_size=1, epochs=1,
                       verbose=0, callbacks=[Steps(lease), callbacks.WorkdirHeld(url)])

@@ -74,7 +74,7 @@ class WorkdirLockedError(WorkdirError):
 
 
 _held = {}  # absolute path of a workdir this process holds -> (st_dev, st_ino) of its folder
-_leases = {}  # URL of a workdir this process holds -> its `tfdp.lease.Lease`
+_leases = {}  # URL of a workdir this process holds -> (its `tfdp.lease.Lease`, the URL as given)
 
 
 def check_held(workdir):
@@ -98,9 +98,9 @@ def check_held(workdir):
     """
     workdir = os.fspath(workdir)
     if storage.is_url(workdir):
-        lease = _leases.get(_lease_key(workdir))
+        lease, given = _leases.get(_lease_key(workdir), (None, None))
         if lease is not None and lease.lost:
-            raise _lost_lease(workdir)
+            raise _lost_lease(given)  # the message of `locked`, word for word
         return
     held = _held.get(os.path.abspath(workdir))
     if held is None:
@@ -237,7 +237,7 @@ def _leased(workdir, lease_seconds, renew_every_seconds):
             f"Cannot write into the workdir {workdir}: {_first_line(e)} "
             f"({type(e).__name__}). Check the URL and your write access to it.") from None
     key = _lease_key(workdir)
-    _leases[key] = lease
+    _leases[key] = (lease, workdir)
     try:
         yield
     except KeyboardInterrupt:
