@@ -360,7 +360,8 @@ def busy_cpu():
     spinner.wait()
 
 
-@pytest.mark.parametrize("work", ["python", "unchecked", "native"])
+@pytest.mark.parametrize("work", ["python", pytest.param("unchecked", marks=pytest.mark.slow),
+                                  "native"])
 def test_a_run_that_ignores_sigint_stops_within_a_renewal_of_losing_its_lease(
         tmp_path, busy_cpu, work):
     import subprocess  # pylint: disable=g-import-not-at-top
