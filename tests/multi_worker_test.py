@@ -94,7 +94,7 @@ def _two_workers(tmp_path, workdir, num_steps=NUM_STEPS, static_batch_size="'aut
 
 
 @pytest.mark.slow  # end to end (tests/run_slow.sh); the default suite has the per-host
-# input (tests/data/inputs_test.py) and the start checks (distribute_test)
+# input (tests/inputs_test.py) and the start checks (distribute_test)
 def test_two_workers_on_loopback_train_and_the_chief_writes_once(tmp_path):
     workdir = tmp_path / "workdir"
     temp_dirs = _two_workers(tmp_path, workdir)

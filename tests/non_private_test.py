@@ -258,7 +258,7 @@ def test_the_statement_gives_the_seed_the_batches_used():
         runtime=types.SimpleNamespace(seed=0))
     dp_model = types.SimpleNamespace(optimizer=keras.optimizers.SGD(0.1))
     ledger = types.SimpleNamespace(sampling_seed=tf.constant(5, tf.int64))
-    report = modes.NonPrivateTraining().report(plan, config=config, dp_model=dp_model,
+    report = modes.NonPrivateMode().report(plan, config=config, dp_model=dp_model,
                                                ledger=ledger, steps_done=3, workdir="w",
                                                chief=True)
     assert report["hyperparameters"]["sampling_seed"] == 5

@@ -62,10 +62,10 @@ def train_and_evaluate(workdir, *, model_fn=gin.REQUIRED, privacy="dp", audit=No
         augmult 0, has its frozen trunk's features computed once and its head
         trained on them; the export composes the two.
       privacy: "dp" (default: DP-SGD with `tfdp.PrivacyConfig`) or None:
-        NON-PRIVATE training (`tfdp.modes.NonPrivateTraining`,
+        NON-PRIVATE training (`tfdp.modes.NonPrivateMode`,
         docs/non_private.md), for public pretraining and non-private ceilings.
       audit: None, or an empirical privacy audit's hooks (`tfdp.audit`, run
-        by `tools/audit.py`; not a gin value; `tfdp.modes.AuditedTraining`).
+        by `tools/audit.py`; not a gin value; `tfdp.modes.AuditedMode`).
 
     Returns:
       The privacy report dict (non-private: the NOT_PRIVATE.json dict,

@@ -3,7 +3,7 @@
 The trainer (`tfdp.train_and_evaluate`) never asks which mode it runs: the
 five places where the modes differ are methods of the mode object.
 
-| what            | `PrivateTraining`                          | `NonPrivateTraining`                     |
+| what            | `PrivateMode`                          | `NonPrivateMode`                     |
 |-----------------|--------------------------------------------|------------------------------------------|
 | plan            | `DPMechanism` (`tfdp.planning.plan_private`) | `NonPrivatePlan`                       |
 | Keras model     | `DPModel`: clipping, noise once per batch  | `NonPrivateModel`: mean loss             |
@@ -11,7 +11,7 @@ five places where the modes differ are methods of the mode object.
 | report          | `privacy_report.{json,md}` with epsilon    | `NOT_PRIVATE.{json,md}`, no epsilon      |
 | final message   | epsilon at delta                           | NOT PRIVATE                              |
 
-`AuditedTraining` is a private run with an empirical audit's hooks
+`AuditedMode` is a private run with an empirical audit's hooks
 (`tfdp.audit`, run by `tools/audit.py`): canaries in the training split, its
 own DPModel, and an "audit" section in the report.
 
@@ -53,8 +53,8 @@ def make_mode(privacy, audit=None):
             raise ValueError("privacy=None (NOT PRIVATE) does not take audit: an empirical "
                              "privacy audit of a run without privacy. Remove audit, or train "
                              "privately (privacy='dp').")
-        return NonPrivateTraining()
-    return PrivateTraining(privacy) if audit is None else AuditedTraining(privacy, audit)
+        return NonPrivateMode()
+    return PrivateMode(privacy) if audit is None else AuditedMode(privacy, audit)
 
 
 def _hyperparameters(**kwargs):
@@ -72,7 +72,7 @@ def hyperparameters(config, dp_model):
         optimizer=keras.optimizers.serialize(dp_model.optimizer)["config"])
 
 
-class PrivateTraining:
+class PrivateMode:
     """DP-SGD: clipped per-example gradients, Gaussian noise once per logical batch, accounting.
 
     Args:
@@ -192,7 +192,7 @@ class PrivateTraining:
                      report["epsilon"], report["delta"], report["steps"], export_dir)
 
 
-class AuditedTraining(PrivateTraining):
+class AuditedMode(PrivateMode):
     """A private run with an empirical privacy audit's hooks (`tfdp.audit`).
 
     `audit.prepare_train(split)` may put canaries into the training split
@@ -236,7 +236,7 @@ _REFUSED_WITHOUT_PRIVACY = {
 }
 
 
-class NonPrivateTraining:
+class NonPrivateMode:
     """Training WITHOUT privacy (docs/non_private.md): plain mean-loss steps, no accounting.
 
     Same data, sampler, model, augmentation, optimizer, EMA, evaluation,

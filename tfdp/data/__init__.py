@@ -21,9 +21,9 @@ from tfdp.data.errors import DatasetNotFoundError
 from tfdp.data.fashion_mnist import prepare_fashion_mnist
 from tfdp.data.graph_sampling import index_batches_in_graph
 from tfdp.data.graph_sampling import poisson_indices_in_graph
-from tfdp.data.inputs import SOURCES
-from tfdp.data.inputs import check_duplicates
-from tfdp.data.inputs import open_split
+from tfdp.data.splits import SOURCES
+from tfdp.data.splits import check_duplicates
+from tfdp.data.splits import open_split
 from tfdp.data.jpeg_folder import JPEGFolderSource
 from tfdp.data.loading import Split
 from tfdp.data.loading import load_split

@@ -12,7 +12,7 @@
 README.md and docs/design/ took. `in_memory` and `jpeg_folder` are the pure-TF
 input: their reads are TensorFlow ops, and so are their samplers
 (`tfdp.data.graph_sampling`), so the per-host input graph calls no Python
-(what a TPU pod needs; tests/data/inputs_test.py reads the graph). The
+(what a TPU pod needs; tests/inputs_test.py reads the graph). The
 mechanism is the same on every path (Poisson sampling at q, with the same
 truncation and padding); only the random stream differs.
 
