@@ -189,7 +189,7 @@ def _checkpoint_tensor(workdir, name):
     return reader.get_tensor(f"ledger/{name}/.ATTRIBUTES/VARIABLE_VALUE")
 
 
-def test_sampling_coins_are_secret_by_default(tmp_path, run_smoke):
+def test_sampling_and_noise_seeds_are_secret_by_default(tmp_path, run_smoke):
     # The same config twice, the noise fixed: the batches differ, because the sampling
     # seed comes from OS entropy (before, seed = 0 made them public and identical).
     fixed_noise = ["tfdp.PrivacyConfig.noise_seed = 11"]
@@ -208,8 +208,8 @@ def test_sampling_coins_are_secret_by_default(tmp_path, run_smoke):
             if os.path.isfile(path) and "/checkpoints/" not in path:
                 content = open(path, "rb").read()
                 assert str(seed).encode() not in content, path
-    assert reports[0]["coins"]["sampling_seed"].startswith("secret")
-    assert reports[0]["coins"]["noise_seed"].startswith("fixed by the user")
+    assert reports[0]["seeds"]["sampling_seed"].startswith("secret")
+    assert reports[0]["seeds"]["noise_seed"].startswith("fixed by the user")
 
 
 @pytest.mark.slow
@@ -220,7 +220,7 @@ def test_a_fixed_sampling_seed_reproduces_the_batches_and_is_reported(tmp_path, 
     a, b = (tf.train.load_checkpoint(tf.train.latest_checkpoint(
         str(tmp_path / name / "checkpoints"))).get_tensor(kernel) for name in ("a", "b"))
     np.testing.assert_array_equal(a, b)
-    assert reports[0]["coins"]["sampling_seed"].startswith("fixed by the user")
+    assert reports[0]["seeds"]["sampling_seed"].startswith("fixed by the user")
     assert "assumes this seed stays secret" in (tmp_path / "a" / "privacy_report.md").read_text()
 
 

@@ -39,7 +39,7 @@ def test_a_resumed_pure_tf_run_continues_the_secret_stream_and_keeps_the_seed_se
     first = run_smoke(resumed, ["fashion_mnist.gin"], [IN_MEMORY, *FIXED_NOISE])
     run_smoke(resumed, ["fashion_mnist.gin"], [IN_MEMORY, *FIXED_NOISE, "NUM_STEPS = 4"])
     seed = int(_reader(resumed).get_tensor("ledger/sampling_seed/.ATTRIBUTES/VARIABLE_VALUE"))
-    assert first["coins"]["sampling_seed"].startswith("secret")
+    assert first["seeds"]["sampling_seed"].startswith("secret")
     # Run B: 4 steps at once, with A's seed fixed: the same batches, so the same weights.
     straight = tmp_path / "straight"
     run_smoke(straight, ["fashion_mnist.gin"], [

@@ -9,7 +9,7 @@ batches ("auto"), checkpoints every 2 steps, EMA, augmult and op determinism
 * C: paused after step 5 (of 6; checkpoints at steps 2 and 4), SIGKILLed,
   then restarted with the same command -> the same final step, epsilon,
   privacy ledger, noise-generator state and weights as A;
-* D: secret coins (no seed fixed), paused after step 1, before its first
+* D: secret seeds (no seed fixed), paused after step 1, before its first
   interval, SIGKILLed and restarted -> it resumes from the checkpoint written
   before step 1 with the same secret sampling seed and noise state.
 """
@@ -208,7 +208,7 @@ def test_checkpoint_holds_the_ema_and_a_restore_brings_it_back(tmp_path):
 
 
 @pytest.mark.slow
-def test_secret_coins_survive_a_kill_before_the_first_interval(runs):
+def test_secret_seeds_survive_a_kill_before_the_first_interval(runs):
     root, interrupted = runs
     path, before = interrupted["secret"]
     assert os.path.basename(path) == "ckpt-0"  # written before step 1
@@ -220,4 +220,4 @@ def test_secret_coins_survive_a_kill_before_the_first_interval(runs):
     _, fixed = _checkpoint(root / "a")
     assert after[key.format("sampling_seed")] != fixed[key.format("sampling_seed")]
     report = _report(root / "d")
-    assert report["coins"]["sampling_seed"].startswith("secret")
+    assert report["seeds"]["sampling_seed"].startswith("secret")

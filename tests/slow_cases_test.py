@@ -31,7 +31,7 @@ KEPT = [
     "tests/dp/ghost_norms_test.py::test_recomputed_chunks_of_several_examples_are_the_held_vectors",
     "tests/dp/ghost_norms_test.py::test_a_recompute_that_differs_adds_no_more_than_the_first_norm",
     "tests/dp/ghost_norms_test.py::test_grouped_route_adds_no_more_than_its_norms",
-    "tests/experiment_test.py::test_sampling_coins_are_secret_by_default",
+    "tests/experiment_test.py::test_sampling_and_noise_seeds_are_secret_by_default",
     "tests/experiment_test.py::test_resuming_under_another_mechanism_is_refused_naming_the_field",
     "tests/static_batch_test.py::test_a_checkpoint_from_another_privacy_plan_is_not_resumed",
     "tests/non_private_test.py::test_a_private_workdir_is_not_resumed_without_privacy",

@@ -91,7 +91,7 @@ def _tree(workdir):
 
 @pytest.mark.parametrize("remove", ["checkpoints", "checkpoints/checkpoint"])
 def test_a_finished_workdir_without_its_checkpoint_state_is_refused(copy, run_smoke, remove):
-    # Before: the same command trained again from step 1 with fresh coins, overwrote
+    # Before: the same command trained again from step 1 with fresh seeds, overwrote
     # export/ and appended a second run to metrics.jsonl, under a report of one run.
     target = copy / remove
     shutil.rmtree(target) if target.is_dir() else target.unlink()
@@ -255,7 +255,7 @@ def test_a_corrupt_checkpoint_is_named_and_the_intact_earlier_one_offered(
     assert re.search(r"The earlier checkpoint \S*checkpoints/ckpt-0 is intact\. To resume "
                      r"from it, move the files of ckpt-2 .*run the same command again", message)
     assert _tree(copy) == before
-    # Doing as told resumes from ckpt-0: the same coins replay steps 1-2.
+    # Doing as told resumes from ckpt-0: the same seeds replay steps 1-2.
     (copy / "aside").mkdir()
     for path in (copy / "checkpoints").glob("ckpt-2.*"):
         path.rename(copy / "aside" / path.name)

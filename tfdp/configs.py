@@ -177,7 +177,7 @@ class PrivacyConfig:
         run's epsilon. Needs features="scatternet".
       sampling_seed: None (default: drawn from OS entropy, kept only in the
         checkpoint), or an int to reproduce the batches; the report then
-        says the guarantee assumes it stays secret (`tfdp.dp.coins`).
+        says the guarantee assumes it stays secret (`tfdp.dp.seeds`).
       noise_seed: the same for the DP noise.
       clipping: how the clipped sum is computed: "auto" (ghost norms when
         every trainable layer has a rule, else vectorized), "ghost" or

@@ -67,7 +67,7 @@ def train_dataset(train, mechanism, *, seed, start_step, augment_fn, augment_see
 
     `train` is the split's source (`tfdp.data.TFDSSource`, or `ArraySource`
     for cached features). `seed` is the secret sampling seed
-    (`tfdp.dp.coins`); `augment_seed` the public one of the augmentations. An
+    (`tfdp.dp.seeds`); `augment_seed` the public one of the augmentations. An
     example's views at step t depend on (augment_seed, t, its pixels) only
     (`tfdp.augment.example_keyed_views`), so they are the same whatever
     chunk, replica or host reads it.

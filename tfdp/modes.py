@@ -7,7 +7,7 @@ five places where the modes differ are methods of the mode object.
 |-----------------|--------------------------------------------|------------------------------------------|
 | plan            | `DPMechanism` (`tfdp.planning.plan_private`) | `NonPrivatePlan`                       |
 | Keras model     | `DPModel`: clipping, noise once per batch  | `NonPrivateModel`: mean loss             |
-| ledger          | the mechanism and the secret coins         | "NOT PRIVATE", the public seed           |
+| ledger          | the mechanism and the secret seeds         | "NOT PRIVATE", the public seed           |
 | report          | `privacy_report.{json,md}` with epsilon    | `NOT_PRIVATE.{json,md}`, no epsilon      |
 | final message   | epsilon at delta                           | NOT PRIVATE                              |
 
@@ -31,7 +31,7 @@ from tfdp import accounting
 from tfdp import configs
 from tfdp import planning
 from tfdp import storage
-from tfdp.dp import coins
+from tfdp.dp import seeds
 from tfdp.dp import precision
 from tfdp.export import privacy_report
 from tfdp.training import callbacks as callbacks_lib
@@ -147,7 +147,7 @@ class PrivateMode:
         return callbacks_lib.make_privacy_ledger(
             plan, noise_seed=self.privacy.noise_seed, config=config_text, data=data,
             sampling_seed=distribute.broadcast_from_chief(
-                strategy, coins.secret_seed() if chosen is None else chosen))
+                strategy, seeds.secret_seed() if chosen is None else chosen))
 
     def step_callback(self, plan):
         """The callback that puts the step (and epsilon) into each epoch's logs."""
@@ -163,7 +163,7 @@ class PrivateMode:
         A study run appends its mechanism to the study ledger first (the chief
         only: one entry per run), and the report states the study's epsilon.
         """
-        del ledger  # its coins are secret: the report says only whether they were fixed
+        del ledger  # its seeds are secret: the report says only whether they were fixed
         study = None
         if self.privacy.study_dir and chief:
             study = _record_in_study(self.privacy.study_dir, workdir, plan,

@@ -4,7 +4,7 @@ The Python counterpart of `python -m tfdp.main` (which trains the shipped
 configs from gin): it takes a Keras classifier and a dataset, and wires the
 same pieces the trainer uses. The model is checked by the DP validator (no
 BatchNorm), the data is read by index with the Poisson sampler the accountant
-assumes (secret coins from OS entropy), and one `tfdp.accounting.DPMechanism`
+assumes (secret seeds from OS entropy), and one `tfdp.accounting.DPMechanism`
 gives the noise, epsilon, the privacy report and the export.
 
     private = tfdp.make_private(model, (images, labels), target_epsilon=3.0,
@@ -29,7 +29,7 @@ import tensorflow as tf
 from tfdp import accounting
 from tfdp import data
 from tfdp import models
-from tfdp.dp import coins
+from tfdp.dp import seeds
 from tfdp.dp import precision
 from tfdp.export import privacy_report
 from tfdp.export import saved_model
@@ -271,7 +271,7 @@ def make_private(
     dp_model = DPModel(model, mechanism, accumulation_steps=accumulation_steps,
                        ema_decay=ema_decay, clipping=clipping)
     dp_model.compile(optimizer=keras.optimizers.get(optimizer))
-    return PrivateTraining(dp_model, mechanism, source, sampling_seed=coins.secret_seed())
+    return PrivateTraining(dp_model, mechanism, source, sampling_seed=seeds.secret_seed())
 
 
 def _check_arguments(*, batch_size, optimizer):

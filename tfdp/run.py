@@ -5,7 +5,7 @@ object store, `tfdp.workdir`), decides what it allows (resume a checkpoint
 of this very mechanism, return a finished run's report, or start on a
 workdir with no earlier output), and turns a failed write into a clear
 `WorkdirError`. `Run.restore` restores the checkpoint (or writes the first,
-with the secret coins), and `Run.finish` writes the SavedModel, the report
+with the secret seeds), and `Run.finish` writes the SavedModel, the report
 and, last, FINISHED. The mode (`tfdp.modes`) supplies what differs: the
 ledger check, the report's files, what FINISHED states.
 
@@ -91,7 +91,7 @@ class Run:
         return distribute.is_chief(self.strategy)
 
     def restore(self, dp_model, ledger):
-        """Restores `latest`, or saves checkpoint 0 with the fresh coins: `(manager, start_step)`."""
+        """Restores `latest`, or saves checkpoint 0 with the fresh seeds: `(manager, start_step)`."""
         workdir_lib.check_held(self.out_dir)
         storage.makedirs(self.out_dir)
         return _restore(dp_model, ledger, self.out_dir, self.latest)
@@ -304,7 +304,7 @@ def _is_failed_write(error):
 
 
 def _restore(dp_model, ledger, out_dir, latest):
-    """Restores `latest`, or saves checkpoint 0 with the fresh coins.
+    """Restores `latest`, or saves checkpoint 0 with the fresh seeds.
 
     Returns:
       `(manager, start_step)`.
@@ -332,7 +332,7 @@ def _restore(dp_model, ledger, out_dir, latest):
         )
     if not latest:
         # A restart before the first interval then continues the same sample
-        # and noise streams instead of drawing new secret coins.
+        # and noise streams instead of drawing new secret seeds.
         callbacks_lib.save_checkpoint(manager, ledger, 0)
     return manager, start_step
 

@@ -19,7 +19,7 @@ its workdir, and this module holds the code of each:
    with outputs of an earlier run (metrics, report, export, TensorBoard
    events, checkpoint files) but no checkpoint that resumes it is refused:
    training again would train a second model on the same data with fresh
-   coins, while the report would count one run.
+   seeds, while the report would count one run.
 3. **Corrupt checkpoints are named** (`resume_checkpoint`): the checkpoint
    to resume is read in full before anything is built or written; a
    truncated `.index` or `.data` file is named, with what to do.
@@ -415,7 +415,7 @@ def refuse_used_workdir(workdir, found):
     raise WorkdirError(
         f"The workdir {workdir} holds outputs of an earlier run ({', '.join(found)}) but no "
         "checkpoint that resumes it. Training again here would train a second model on the "
-        "same data with new secret coins, while the report would count only one run. Use a "
+        "same data with new secret seeds, while the report would count only one run. Use a "
         f"new workdir for a new run; nothing was changed.{hint}")
 
 

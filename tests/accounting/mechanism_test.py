@@ -262,17 +262,17 @@ def test_more_steps_are_not_a_different_mechanism():
     assert _mechanism().differences(_mechanism(num_steps=500)) == []
 
 
-def test_runs_sharing_fixed_coins_compose_as_one_subsampled_mechanism():
+def test_runs_sharing_a_fixed_sampling_seed_compose_as_one_subsampled_mechanism():
     a = _mechanism(noise_multiplier=2.0, num_steps=100)
     b = _mechanism(noise_multiplier=2.0, num_steps=40)
     # Steps 1-40: both runs on the same batch, sigma_eff = (1/4 + 1/4)^(-1/2) = sqrt(2).
-    event = mechanism_lib.shared_coins_event([a, b])
+    event = mechanism_lib.shared_sampling_seed_event([a, b])
     assert event == dp_accounting.ComposedDpEvent([
         accounting.dp_sgd_event(noise_multiplier=math.sqrt(2), sampling_prob=0.01,
                                 num_steps=40),
         accounting.dp_sgd_event(noise_multiplier=2.0, sampling_prob=0.01, num_steps=60)])
     with pytest.raises(ValueError, match="same NUM_EXAMPLES and BATCH_SIZE"):
-        mechanism_lib.shared_coins_event([a, _mechanism(batch_size=601)])
+        mechanism_lib.shared_sampling_seed_event([a, _mechanism(batch_size=601)])
 
 
 @pytest.mark.parametrize("sigma", [5e-324, 1e-300, 1e300])

@@ -1,4 +1,4 @@
-"""Tests for tfdp.dp.noise and tfdp.dp.coins: the per-replica split, the draws, secret coins."""
+"""Tests for tfdp.dp.noise and tfdp.dp.seeds: the per-replica split, the draws, secret seeds."""
 
 import math
 
@@ -7,7 +7,7 @@ import pytest
 import tensorflow as tf
 from scipy import stats
 
-from tfdp.dp import coins
+from tfdp.dp import seeds
 from tfdp.dp import noise
 
 
@@ -35,11 +35,11 @@ def test_add_gaussian_noise_has_the_requested_std():
         assert stats.kstest(sample, "norm", args=(0, wrong)).pvalue < 1e-6
 
 
-def test_default_coins_differ_between_draws():
+def test_default_seeds_differ_between_draws():
     # OS entropy: two fresh generators (and seeds) never agree; a fixed seed reproduces.
-    assert coins.secret_seed() != coins.secret_seed()
-    assert 0 <= coins.secret_seed() < 2**63
-    a, b = coins.noise_generator(), coins.noise_generator()
+    assert seeds.secret_seed() != seeds.secret_seed()
+    assert 0 <= seeds.secret_seed() < 2**63
+    a, b = seeds.noise_generator(), seeds.noise_generator()
     assert not np.array_equal(a.normal([16]).numpy(), b.normal([16]).numpy())
-    c, d = coins.noise_generator(5), coins.noise_generator(5)
+    c, d = seeds.noise_generator(5), seeds.noise_generator(5)
     np.testing.assert_array_equal(c.normal([16]).numpy(), d.normal([16]).numpy())

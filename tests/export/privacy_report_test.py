@@ -12,7 +12,7 @@ REQUIRED = {
     "epsilon", "delta", "accountant", "noise_multiplier", "l2_clip_norm", "batch_size",
     "num_examples", "steps", "sampling", "neighbouring_relation", "privacy_unit",
     "dp_setting", "covered", "mechanism_output", "epsilon_tier", "hyperparameters",
-    "software", "delta_below_1_over_n", "sensitivity", "noise_stddev", "coins", "assumptions",
+    "software", "delta_below_1_over_n", "sensitivity", "noise_stddev", "seeds", "assumptions",
 }
 
 
@@ -89,8 +89,8 @@ def test_a_delta_of_1_over_n_or_more_is_never_a_reasonable_guarantee():
 
 def test_fixed_seeds_are_stated_as_an_assumption():
     report = _report(fixed_seeds=("sampling_seed",))
-    assert report["coins"]["sampling_seed"].startswith("fixed by the user")
-    assert report["coins"]["noise_seed"].startswith("secret")
+    assert report["seeds"]["sampling_seed"].startswith("fixed by the user")
+    assert report["seeds"]["noise_seed"].startswith("secret")
 
 
 @pytest.mark.parametrize("epsilon, tier", [(0.5, "Tier 1"), (8.0, "Tier 2"), (12.0, "Tier 3")])

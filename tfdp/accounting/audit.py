@@ -496,7 +496,7 @@ def simulate_audits(mechanism: mechanism_lib.DPMechanism, *, num_canaries: int, 
                     canary_norm: float = 1.0, noise_scale: float = 1.0) -> List[AuditResult]:
     """`repeats` audits of `mechanism` with simulated Dirac gradient canaries.
 
-    Each draws fresh coins and scores (`simulate_gradient_canary_scores`,
+    Each draws fresh seeds and scores (`simulate_gradient_canary_scores`,
     with the planted bugs `canary_norm` and `noise_scale`) and audits the
     claim at `mechanism.delta` (`audit`).
     """

@@ -20,7 +20,7 @@ Runs whose sampling seeds were drawn from OS entropy ("secret") are
 independent and compose as separate events. Runs that share a seed fixed by
 the user train on the same batches at every step they share; they carry the
 same fingerprint of that seed (a hash, not the seed), and
-`mechanism.shared_coins_event` composes them jointly, or refuses when their
+`mechanism.shared_sampling_seed_event` composes them jointly, or refuses when their
 batches are correlated in another way (different N or B).
 
 A run name is unique: appending a run whose name is already in the ledger
@@ -257,7 +257,7 @@ def run_event(record: Dict[str, Any]) -> dp_accounting.DpEvent:
 
 
 def _study_event(records) -> dp_accounting.DpEvent:
-    """Independent runs compose; Poisson runs sharing fixed coins compose jointly."""
+    """Independent runs compose; Poisson runs sharing fixed seeds compose jointly."""
     shared = collections.defaultdict(list)
     events = []
     for record in records:
@@ -267,7 +267,7 @@ def _study_event(records) -> dp_accounting.DpEvent:
         else:
             events.append(mech.dp_event())
     for mechanisms in shared.values():
-        events.append(mechanism_lib.shared_coins_event(mechanisms))
+        events.append(mechanism_lib.shared_sampling_seed_event(mechanisms))
     return dp_accounting.ComposedDpEvent(events)
 
 
@@ -277,7 +277,7 @@ def study_event(study_dir: str) -> dp_accounting.ComposedDpEvent:
     Raises:
       FileNotFoundError: if the ledger does not exist.
       ValueError: if the ledger is malformed, or runs share a fixed sampling
-        seed in a way that cannot be composed (`shared_coins_event`).
+        seed in a way that cannot be composed (`shared_sampling_seed_event`).
     """
     return _study_event(read_runs(study_dir))
 
@@ -307,7 +307,7 @@ def study_epsilon(
     Raises:
       FileNotFoundError: if the ledger does not exist.
       ValueError: if delta or the accountant is invalid, the ledger is
-        malformed, or runs share fixed coins that cannot be composed.
+        malformed, or runs share fixed seeds that cannot be composed.
     """
     if adding is None:
         records = read_runs(study_dir)

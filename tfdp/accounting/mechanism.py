@@ -87,7 +87,7 @@ REPLACE_ONE = "replace one example"
 _CALIBRATED = {}
 
 # The fields whose values define the mechanism, or what its guarantee
-# assumes (which coins are secret): a checkpoint written under other values
+# assumes (which seeds are secret): a checkpoint written under other values
 # cannot be resumed (`differences`). num_steps may grow on resume;
 # target_epsilon and how sigma was found do not change the mechanism.
 _MECHANISM_FIELDS = (
@@ -204,7 +204,7 @@ class DPMechanism:
       target_epsilon: the budget the run was planned for, or None.
       noise_calibrated: sigma was solved for from target_epsilon.
       steps_capped: num_steps was lowered to stay within target_epsilon.
-      fixed_seeds: names of the secret coins the user fixed ("sampling_seed",
+      fixed_seeds: names of the secret seeds the user fixed ("sampling_seed",
         "noise_seed"); the report states that the guarantee then assumes
         those seeds stay secret.
 
@@ -461,7 +461,7 @@ def _same(a, b):
     return a == b
 
 
-def shared_coins_event(mechanisms: List[DPMechanism]):
+def shared_sampling_seed_event(mechanisms: List[DPMechanism]):
     """The DP event of several Poisson runs that drew their batches with ONE seed.
 
     Runs on the same data with the same sampling seed, N and q train on the

@@ -18,7 +18,7 @@ class GradientCanaryAudit:
     report then has an "audit" section with the epsilon lower bound at
     confidence 1 - beta (`tfdp.accounting.audit`). The canary coins are drawn
     from `seed` (None: OS entropy); they are the auditor's, not the run's
-    secret coins.
+    secret seeds.
 
     Args:
       num_canaries: m >= 2. Keep 2 m delta well below 1: the bound's delta

@@ -16,7 +16,7 @@ N = 1.28M (docs/design/sampling_and_distribution.md), on every host, each of whi
 the same vector. `shuffled_indices_in_graph` is the non-default shuffle.
 
 The seed is secret (the trainer draws it from OS entropy and keeps it only in
-the checkpoint; `tfdp.dp.coins`). `index_batches_in_graph` holds it in a
+the checkpoint; `tfdp.dp.seeds`). `index_batches_in_graph` holds it in a
 tf.Variable on the host's CPU, created where the host's pipeline is built, so
 it is not a constant of the tf.data graph (a serialized graph holds the
 variable's handle, not its value: tested), and nothing here logs it.

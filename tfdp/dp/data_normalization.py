@@ -24,7 +24,7 @@ them to the run's accounting by composing `data_normalization_dp_event`
 import tensorflow as tf
 
 from tfdp.dp import clipping
-from tfdp.dp import coins
+from tfdp.dp import seeds
 
 
 def _check_positive(name, value):
@@ -115,7 +115,7 @@ def private_channel_mean_and_var(
         norm (dimensionless), the same for both mechanisms.
       threshold: tau >= 0, lower bound of the released variance.
       seed: None (default) draws the noise from a generator seeded from OS
-        entropy (`tfdp.dp.coins`).
+        entropy (`tfdp.dp.seeds`).
         An int makes the noise reproducible: ONLY for tests, since anyone who
         knows the seed can subtract the noise.
       generator: optional `tf.random.Generator` to draw the noise from (as
@@ -175,15 +175,15 @@ def private_channel_mean_and_var(
     shape = tf.shape(sum_mean)
     if seed is None:
         if generator is None:
-            generator = coins.noise_generator()
+            generator = seeds.noise_generator()
         noise_mean = generator.normal(shape)
         noise_square = generator.normal(shape)
     else:
-        seeds = tf.random.experimental.stateless_split(
+        pair = tf.random.experimental.stateless_split(
             tf.constant([int(seed), 0], tf.int64), num=2
         )
-        noise_mean = tf.random.stateless_normal(shape, seed=seeds[0])
-        noise_square = tf.random.stateless_normal(shape, seed=seeds[1])
+        noise_mean = tf.random.stateless_normal(shape, seed=pair[0])
+        noise_square = tf.random.stateless_normal(shape, seed=pair[1])
 
     mean = (sum_mean + noise_multiplier * l2_clip_norm_mean * noise_mean) / num_examples
     mean_square = (

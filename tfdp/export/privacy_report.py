@@ -59,8 +59,8 @@ def software_versions() -> dict:
 
 ASSUMPTIONS = (
     "central DP: the party that runs training is trusted to run the mechanism as stated",
-    "the sampling and noise coins are secret: drawn from OS entropy and kept only in the "
-    "run's checkpoint (unless fixed by the user, see `coins`)",
+    "the sampling and noise seeds are secret: drawn from OS entropy and kept only in the "
+    "run's checkpoint (unless fixed by the user, see `seeds`)",
     "the number of training examples N is public",
     "training-set metrics in the logs, TensorBoard and metrics.jsonl are not covered",
     "hyper-parameter tuning runs are covered only when they share a study ledger",
@@ -104,7 +104,7 @@ def build_privacy_report(
     sensitivity_formula = _sensitivity_formula(mechanism)
     covered = _covered_accesses(study)
     extra = _extra_mechanisms(mechanism)
-    coins = _coin_statements(mechanism)
+    seeds = _seed_statements(mechanism)
     report = {
         "epsilon": float(epsilon),
         "delta": float(delta),
@@ -126,7 +126,7 @@ def build_privacy_report(
         "noise_calibrated": mechanism.noise_calibrated,
         "steps_capped_by_target_epsilon": mechanism.steps_capped,
         "sampling": sampling,
-        "coins": coins,
+        "seeds": seeds,
         "dp_setting": "central: the party running training is trusted to run the mechanism",
         "assumptions": list(ASSUMPTIONS),
         "covered": covered,
@@ -220,7 +220,7 @@ def _extra_mechanisms(mechanism) -> list:
     return extra
 
 
-def _coin_statements(mechanism) -> dict:
+def _seed_statements(mechanism) -> dict:
     """What the guarantee assumes of each secret coin: drawn from OS entropy, or fixed."""
     return {
         name: ("fixed by the user: the guarantee assumes this seed stays secret"
@@ -312,7 +312,7 @@ def render_markdown(report: dict) -> str:
         f"| num_examples | {report['num_examples']} |",
         f"| steps (planned) | {report['steps']} ({report['planned_steps']}) |",
     ]
-    for name, how in report["coins"].items():
+    for name, how in report["seeds"].items():
         lines.append(f"| {name} | {how} |")
     if "note" in sampling:
         lines.append(f"| epsilon assuming Poisson sampling | "

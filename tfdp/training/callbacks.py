@@ -292,7 +292,7 @@ def save_checkpoint(manager, ledger, step):
 
 def make_privacy_ledger(mechanism: accounting.DPMechanism, *, sampling_seed: int,
                         noise_seed=None, config: str = "", data: str = "") -> tf.Module:
-    """Variables that put the run's privacy ledger and secret coins into every checkpoint.
+    """Variables that put the run's privacy ledger and secret seeds into every checkpoint.
 
     The module holds:
     * `mechanism_json` (string): `mechanism.to_dict()` as JSON, the whole
@@ -301,8 +301,8 @@ def make_privacy_ledger(mechanism: accounting.DPMechanism, *, sampling_seed: int
       them with `tf.train.load_checkpoint(path).get_tensor(
       "ledger/epsilon/.ATTRIBUTES/VARIABLE_VALUE")`);
     * `sampling_seed` (int64) and `noise_seed` (int64, -1 when drawn from
-      OS entropy): the secret coins. The checkpoint is the ONLY place they
-      are written (`tfdp.dp.coins`); the noise generator's state is saved
+      OS entropy): the secret seeds. The checkpoint is the ONLY place they
+      are written (`tfdp.dp.seeds`); the noise generator's state is saved
       with the DPModel;
     * `config` (string): the run's gin bindings (`gin.config_str()`), so a
       rerun can say which settings changed;

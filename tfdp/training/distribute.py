@@ -203,7 +203,7 @@ def output_dir(workdir, strategy):
 def broadcast_from_chief(strategy, value: int) -> int:
     """Every worker gets the chief's `value` (an int64), e.g. the secret sampling seed.
 
-    Each worker process draws its own secret coins, but the Poisson batches
+    Each worker process draws its own secret seeds, but the Poisson batches
     must be the same on every worker (`distribute_logical_batches`). Under
     `multi_worker_mirrored` the value is all-reduced (SUM) with only global
     replica 0, on the chief, contributing it; nothing is written or logged.
@@ -458,7 +458,7 @@ def _check_no_cluster(name):
     """Refuses a TF_CONFIG cluster of several tasks under a single-process strategy.
 
     Every worker started with the same command and TF_CONFIG would then train
-    its own model alone, on its own secret coins. A cluster of one task (a
+    its own model alone, on its own secret seeds. A cluster of one task (a
     launcher that always sets TF_CONFIG) is only logged.
     """
     raw = os.environ.get("TF_CONFIG")

@@ -10,7 +10,7 @@ from absl import logging
 from tfdp import accounting
 from tfdp import models
 from tfdp.dp import clipping
-from tfdp.dp import coins
+from tfdp.dp import seeds
 from tfdp.dp import noise
 from tfdp.dp import precision
 from tfdp.training import chunked
@@ -196,7 +196,7 @@ class DPModel(chunked.ChunkedTraining, ema.EMAParameters, keras.Model):
         self.mechanism = mechanism
         self.accumulation_steps = int(accumulation_steps)
         self.ema_decay = None if ema_decay is None else float(ema_decay)
-        self.noise_generator = coins.noise_generator(noise_seed)
+        self.noise_generator = seeds.noise_generator(noise_seed)
         # Steps whose noisy update was withheld for an inf or NaN entry (`noise.finite_release`);
         # untracked: never in a checkpoint or an export.
         self._withheld = chunked._Untracked(tf.Variable(

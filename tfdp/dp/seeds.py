@@ -1,4 +1,4 @@
-"""The secret coins of DP-SGD: the sampling seed and the noise generator.
+"""The secret seeds of DP-SGD: the sampling seed and the noise generator.
 
 Amplification by subsampling assumes the adversary does not know which steps
 include an example, and the Gaussian mechanism assumes it does not know the
