@@ -1,0 +1,24 @@
+"""Tap rules: how each layer class computes its output in sites, one module per layer family.
+
+A rule `(layer, inputs, recorder) -> outputs` computes the layer's output
+from its variables in explicit pieces ("sites"), each with the ghost-norm
+function of `tfdp.dp.ghost_norms` that gives its per-example squared norms
+(`registry.register`). Importing this package registers every rule.
+
+- `dense`: Dense, EinsumDense.
+- `conv`: Conv2D (grouped too), WSConv2D, ScaledWSConv2D, DepthwiseConv2D.
+- `normalization`: GroupNormalization, LayerNormalization (scale and offset).
+- `embedding`: Embedding.
+- `attention`: MultiHeadAttention, replayed with every sub-layer tapped.
+- `blocks`: ConvNeXt's LayerScale, NFResBlock.
+"""
+
+from tfdp.training.ghost_taps import attention  # noqa: F401  (registers its rule)
+from tfdp.training.ghost_taps import blocks  # noqa: F401
+from tfdp.training.ghost_taps import conv  # noqa: F401
+from tfdp.training.ghost_taps import dense  # noqa: F401
+from tfdp.training.ghost_taps import embedding  # noqa: F401
+from tfdp.training.ghost_taps import normalization  # noqa: F401
+from tfdp.training.ghost_taps.registry import register
+
+__all__ = ["register"]
