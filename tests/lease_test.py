@@ -130,6 +130,30 @@ def test_a_run_that_lost_its_lease_stops(url):
     assert _record(lock)["id"] == "thief"  # the loser does not delete the winner's lease
 
 
+def test_after_a_lost_lease_no_write_under_the_workdir_happens(url):
+    # An export's removal and upload, a report or a feature cache write between two checks
+    # of the training loop: tfdp.storage refuses each once the lease is lost.
+    from tfdp import storage  # pylint: disable=g-import-not-at-top
+
+    store, lock = lease_lib.RamLeaseStore(), f"{url}/{workdir_lib.LOCK_FILE}"
+    export = f"{url}/export"
+    with pytest.raises(workdir_lib.WorkdirLockedError, match=r"lost its lease on the workdir"):
+        with workdir_lib.locked(url, lease_seconds=2.0, renew_every_seconds=0.1):
+            storage.write_whole(f"{export}/saved_model.pb", b"mine")
+            _, generation = store.read(lock)
+            store.replace(lock, json.dumps({"id": "thief", "expires": time.time() + 60}).encode(),
+                          generation)
+            deadline = time.time() + 10
+            while time.time() < deadline and not workdir_lib._leases[  # pylint: disable=protected-access
+                    workdir_lib._lease_key(url)][0].lost:  # pylint: disable=protected-access
+                time.sleep(0.01)
+            storage.write_whole(f"{export}/saved_model.pb", b"theirs?")  # the guard refuses
+    assert storage.read_bytes(f"{export}/saved_model.pb") == b"mine"
+    for write in (lambda: storage.rmtree(export), lambda: storage.write_whole(f"{url}/x", b"")):
+        write()  # no guard once the block has ended: the guard is the run's, not the path's
+    assert not storage.exists(export)
+
+
 def test_a_lost_lease_stops_a_keras_fit_at_its_next_step(url):
     import keras  # pylint: disable=g-import-not-at-top
     import numpy as np  # pylint: disable=g-import-not-at-top

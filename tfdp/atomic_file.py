@@ -139,7 +139,7 @@ def sync_folder(folder):
 def _create_temporary(path):
     """`(fd, name)` of a new file beside `path`, with the permissions of `path` if it exists."""
     try:
-        permissions = os.stat(path).st_mode & 0o7777
+        permissions = os.stat(path).st_mode & 0o777  # never setuid, setgid or sticky
     except OSError:
         permissions = None
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)

@@ -72,8 +72,40 @@ def listdir(path):
     return os.listdir(path)
 
 
+_write_guards = {}  # URL prefix -> a check that raises once this process may not write there
+
+
+@contextlib.contextmanager
+def writes_guarded(url, check):
+    """While the context lasts, every write below the URL `url` first calls `check()`.
+
+    The lease of a gs:// workdir (`tfdp.workdir.locked`): once another run
+    has taken the workdir over, `check` raises, and no object under it is
+    created, replaced or removed by this process from then on, whichever
+    code path writes (an export's upload, a report, a feature cache).
+    Local paths are not guarded here (`tfdp.workdir.check_held`).
+    """
+    key = os.fspath(url).rstrip("/")
+    _write_guards[key] = check
+    try:
+        yield
+    finally:
+        _write_guards.pop(key, None)
+
+
+def _check_write(path):
+    """Calls the guard of every guarded URL that `path` is, or is under (`writes_guarded`)."""
+    path = os.fspath(path)
+    if not _write_guards or not is_url(path):
+        return
+    for prefix, check in list(_write_guards.items()):
+        if path == prefix or path.startswith(prefix + "/"):
+            check()
+
+
 def makedirs(path):
     if is_url(path):
+        _check_write(path)
         _gfile().makedirs(path)
     else:
         os.makedirs(path, exist_ok=True)
@@ -155,6 +187,7 @@ def write_whole(path, content):
 def _write_with(path, write):
     """`write(f)` into a binary file object that replaces `path` whole (see `write_whole`)."""
     if is_url(path):
+        _check_write(path)
         if scheme(path) == "ram" and _gfile().exists(path):
             # TensorFlow's ram:// appends to an existing file instead of replacing it
             # (measured with TF 2.21); an object store replaces the object.
@@ -189,6 +222,7 @@ def read_array(path):
 def append_text(path, text):
     """Appends a line (or more) to a text file. On an object store the object is rewritten."""
     if is_url(path):
+        _check_write(path)
         with _gfile().GFile(path, "a") as f:
             f.write(text)
         return
@@ -199,6 +233,7 @@ def append_text(path, text):
 def copy(source, target):
     """Copies a file (a local one into a URL, or any pair), replacing `target`."""
     if is_url(source) or is_url(target):
+        _check_write(target)
         if scheme(target) == "ram" and _gfile().exists(target):
             _gfile().remove(target)  # ram:// would append (see write_whole)
         _gfile().copy(source, target, overwrite=True)
@@ -220,6 +255,7 @@ def remove(path):
     if is_url(path):
         import tensorflow as tf  # pylint: disable=g-import-not-at-top
 
+        _check_write(path)
         with contextlib.suppress(tf.errors.NotFoundError):
             _gfile().remove(path)
         return
@@ -230,6 +266,7 @@ def remove(path):
 def rmtree(path):
     """Removes a folder and everything in it; errors are ignored (best effort)."""
     if is_url(path):
+        _check_write(path)
         with contextlib.suppress(Exception):  # pylint: disable=broad-except
             _gfile().rmtree(path)
         return
@@ -237,7 +274,8 @@ def rmtree(path):
 
 
 def remove_any(path):
-    """Removes a file or a folder tree, ignoring errors."""
+    """Removes a file or a folder tree, ignoring errors (not a guard's: `writes_guarded`)."""
+    _check_write(path)
     if isdir(path):
         rmtree(path)
     else:
@@ -247,6 +285,7 @@ def remove_any(path):
 
 def rmdir_if_empty(path):
     """Removes an empty folder (on an object store, its placeholder); else nothing."""
+    _check_write(path)
     with contextlib.suppress(Exception):  # pylint: disable=broad-except
         if is_url(path):
             if isdir(path) and not listdir(path):

@@ -239,7 +239,9 @@ def _leased(workdir, lease_seconds, renew_every_seconds):
     key = _lease_key(workdir)
     _leases[key] = (lease, workdir)
     try:
-        yield
+        # Every write under the workdir through tfdp.storage checks the lease first.
+        with storage.writes_guarded(workdir, lambda: check_held(workdir)):
+            yield
     except KeyboardInterrupt:
         _release(lease, workdir, created)
         if lease.lost:

@@ -111,16 +111,22 @@ def test_wrong_images_get_a_message_naming_the_expected_shape(tmp_path):
         serve(images=tf.zeros([2, 8, 8, 3], tf.int32))
 
 
-@pytest.mark.parametrize("scale", ["unit", "unit_without_a_one", "signed", "nan", "over"])
+@pytest.mark.parametrize("scale", ["unit", "unit_without_a_one", "unit_overshot",
+                                   "unit_beside_0_255", "signed", "nan", "over"])
 def test_float_images_outside_0_255_are_refused_with_how_to_convert(exported, scale):
     # Images scaled to [0, 1] were converted to uint8 by TensorFlow and served as a black
     # image without a word; those in [-1, 1] wrapped around.
     _, export_dir, images = exported
     loaded = tf.saved_model.load(export_dir)
     batch = images.astype(np.float64) / 255.0
-    match = r"largest value of this batch is at most 1: images scaled to \[0, 1\]\? Pass images \* 255"
+    match = r"largest value in \(0, 2\]: images scaled to \[0, 1\]\? Pass images \* 255"
     if scale == "unit_without_a_one":
         batch = np.minimum(batch, 0.99)
+    elif scale == "unit_overshot":  # a resize's overshoot
+        batch[:, 0, 0, 0] = 1.01
+    elif scale == "unit_beside_0_255":  # one caller's [0, 1] image batched with others'
+        batch = images.astype(np.float64)
+        batch[2] /= 255.0
     elif scale == "signed":
         batch, match = batch * 2 - 1, r"below 0, above 255 or NaN.*\(images \+ 1\) \* 127\.5"
     elif scale == "nan":

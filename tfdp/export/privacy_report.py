@@ -500,11 +500,16 @@ def _write_pair(report, directory, json_name, md_name, render):
     md_path = os.path.join(directory, md_name)
     # Each file is written next to its place and renamed in (`tfdp.atomic_file`): a reader
     # never sees half a report. Both are written before either is renamed in.
-    with atomic_file.replacing(json_path, "w") as json_file, \
-            atomic_file.replacing(md_path, "w") as md_file:
-        json.dump(report, json_file, indent=2, sort_keys=True, default=_json_default)
-        json_file.write("\n")
-        md_file.write(render(report))
+    # The JSON is written out in full before the Markdown is: a full disk then fails before
+    # either is renamed in, and never leaves a new .md beside the old .json.
+    text = json.dumps(report, indent=2, sort_keys=True, default=_json_default) + "\n"
+    markdown = render(report)
+    with atomic_file.replacing(json_path, "w") as json_file:
+        json_file.write(text)
+        json_file.flush()
+        os.fsync(json_file.fileno())
+        with atomic_file.replacing(md_path, "w") as md_file:
+            md_file.write(markdown)
     return json_path, md_path
 
 

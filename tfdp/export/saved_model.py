@@ -69,9 +69,11 @@ def export_saved_model(model, export_dir, *, image_shape, asset_paths=(), overwr
       Refused with a message: images of another rank, height, width or
       channel count (the message names the expected `[batch, H, W, C]`);
       float values below 0, above 255 or NaN (images scaled to [-1, 1]);
-      a float batch whose largest value is in (0, 1] (images scaled to
-      [0, 1]: pass `images * 255`). A real [0, 255] float batch that dark
-      is refused too; pass it as uint8, which is never read that way. A
+      a float image whose largest value is in (0, 2] (an image scaled to
+      [0, 1], also when resizing overshot 1 or when it is batched with
+      [0, 255] images: pass `images * 255`). A real [0, 255] float image
+      that dark is refused too; pass it as uint8, which is never read that
+      way. A
       batch of 0 images gives 0 rows of logits. Other dtypes (int32, a
       float16 tensor) are refused by TensorFlow itself ("Could not find
       matching concrete function").
@@ -96,13 +98,16 @@ def export_saved_model(model, export_dir, *, image_shape, asset_paths=(), overwr
                     f"serve expects {images.dtype.name} pixel values in [0, 255] (as uint8 "
                     "images hold them); this batch has a value below 0, above 255 or NaN. "
                     "Images scaled to [-1, 1]? Pass (images + 1) * 127.5."]))
-            largest = tf.reduce_max(tf.concat([tf.reshape(images, [-1]), tf.zeros([1], images.dtype)], 0))
+            # Each image on its own (a batch may join several callers' images): its largest
+            # value is 0 (black in any scale) or above 2 (a [0, 1] image resized may overshoot
+            # 1 a little).
+            largest = tf.reduce_max(images, axis=list(range(1, 1 + len(image_shape))))
             checks.append(tf.debugging.Assert(
-                tf.logical_or(tf.equal(largest, 0), largest > 1), [
+                tf.reduce_all(tf.logical_or(tf.equal(largest, 0), largest > 2)), [
                     f"serve expects {images.dtype.name} pixel values in [0, 255] (as uint8 "
-                    "images hold them); the largest value of this batch is at most 1: images "
-                    "scaled to [0, 1]? Pass images * 255 (or uint8 images, which are never "
-                    "read this way)."]))
+                    "images hold them); an image of this batch has its largest value in "
+                    "(0, 2]: images scaled to [0, 1]? Pass images * 255 (or uint8 images, "
+                    "which are never read this way)."]))
         # The model runs after the checks: otherwise its first op to fail (a GroupNorm's
         # reshape) could report first, and the message would not name the shape.
         with tf.control_dependencies(checks):
