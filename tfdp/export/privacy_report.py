@@ -312,7 +312,7 @@ def render_markdown(report: dict) -> str:
         f"| num_examples | {report['num_examples']} |",
         f"| steps (planned) | {report['steps']} ({report['planned_steps']}) |",
     ]
-    for name, how in report["seeds"].items():
+    for name, how in report.get("seeds", report.get("coins", {})).items():  # "coins": earlier reports
         lines.append(f"| {name} | {how} |")
     if "note" in sampling:
         lines.append(f"| epsilon assuming Poisson sampling | "
