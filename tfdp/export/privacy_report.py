@@ -312,7 +312,8 @@ def render_markdown(report: dict) -> str:
         f"| num_examples | {report['num_examples']} |",
         f"| steps (planned) | {report['steps']} ({report['planned_steps']}) |",
     ]
-    for name, how in report.get("seeds", report.get("coins", {})).items():  # "coins": earlier reports
+    # "coins": the entry's name in reports written before "seeds".
+    for name, how in report.get("seeds", report.get("coins", {})).items():
         lines.append(f"| {name} | {how} |")
     if "note" in sampling:
         lines.append(f"| epsilon assuming Poisson sampling | "
