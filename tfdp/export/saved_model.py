@@ -79,7 +79,44 @@ def export_saved_model(model, export_dir, *, image_shape, asset_paths=(), overwr
       matching concrete function").
     """
     _check_target(export_dir, overwrite)
-    image_shape = tuple(int(d) for d in image_shape)
+    serve = _serve_function(model, tuple(int(d) for d in image_shape))
+    archive = keras.export.ExportArchive()
+    archive.track(model)
+    archive.add_endpoint("serve", serve)
+    if storage.is_url(export_dir):
+        _write_in_place(archive, export_dir, asset_paths, overwrite)
+        return export_dir
+    parent, name = os.path.split(os.path.abspath(export_dir))
+    os.makedirs(parent, exist_ok=True)
+    tmp_dir = tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=parent)
+    try:
+        archive.write_out(tmp_dir, verbose=False)
+        os.makedirs(os.path.join(tmp_dir, "assets"), exist_ok=True)
+        for path in asset_paths:
+            shutil.copy(path, os.path.join(tmp_dir, "assets", os.path.basename(path)))
+        _check_target(export_dir, overwrite)  # again: it may have changed meanwhile
+        if os.path.isdir(export_dir) and os.listdir(export_dir):
+            old_dir = tempfile.mkdtemp(prefix=f".{name}.old-", dir=parent)
+            os.replace(export_dir, old_dir)  # onto the empty old_dir
+            try:
+                os.replace(tmp_dir, export_dir)
+            except OSError:
+                os.replace(old_dir, export_dir)  # put the earlier export back
+                raise
+            shutil.rmtree(old_dir, ignore_errors=True)
+        else:
+            os.replace(tmp_dir, export_dir)  # a new name, or onto an empty folder
+    finally:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+    return export_dir
+
+
+def _serve_function(model, image_shape):
+    """The `serve` tf.function of `export_saved_model`, traced for float32, uint8 and float64.
+
+    float32 is traced first: it becomes the signature, and a Python list is
+    converted to the first trace that fits.
+    """
     shape_text = f"[batch, {', '.join(map(str, image_shape))}] ([batch, H, W, C])"
     num_classes = int(model.output_shape[-1])
 
@@ -121,39 +158,9 @@ def export_saved_model(model, export_dir, *, image_shape, asset_paths=(), overwr
             lambda: tf.zeros([0, num_classes], tf.float32))
         return {OUTPUT_KEY: logits}
 
-    # float32 first: the signature (`signatures["serve"]`, `serving_default`, saved_model_cli,
-    # TF Serving) is the first trace, and a Python list is converted to the first that fits.
     for dtype in (tf.float32, tf.uint8, tf.float64):
         serve.get_concrete_function(tf.TensorSpec([None, *image_shape], dtype, name="images"))
-    archive = keras.export.ExportArchive()
-    archive.track(model)
-    archive.add_endpoint("serve", serve)
-    if storage.is_url(export_dir):
-        _write_in_place(archive, export_dir, asset_paths, overwrite)
-        return export_dir
-    parent, name = os.path.split(os.path.abspath(export_dir))
-    os.makedirs(parent, exist_ok=True)
-    tmp_dir = tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=parent)
-    try:
-        archive.write_out(tmp_dir, verbose=False)
-        os.makedirs(os.path.join(tmp_dir, "assets"), exist_ok=True)
-        for path in asset_paths:
-            shutil.copy(path, os.path.join(tmp_dir, "assets", os.path.basename(path)))
-        _check_target(export_dir, overwrite)  # again: it may have changed meanwhile
-        if os.path.isdir(export_dir) and os.listdir(export_dir):
-            old_dir = tempfile.mkdtemp(prefix=f".{name}.old-", dir=parent)
-            os.replace(export_dir, old_dir)  # onto the empty old_dir
-            try:
-                os.replace(tmp_dir, export_dir)
-            except OSError:
-                os.replace(old_dir, export_dir)  # put the earlier export back
-                raise
-            shutil.rmtree(old_dir, ignore_errors=True)
-        else:
-            os.replace(tmp_dir, export_dir)  # a new name, or onto an empty folder
-    finally:
-        shutil.rmtree(tmp_dir, ignore_errors=True)
-    return export_dir
+    return serve
 
 
 def _write_in_place(archive, export_dir, asset_paths, overwrite):
