@@ -147,8 +147,9 @@ def _serve_function(model, image_shape):
                     "which are never read this way)."]))
         # The model runs after the checks: otherwise its first op to fail (a GroupNorm's
         # reshape) could report first, and the message would not name the shape.
+        # tf.identity: a cast of float32 to float32 is no op, and would carry no dependency.
         with tf.control_dependencies(checks):
-            return tf.cast(images, tf.float32)
+            return tf.identity(tf.cast(images, tf.float32))
 
     @tf.function
     def serve(images):
