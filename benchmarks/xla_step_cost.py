@@ -243,14 +243,16 @@ def write_step(out_dir, name, fn, args, extra=None):
     return meta
 
 
-def export_case(case, out_dir, plan="tf32", loops="unrolled", normalize_update=False):
+def export_case(case, out_dir, plan="tf32", loops="unrolled", normalize_update=False,
+                ema_decay=None):
     """Writes CASE_plain and CASE_dp (see the module docstring); returns their names and metadata.
 
     Where the DP step has recompute loops (more than one chunk), `loops` adds a
     measurement variant: "unrolled" (`CASE_dp_unrolled`, the same step traced
     with its chunk loops unrolled: every trip counted), "coarse"
     (`CASE_dp_coarse`, half as many chunks: `loop_corrected`), "both", or "none".
-    `normalize_update`: the mechanism's (De et al. 2022, eq. (3); imagenet.gin's).
+    `normalize_update` (the mechanism's: De et al. 2022, eq. (3)) and `ema_decay` (DPModel's
+    parameter EMA, updated in the step): as a config sets them (imagenet.gin: True, 0.99999).
     """
     import keras
     import tensorflow as tf
@@ -277,7 +279,7 @@ def export_case(case, out_dir, plan="tf32", loops="unrolled", normalize_update=F
     mechanism = accounting.DPMechanism(num_examples=60000, batch_size=batch, num_steps=1000,
                                        noise_multiplier=1.0, l2_clip_norm=1.0, delta=1e-5,
                                        normalize_update=normalize_update)
-    dp = DPModel(model, mechanism, clipping="auto", noise_seed=0)
+    dp = DPModel(model, mechanism, clipping="auto", noise_seed=0, ema_decay=ema_decay)
     dp.compile(optimizer=keras.optimizers.SGD(0.01), jit_compile=True)
     args = (tf.constant(x), tf.constant(y), tf.ones([batch]))
 
@@ -288,7 +290,8 @@ def export_case(case, out_dir, plan="tf32", loops="unrolled", normalize_update=F
     extra = {"case": case, "batch": batch, "views": views, "plan": plan}
     metas.append(write_step(out_dir, f"{name}_dp", dp_step(), args,
                             {**extra, "kind": "dp", "clipping_path": dp.clipping_path,
-                             "recompute_chunks": chunks}))
+                             "recompute_chunks": chunks, "normalize_update": normalize_update,
+                             "ema_decay": ema_decay}))
     if chunks > 1 and loops in ("unrolled", "both"):
         with unrolled_loops() as patched:
             meta = write_step(out_dir, f"{name}_dp_unrolled", dp_step(), args,

@@ -2,13 +2,17 @@
 
 The export runs in tfdp's environment on Tramer & Boneh's CNN at B = 4 (a few
 seconds). The cost part needs a side interpreter with JAX: set
-TFDP_JAX_PYTHON to its path (e.g. /tmp/vjax/bin/python), else it is skipped.
+TFDP_JAX_PYTHON to its path (e.g. $JAX_VENV/bin/python), else it is skipped.
+The TPU compile of imagenet.gin's DP step (slow) needs one with jax[tpu]
+(libtpu's compile-only client; no TPU): set TFDP_TPU_PYTHON to its path.
 """
 
 import importlib.util
 import json
 import os
 import pathlib
+import re
+import subprocess
 
 import numpy as np
 import pytest
@@ -20,6 +24,8 @@ _spec.loader.exec_module(xla_step_cost)
 
 CASE = "tramer_cnn:4"
 JAX_PYTHON = os.environ.get("TFDP_JAX_PYTHON")
+TPU_PYTHON = os.environ.get("TFDP_TPU_PYTHON")
+IMAGENET_GIN = pathlib.Path(__file__).resolve().parents[2] / "gin" / "imagenet.gin"
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -171,3 +177,45 @@ def test_every_trip_counted_takes_the_unrolled_programs_flops_and_the_steps_memo
     assert (dp["GFLOP_loops_once"], dp["count"], dp["exact"]) == (2.0, "unrolled", True)
     costs["c_dp_unrolled"]["loops"] = ["?", 4]  # a loop left: not exact
     assert not xla_step_cost.every_trip_counted(metas, costs)["exact"]
+
+
+def _without_libtpu(python):
+    """Why `python` cannot compile for a TPU here (None if it has jax and libtpu)."""
+    if not python:
+        return "TFDP_TPU_PYTHON (a Python with jax[tpu]: libtpu's compile-only client) not set"
+    probe = subprocess.run([python, "-c", "import jax, libtpu"], capture_output=True, text=True,
+                           check=False)
+    if probe.returncode != 0:
+        return f"TFDP_TPU_PYTHON={python} has no jax[tpu]: {probe.stderr.strip()[-200:]}"
+    return None
+
+
+@pytest.mark.slow
+def test_imagenet_gin_dp_step_compiles_for_a_tpu(tmp_path):
+    # imagenet.gin's DP step (its model, augmult, input size, normalized update and EMA) at
+    # B = 2, compiled for one TPU v5e chip by libtpu's compile-only client: an op the TPU
+    # cannot run (or that its compiler refuses) fails here, before any TPU is rented.
+    reason = _without_libtpu(TPU_PYTHON)
+    if reason:
+        pytest.skip(reason)
+    gin = IMAGENET_GIN.read_text()
+
+    def setting(pattern):
+        found = re.search(pattern, gin, re.MULTILINE)
+        assert found, f"imagenet.gin no longer says {pattern!r}: update this test"
+        return found.group(1)
+
+    assert setting(r"^tfdp\.train_and_evaluate\.model_fn = @tfdp\.models\.(\w+)") == "build_nf_resnet"
+    assert setting(r"^tfdp\.models\.build_nf_resnet\.depth = (\d+)") == "50"
+    views, size = int(setting(r"^AUGMULT = (\d+)")), int(setting(r"^IMAGE_SIZE = (\d+)"))
+    normalize = setting(r"^tfdp\.PrivacyConfig\.normalize_update = (\w+)") == "True"
+    ema_decay = float(setting(r"^tfdp\.OptimizationConfig\.ema_decay = ([0-9.]+)"))
+    case = f"nf_resnet50:2:{views}@{size}"
+    metas = xla_step_cost.export_case(case, str(tmp_path), plan="bf16", loops="none",
+                                      normalize_update=normalize, ema_decay=ema_decay)
+    dp = next(m for m in metas if m["kind"] == "dp")
+    assert (dp["views"], dp["normalize_update"], dp["ema_decay"]) == (4, True, 0.99999)
+    # raises, with the TPU compiler's message, where it refuses the step
+    costs = xla_step_cost.run_jax(TPU_PYTHON, str(tmp_path), [dp["name"]], 0, target="tpu:v5e")
+    assert costs["_backend"]["backend"] == "tpu"
+    assert costs[dp["name"]]["GFLOP"] > 0 and costs[dp["name"]]["temp_MB"] > 0
