@@ -44,18 +44,30 @@ XLA's cost analysis counts a loop's body once, not once per trip (its
     the same step traced with those loops unrolled at trace time
     (`unrolled_loops`: a measurement variant; the same operations on the
     same tensors in the same order, without the loop), and the DP flops and
-    bytes in the table are that program's. Each compiled program's while
-    loops are listed with the trip counts the compiler knows
-    (`known_trip_count`): the count is `exact` where the program counted has
-    no loop with a known trip count above 1 left. A loop whose trip count is
-    not static (the non-finite fallback's, which runs once per example whose
-    ghost sum is not finite: none in a normal step) is counted as XLA counts
-    a conditional: its costlier branch, its loop body once.
+    bytes in the table are that program's (its trips' chunk indices pass
+    through optimization barriers, so that XLA cannot merge the recompute
+    into the first build: `_StaticLoops`). Each compiled program's while
+    loops are listed, with the trip count where the compiler's HLO shows it
+    (`known_trip_count` on a CPU or GPU; "?" on a TPU, or for a loop whose
+    trip count is not static): the count is `exact` where the program
+    counted has no loop left but those the trace kept. The one it keeps,
+    the non-finite fallback's (it runs once per example whose ghost sum is
+    not finite: none in a normal step), is counted as XLA counts a
+    conditional: its costlier branch, its loop body once.
+  - `doubled`: the case is also exported with two chunks per loop trip
+    (`CASE_dp_doubled`: the same chunk shapes, half the trips); the
+    difference from the step is one trip's work w, and the step's cost is
+    its own plus (n - 1) w (`doubled_corrected`). It assumes only that XLA
+    counts two chunks of the same shapes as twice one: the check of the
+    unrolled count.
   - `coarse`: the case is also exported with half as many chunks
     (`CASE_dp_coarse`) and the loops' work is inferred from the difference
-    (`loop_corrected`), which assumes a chunk's cost is linear in its size:
-    near enough on a CPU, not on a TPU, whose compiler picks other layouts
-    and fusions for other shapes. `both` prints the two side by side.
+    (`loop_corrected`), which assumes a chunk's cost is linear in its size.
+    It is not where a compiler expands a grouped convolution into a dense
+    one (XLA's CPU backend: a chunk's per-example gradients then cost as
+    its size squared), nor on a TPU, whose compiler picks other layouts and
+    fusions for other shapes: kept for comparison only.
+  - `all`: the three, each printed against the unrolled count.
 
 Temp memory is always the step's own (with its loops), as XLA assigns it.
 
@@ -171,39 +183,82 @@ class _StaticLoops:
     a Python bool (tfdp's chunk loops: `i < chunks`) runs its body at trace
     time, trip after trip, on the same tensors in the same order: the same
     operations as the loop's, with no loop. Any other loop stays a loop.
+
+    Each trip's index is the trip number plus a zero computed from a random
+    draw and the loop's own tag (`((r + tag) & 1) >> 1`, r a scalar int32 from
+    `tf.random.uniform`): exactly the trip number, but neither TensorFlow's
+    compile-time constant resolution nor XLA can fold it (a step input would
+    be made a compile-time constant and folded in), and it differs from loop
+    to loop. The body then slices its chunk with a dynamic slice, as in the
+    loop, and XLA cannot merge two loops' trips that compute the same thing
+    (common-subexpression elimination would otherwise merge the recompute's
+    second build of a chunk's per-example gradients into its first and hold
+    them: another program, with half the recompute's work and more memory
+    than the loop's; an optimization barrier does not stop it, XLA's CPU
+    pipeline removes those first). The draws cost a few scalar operations.
     `trips`: the trip count of each loop unrolled.
+
+    `per_trip=k` (k > 1; the check of the unrolled count) instead keeps each
+    such loop as a loop, of n / k trips that each run k of its trips (n a
+    multiple of k; else it is unrolled): XLA counts k trips of the same
+    shapes where it counted one.
     """
 
-    def __init__(self, tf):
+    def __init__(self, tf, per_trip=0):
         self._tf = tf
         self.trips = []
+        self.per_trip = per_trip
 
     def __getattr__(self, name):
         return getattr(self._tf, name)
+
+    def _opaque(self, value, tag):
+        tf = self._tf
+        draw = tf.random.uniform([], 0, 1 << 30, dtype=tf.int32)
+        zero = tf.bitwise.right_shift(tf.bitwise.bitwise_and(draw + tag, 1), 1)
+        return tf.constant(value, tf.int32) + zero
 
     def while_loop(self, cond, body, loop_vars, **kwargs):
         first = self._tf.get_static_value(loop_vars[0])
         if first is None or not isinstance(cond(int(first), *loop_vars[1:]), bool):
             return self._tf.while_loop(cond, body, loop_vars, **kwargs)
-        state, trips = (int(first), *loop_vars[1:]), 0
-        while cond(*state):
-            state = tuple(body(*state))
-            trips += 1
+        tag = len(self.trips)
+        index, rest, trips = int(first), tuple(loop_vars[1:]), 0
+        if self.per_trip > 1:
+            count = 0
+            while cond(int(first) + count, *rest):
+                count += 1
+            if count % self.per_trip == 0:
+                self.trips.append(count)
+
+                def several(i, *state):
+                    for _ in range(self.per_trip):
+                        i, *state = body(i, *state)
+                    return (i, *state)
+
+                return self._tf.while_loop(cond, several, loop_vars, **kwargs)
+        while cond(index, *rest):
+            _, *rest = body(self._opaque(index, tag), *rest)
+            index, trips = index + 1, trips + 1
         self.trips.append(trips)
-        return state
+        return (self._tf.constant(index), *rest)
 
 
 class unrolled_loops:  # pylint: disable=invalid-name
     """MEASUREMENT ONLY: within it, tfdp's recompute loops over chunks (`ghost_norms._recomputed`)
     are traced unrolled (`_StaticLoops`), so that XLA's cost analysis, which counts a while
     loop's body once whatever its trip count, counts every chunk. The step computes the same
-    values in the same order; only the loop is gone. `trips`: the loops unrolled."""
+    values in the same order; only the loop is gone. `trips`: the loops unrolled.
+    `per_trip=k`: each loop runs k chunks per trip instead (`_StaticLoops`)."""
+
+    def __init__(self, per_trip=0):
+        self._per_trip = per_trip
 
     def __enter__(self):
         from tfdp.dp import ghost_norms
         self._module = ghost_norms
         self._saved = ghost_norms.tf
-        ghost_norms.tf = _StaticLoops(self._saved)
+        ghost_norms.tf = _StaticLoops(self._saved, self._per_trip)
         return ghost_norms.tf
 
     def __exit__(self, *exc):
@@ -249,8 +304,9 @@ def export_case(case, out_dir, plan="tf32", loops="unrolled", normalize_update=F
 
     Where the DP step has recompute loops (more than one chunk), `loops` adds a
     measurement variant: "unrolled" (`CASE_dp_unrolled`, the same step traced
-    with its chunk loops unrolled: every trip counted), "coarse"
-    (`CASE_dp_coarse`, half as many chunks: `loop_corrected`), "both", or "none".
+    with its chunk loops unrolled: every trip counted), "doubled"
+    (`CASE_dp_doubled`, two chunks per trip: `doubled_corrected`), "coarse"
+    (`CASE_dp_coarse`, half as many chunks: `loop_corrected`), "all" (the three), or "none".
     `normalize_update` (the mechanism's: De et al. 2022, eq. (3)) and `ema_decay` (DPModel's
     parameter EMA, updated in the step): as a config sets them (imagenet.gin: True, 0.99999).
     """
@@ -292,13 +348,19 @@ def export_case(case, out_dir, plan="tf32", loops="unrolled", normalize_update=F
                             {**extra, "kind": "dp", "clipping_path": dp.clipping_path,
                              "recompute_chunks": chunks, "normalize_update": normalize_update,
                              "ema_decay": ema_decay}))
-    if chunks > 1 and loops in ("unrolled", "both"):
+    if chunks > 1 and loops in ("unrolled", "all"):
         with unrolled_loops() as patched:
             meta = write_step(out_dir, f"{name}_dp_unrolled", dp_step(), args,
                               {**extra, "kind": "dp_unrolled", "recompute_chunks": chunks})
         meta["unrolled_trips"] = patched.trips
         metas.append(meta)
-    if chunks > 1 and loops in ("coarse", "both"):
+    if chunks > 1 and chunks % 2 == 0 and loops in ("doubled", "all"):
+        with unrolled_loops(per_trip=2) as patched:
+            meta = write_step(out_dir, f"{name}_dp_doubled", dp_step(), args,
+                              {**extra, "kind": "dp_doubled", "recompute_chunks": chunks})
+        meta["doubled_trips"] = patched.trips
+        metas.append(meta)
+    if chunks > 1 and loops in ("coarse", "all"):
         # XLA's cost analysis counts a while loop's body once (HloCostAnalysis::HandleWhile),
         # whatever its trip count: the same step with coarser chunks gives the loops' work.
         saved = ghost_norms.RECOMPUTE_CHUNKS
@@ -326,6 +388,22 @@ def loop_corrected(dp, coarse, chunks, coarse_chunks):
         work = (coarse[key] - dp[key]) / (1.0 / coarse_chunks - 1.0 / chunks)
         out[key] = dp[key] + work * (1.0 - 1.0 / chunks)
         out[f"{key}_reported"] = dp[key]
+    return out
+
+
+def doubled_corrected(dp, doubled, chunks):
+    """The DP step's flops and bytes with every trip counted, from two chunks per trip.
+
+    XLA reports `A + w` for the step (one trip's work w counted) and `A + 2 w`
+    for the same step with two chunks per trip (`CASE_dp_doubled`: the same
+    chunk shapes): w is their difference, and the step's cost is `A + n w`.
+    The check of the unrolled count: no assumption about how a chunk's cost
+    grows with its size (the coarse correction's), only that XLA counts two
+    chunks of the same shapes as twice one.
+    """
+    out = dict(dp)
+    for key in ("GFLOP", "GB_accessed"):
+        out[key] = dp[key] + (chunks - 1) * (doubled[key] - dp[key])
     return out
 
 
@@ -460,21 +538,18 @@ def run_jax(jax_python, out_dir, names, replay_seconds, target="default"):
     return records
 
 
-def static_trips(record):
-    """The known trip counts above 1 of a compiled program's while loops (each counted once)."""
-    return [n for n in (record.get("loops") or []) if isinstance(n, int) and n > 1]
-
-
 def every_trip_counted(metas, costs):
     """The DP step's record with its loops' every trip in GFLOP and GB_accessed (see the docstring).
 
     From `CASE_dp_unrolled` where exported (`count`: "unrolled"), else from
     `CASE_dp_coarse` (`loop_corrected`: "linear"), else the step's own
-    ("as compiled"). `temp_MB` is always the step's own (the loops'
-    memory). `GFLOP_loops_once` / `GB_loops_once`: the step's own analysis.
-    `exact`: no while loop with a known trip count above 1 is left in the
-    program counted (a loop whose trip count is not static, such as the
-    non-finite fallback's, is counted as XLA counts it).
+    ("as compiled": one chunk, every loop runs once). `temp_MB` is always
+    the step's own (the loops' memory). `GFLOP_loops_once` /
+    `GB_loops_once`: the step's own analysis. `exact`: the program counted
+    has no more while loops than the step minus those unrolled (a TPU's
+    compiled program does not show trip counts, so loops are counted, not
+    their trips: what is left is the loop whose trip count is not static,
+    the non-finite fallback's, counted as XLA counts a conditional).
     """
     by_kind = {m["kind"]: m for m in metas}
     dp_meta = by_kind["dp"]
@@ -484,15 +559,14 @@ def every_trip_counted(metas, costs):
         counted = costs[by_kind["dp_unrolled"]["name"]]
         out.update(GFLOP=counted["GFLOP"], GB_accessed=counted["GB_accessed"], count="unrolled",
                    unrolled_temp_MB=counted.get("temp_MB"))
+        left = len(dp.get("loops") or []) - len(by_kind["dp_unrolled"].get("unrolled_trips", []))
+        out["exact"] = len(counted.get("loops") or []) <= max(left, 0)
     elif "dp_coarse" in by_kind:
         out.update(loop_corrected(dp, costs[by_kind["dp_coarse"]["name"]],
                                   dp_meta["recompute_chunks"], by_kind["dp_coarse"]["recompute_chunks"]))
-        out["count"] = "linear"
-        counted = {}
+        out.update(count="linear", exact=False)
     else:
-        counted = dp
-        out["count"] = "as compiled"
-    out["exact"] = out["count"] != "linear" and not static_trips(counted)
+        out.update(count="as compiled", exact=dp_meta.get("recompute_chunks", 1) <= 1)
     return out
 
 
@@ -540,11 +614,12 @@ def main(argv=None):
                         help="where the steps compile: default (the side Python's JAX backend), "
                              "cpu, gpu, tpu:v4, tpu:v5e, tpu:v5p or tpu:v6e (libtpu's "
                              "compile-only client: no TPU needed)")
-    parser.add_argument("--loops", choices=("unrolled", "coarse", "both", "none"),
+    parser.add_argument("--loops", choices=("unrolled", "doubled", "coarse", "all", "none"),
                         default="unrolled",
                         help="how the DP step's recompute loops get every trip counted: a variant "
-                             "traced with them unrolled (exact), the old half-the-chunks linear "
-                             "correction, both (the table takes the unrolled), or none")
+                             "traced with them unrolled (exact), two chunks per trip (its check), "
+                             "the old half-the-chunks linear correction, all three (the table "
+                             "takes the unrolled), or none")
     parser.add_argument("--normalize_update", action="store_true",
                         help="the DP step with De et al.'s normalized update (imagenet.gin's)")
     parser.add_argument("--replay_seconds", type=float, default=0.0, help="0: no timing")
@@ -587,15 +662,23 @@ def main(argv=None):
         backend = costs.pop("_backend", {})
         if not args.layers:
             by_kind = {m["kind"]: m for m in metas}
-            if "dp_coarse" in by_kind and "dp_unrolled" in by_kind:  # both: the check of one on the other
-                dp_meta, coarse = by_kind["dp"], by_kind["dp_coarse"]
-                linear = loop_corrected(costs[dp_meta["name"]], costs[coarse["name"]],
-                                        dp_meta["recompute_chunks"], coarse["recompute_chunks"])
+            if "dp_unrolled" in by_kind and len(by_kind) > 3:  # the checks of the unrolled count
+                dp_meta = by_kind["dp"]
+                dp, chunks = costs[dp_meta["name"]], dp_meta["recompute_chunks"]
                 unrolled = costs[by_kind["dp_unrolled"]["name"]]
-                print(json.dumps({"name": dp_meta["name"], "linear_vs_unrolled": {
-                    key: [round(linear[key], 4), unrolled[key],
-                          round(linear[key] / unrolled[key] - 1.0, 4)]
-                    for key in ("GFLOP", "GB_accessed")}}))
+                others = {}
+                if "dp_doubled" in by_kind:
+                    others["doubled"] = doubled_corrected(dp, costs[by_kind["dp_doubled"]["name"]],
+                                                          chunks)
+                if "dp_coarse" in by_kind:
+                    coarse = by_kind["dp_coarse"]
+                    others["linear"] = loop_corrected(dp, costs[coarse["name"]], chunks,
+                                                      coarse["recompute_chunks"])
+                print(json.dumps({"name": dp_meta["name"], "unrolled_vs": {
+                    way: {key: [round(other[key], 4), unrolled[key],
+                                round(other[key] / unrolled[key] - 1.0, 4)]
+                          for key in ("GFLOP", "GB_accessed")}
+                    for way, other in others.items()}}))
             dp_name = by_kind["dp"]["name"]
             costs[dp_name] = every_trip_counted(metas, costs)
             print(json.dumps({"name": dp_name, "every_trip": {

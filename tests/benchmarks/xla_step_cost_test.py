@@ -168,14 +168,15 @@ def test_a_loop_without_a_static_trip_count_stays_a_loop():
 def test_every_trip_counted_takes_the_unrolled_programs_flops_and_the_steps_memory():
     metas = [{"name": "c_plain", "kind": "plain"},
              {"name": "c_dp", "kind": "dp", "recompute_chunks": 4},
-             {"name": "c_dp_unrolled", "kind": "dp_unrolled", "recompute_chunks": 4}]
+             {"name": "c_dp_unrolled", "kind": "dp_unrolled", "recompute_chunks": 4,
+              "unrolled_trips": [4, 4]}]
     costs = {"c_plain": {"GFLOP": 1.0, "GB_accessed": 1.0, "temp_MB": 1.0},
              "c_dp": {"GFLOP": 2.0, "GB_accessed": 3.0, "temp_MB": 5.0, "loops": ["?", 4, 4]},
              "c_dp_unrolled": {"GFLOP": 5.0, "GB_accessed": 6.0, "temp_MB": 9.0, "loops": ["?"]}}
     dp = xla_step_cost.every_trip_counted(metas, costs)
     assert (dp["GFLOP"], dp["GB_accessed"], dp["temp_MB"]) == (5.0, 6.0, 5.0)
     assert (dp["GFLOP_loops_once"], dp["count"], dp["exact"]) == (2.0, "unrolled", True)
-    costs["c_dp_unrolled"]["loops"] = ["?", 4]  # a loop left: not exact
+    costs["c_dp_unrolled"]["loops"] = ["?", "?"]  # a loop left that the trace unrolled: not exact
     assert not xla_step_cost.every_trip_counted(metas, costs)["exact"]
 
 
@@ -219,3 +220,23 @@ def test_imagenet_gin_dp_step_compiles_for_a_tpu(tmp_path):
     costs = xla_step_cost.run_jax(TPU_PYTHON, str(tmp_path), [dp["name"]], 0, target="tpu:v5e")
     assert costs["_backend"]["backend"] == "tpu"
     assert costs[dp["name"]]["GFLOP"] > 0 and costs[dp["name"]]["temp_MB"] > 0
+
+
+def test_two_trips_per_loop_trip_keep_the_loop_and_its_result():
+    import tensorflow as tf  # pylint: disable=g-import-not-at-top
+
+    doubled = xla_step_cost._StaticLoops(tf, per_trip=2)  # pylint: disable=protected-access
+    odd = xla_step_cost._StaticLoops(tf, per_trip=2)  # pylint: disable=protected-access
+
+    def run(static, n):
+        @tf.function
+        def fn():
+            return static.while_loop(lambda i, total: i < n,
+                                     lambda i, total: (i + 1, total * 2.0 + tf.cast(i, tf.float32)),
+                                     (tf.constant(0), tf.constant(1.0)))
+        graph = fn.get_concrete_function().graph
+        loops = sum(op.type in ("While", "StatelessWhile") for op in graph.get_operations())
+        return fn()[1].numpy(), loops
+
+    assert run(doubled, 4) == (run(tf, 4)[0], 1) and doubled.trips == [4]
+    assert run(odd, 3) == (run(tf, 3)[0], 0) and odd.trips == [3]  # 3 trips: unrolled
