@@ -104,6 +104,7 @@ def test_layers_export_each_kernels_rule(tmp_path):
     assert len(lines) == 2 + len(metas) + 1 and total["rule"] == pytest.approx(2e-3)
 
 
+@pytest.mark.slow
 def test_unrolled_loops_trace_the_same_rules_without_their_chunk_loops(monkeypatch):
     # The recomputed route's two loops over 3 chunks (2 examples of K = 2 views each), a plain
     # and a WS conv kernel, compiled by XLA: traced unrolled, the graph has no while loop, each
