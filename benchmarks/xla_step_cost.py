@@ -1,49 +1,84 @@
 """XLA's cost of tfdp's compiled DP step against the plain step: flops, bytes, temp memory, time.
 
-TensorFlow compiles both steps with XLA (`jit_compile=True`);
-JAX compiles the same HLO anywhere, and XLA's cost analysis of the compiled
-program (flops, bytes accessed, temporary buffers) is a device-independent
-proxy for what the DP step costs on an accelerator relative to the plain
-step (on an H200, the time ratio is near the bytes ratio:
-docs/design/step_cost.md). This script, in tfdp's environment (pure
-TensorFlow, no JAX), exports for every case
+TensorFlow compiles both steps with XLA (`jit_compile=True`); JAX compiles
+the same HLO for any XLA target, and XLA's cost analysis of the compiled
+program (flops, bytes accessed, temporary buffers) is a proxy for what the
+DP step costs on an accelerator relative to the plain step (on an H200, the
+time ratios followed the flops and bytes: docs/performance.md). This script,
+in tfdp's environment (pure TensorFlow, no JAX), exports for every case
 
   - `CASE_plain`: the plain Keras step (`model.train_step`, SGD, mean
-    cross-entropy), traced with `jit_compile=True`;
+    cross-entropy) on all B K images, traced with `jit_compile=True`;
   - `CASE_dp`: `DPModel.train_step` exactly as `DPModel.compile(jit_compile=True)`
     runs it (clipping="auto", which the trainer uses: ghost norms; C = 1,
-    sigma = 1, SGD), its ghost rules planned for `--plan` (default `tf32`:
-    the plan of an Ampere-or-newer GPU, whose exact products are split into
-    bf16 pieces; `host`: this machine's own plan, a CPU's float32);
+    sigma = 1, SGD) on B examples of K views, its ghost rules planned for
+    `--plan` (default `tf32`: the plan of an Ampere-or-newer GPU, whose
+    exact products are split into bf16 pieces; `bf16`: a TPU's; `host`:
+    this machine's own plan, a CPU's float32);
 
 as `OUT/NAME.hlo.pb` (the HloModuleProto TensorFlow compiles), `OUT/NAME.npz`
 (the entry parameters in order: arguments, then the variables' values) and
 `OUT/NAME.json`, then runs `benchmarks/xla_step_cost_jax.py` in the side
-interpreter `--jax_python` (a venv with JAX: `python3 -m venv /tmp/vjax &&
-/tmp/vjax/bin/pip install jax==0.10.2 jaxlib==0.10.2`; tfdp's own environment
-never gets JAX), as `vs_opacus.py` runs Opacus in `--opacus_python`. That
-script compiles each HLO on JAX's default backend (CPU here; a GPU where the
-side interpreter has CUDA JAX), reports XLA's cost and memory analysis and,
-with `--replay_seconds S > 0`, times the step as a training loop (updated
-variables fed back). The table gives DP / plain ratios beside the issue's
-targets (<= 1.6x flops, <= 2x bytes, <= 1.5x temp memory).
+interpreter `--side_python` (alias `--jax_python`; a venv with JAX, `pip
+install jax`, or with `pip install "jax[tpu]"` for a TPU target; tfdp's own
+environment never gets JAX), as `vs_opacus.py` runs Opacus in
+`--opacus_python`. That script compiles each HLO for `--target` (`default`:
+the side interpreter's JAX backend; `cpu`; `gpu`; `tpu:v4`, `tpu:v5e`,
+`tpu:v5p`, `tpu:v6e`: one chip of that TPU, compiled by libtpu's
+compile-only client, no TPU attached), reports XLA's cost and memory
+analysis and, with `--replay_seconds S > 0` (a device here), times the step
+as a training loop (updated variables fed back). The table gives DP / plain
+ratios beside the targets tfdp set itself (<= 1.6x flops, <= 2x bytes,
+<= 1.5x temp memory). A step the target's compiler refuses (an op a TPU
+cannot run) stops the script with the compiler's message.
 
-    python benchmarks/xla_step_cost.py --jax_python=/tmp/vjax/bin/python \\
-        --cases=wrn16_4:32,wrn16_4:128,nf_resnet50:8@224 --out_dir=/tmp/xla_cost
+    python benchmarks/xla_step_cost.py --side_python=$TPU_VENV/bin/python --target=tpu:v5e \\
+        --plan=bf16 --cases=wrn16_4:32,wrn16_4:128,wrn16_4:64:16,nf_resnet50:8@224
 
 Where the DP step recomputes per-example gradients in while loops over
 chunks of the batch (a GPU's or TPU's plan, `ghost_norms._recomputed`),
-XLA's cost analysis counts a loop's body once, not once per trip: the case
-is then also exported with half as many chunks (`CASE_dp_coarse`), and the
-flops and bytes in the table are the step's with every trip counted
-(`loop_corrected`; the reported ones are printed beside them). Temp memory
-is the default chunking's, as XLA assigns it.
+XLA's cost analysis counts a loop's body once, not once per trip (its
+`HandleWhile`), on every backend. `--loops` says how every trip is counted:
 
-A case is MODEL:B or MODEL:B@RES (square input RES x RES): MODEL one of
-`wrn16_4` (WRN-16-4, GroupNorm + WS, 32x32x3, 10 classes), `nf_resnet50`
-(NF-ResNet-50, 224x224x3, 1000 classes), `tramer_cnn` (28x28x1; tiny, for
-tests). `--export_only` writes the files and stops (no side interpreter).
-`--layers` (analysis) instead exports, for every kernel of
+  - `unrolled` (default): the case is also exported as `CASE_dp_unrolled`,
+    the same step traced with those loops unrolled at trace time
+    (`unrolled_loops`: a measurement variant; the same operations on the
+    same tensors in the same order, without the loop), and the DP flops and
+    bytes in the table are that program's (its trips' chunk indices pass
+    through optimization barriers, so that XLA cannot merge the recompute
+    into the first build: `_StaticLoops`). Each compiled program's while
+    loops are listed, with the trip count where the compiler's HLO shows it
+    (`known_trip_count` on a CPU or GPU; "?" on a TPU, or for a loop whose
+    trip count is not static): the count is `exact` where the program
+    counted has no loop left but those the trace kept. The one it keeps,
+    the non-finite fallback's (it runs once per example whose ghost sum is
+    not finite: none in a normal step), is counted as XLA counts a
+    conditional: its costlier branch, its loop body once.
+  - `doubled`: the case is also exported with two chunks per loop trip
+    (`CASE_dp_doubled`: the same chunk shapes, half the trips); the
+    difference from the step is one trip's work w, and the step's cost is
+    its own plus (n - 1) w (`doubled_corrected`). It assumes only that XLA
+    counts two chunks of the same shapes as twice one: the check of the
+    unrolled count.
+  - `coarse`: the case is also exported with half as many chunks
+    (`CASE_dp_coarse`) and the loops' work is inferred from the difference
+    (`loop_corrected`), which assumes a chunk's cost is linear in its size.
+    On XLA's CPU backend it is for the flops, not for the bytes (WRN-16-4,
+    B = 32: within 0.2% and 12% of the unrolled count,
+    docs/performance.md); a TPU's compiler lays out and fuses each chunk
+    shape its own way: kept for comparison only.
+  - `all`: the three, each printed against the unrolled count.
+
+Temp memory is always the step's own (with its loops), as XLA assigns it.
+
+A case is MODEL:B[:K][@RES]: B examples of K views each (augmult; the plain
+step then takes the B K images as its batch), square input RES x RES; MODEL
+one of `wrn16_4` (WRN-16-4, GroupNorm + WS, 32x32x3, 10 classes),
+`nf_resnet50` (NF-ResNet-50, imagenet.gin's model, 224x224x3, 1000 classes),
+`tramer_cnn` (28x28x1; tiny, for tests). `--normalize_update`: the DP step
+with De et al.'s normalized update (imagenet.gin's). `--export_only` writes
+the files and stops (no side interpreter). `--layers` (analysis) instead
+exports, for every kernel of
 the case's model, the ghost rule tfdp's DP step runs for it on that layer's
 shapes (`ghost_norms.ws_kernel_sq_norms` / `kernel_sq_norms` on the layer's
 patches: its norms and its weighted sum with unit factors) and prints XLA's
@@ -72,14 +107,20 @@ JAX_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "xla_step_
 
 
 def parse_case(case):
-    """'wrn16_4:32' or 'nf_resnet50:8@224' -> (model, batch, resolution, name)."""
-    model, rest = case.split(":")
-    batch, _, res = rest.partition("@")
+    """'wrn16_4:32', 'wrn16_4:64:16' or 'nf_resnet50:8:4@224' -> (model, batch, views, resolution, name).
+
+    MODEL:B[:K][@RES]: B examples of K views each (augmult; 1 if left out), square input RES.
+    """
+    model, rest = case.split(":", 1)
+    rest, _, res = rest.partition("@")
+    batch, _, views = rest.partition(":")
     if model not in SHAPES:
         raise ValueError(f"unknown model {model!r} (one of {sorted(SHAPES)})")
     res = int(res) if res else SHAPES[model][0]
-    name = f"{model}_b{batch}" + (f"_r{res}" if res != SHAPES[model][0] else "")
-    return model, int(batch), res, name
+    views = int(views) if views else 1
+    name = (f"{model}_b{batch}" + (f"_k{views}" if views > 1 else "")
+            + (f"_r{res}" if res != SHAPES[model][0] else ""))
+    return model, int(batch), views, res, name
 
 
 def build_model(model_name, res):
@@ -123,13 +164,106 @@ def set_form(form):
         ghost_norms.choose_form = lambda rows, fan_in, fan_out, *_: form
 
 
-def batch_of(model_name, batch, res, seed=0):
+def batch_of(model_name, batch, res, views=1, seed=0):
+    """(x, y): `[batch, res, res, c]` images (`[batch, views, res, res, c]` for views > 1), labels."""
     import numpy as np
     _, channels, classes = SHAPES[model_name]
     rng = np.random.default_rng(seed)
-    x = rng.uniform(0, 255, (batch, res, res, channels)).astype(np.float32)
+    shape = (batch, res, res, channels) if views == 1 else (batch, views, res, res, channels)
+    x = rng.uniform(0, 255, shape).astype(np.float32)
     y = rng.integers(0, classes, batch).astype(np.int32)
     return x, y
+
+
+class _StaticLoops:
+    """`tensorflow` as a module sees it, with each `while_loop` of static trip count unrolled.
+
+    MEASUREMENT ONLY (`unrolled_loops`). A loop whose first loop variable is a
+    constant and whose condition, given that constant as a Python int, returns
+    a Python bool (tfdp's chunk loops: `i < chunks`) runs its body at trace
+    time, trip after trip, on the same tensors in the same order: the same
+    operations as the loop's, with no loop. Any other loop stays a loop.
+
+    Each trip's index is the trip number plus a zero computed from a random
+    draw and the loop's own tag (`((r + tag) & 1) >> 1`, r a scalar int32 from
+    `tf.random.uniform`): exactly the trip number, but neither TensorFlow's
+    compile-time constant resolution nor XLA can fold it (a step input would
+    be made a compile-time constant and folded in), and it differs from loop
+    to loop. The body then slices its chunk with a dynamic slice, as in the
+    loop, and XLA cannot merge two loops' trips that compute the same thing
+    (common-subexpression elimination would otherwise merge the recompute's
+    second build of a chunk's per-example gradients into its first and hold
+    them: another program, with half the recompute's work and more memory
+    than the loop's; an optimization barrier does not stop it, XLA's CPU
+    pipeline removes those first). The draws cost a few scalar operations.
+    `trips`: the trip count of each loop unrolled.
+
+    `per_trip=k` (k > 1; the check of the unrolled count) instead keeps each
+    such loop as a loop, of n / k trips that each run k of its trips (n a
+    multiple of k; else it is unrolled): XLA counts k trips of the same
+    shapes where it counted one.
+    """
+
+    def __init__(self, tf, per_trip=0):
+        self._tf = tf
+        self.trips = []
+        self.per_trip = per_trip
+
+    def __getattr__(self, name):
+        return getattr(self._tf, name)
+
+    def _opaque(self, value, tag):
+        tf = self._tf
+        draw = tf.random.uniform([], 0, 1 << 30, dtype=tf.int32)
+        zero = tf.bitwise.right_shift(tf.bitwise.bitwise_and(draw + tag, 1), 1)
+        return tf.constant(value, tf.int32) + zero
+
+    def while_loop(self, cond, body, loop_vars, **kwargs):
+        first = self._tf.get_static_value(loop_vars[0])
+        if first is None or not isinstance(cond(int(first), *loop_vars[1:]), bool):
+            return self._tf.while_loop(cond, body, loop_vars, **kwargs)
+        tag = len(self.trips)
+        index, rest, trips = int(first), tuple(loop_vars[1:]), 0
+        if self.per_trip > 1:
+            count = 0
+            while cond(int(first) + count, *rest):
+                count += 1
+            if count % self.per_trip == 0:
+                self.trips.append(count)
+
+                def several(i, *state):
+                    for _ in range(self.per_trip):
+                        i, *state = body(i, *state)
+                    return (i, *state)
+
+                return self._tf.while_loop(cond, several, loop_vars, **kwargs)
+        while cond(index, *rest):
+            _, *rest = body(self._opaque(index, tag), *rest)
+            index, trips = index + 1, trips + 1
+        self.trips.append(trips)
+        return (self._tf.constant(index), *rest)
+
+
+class unrolled_loops:  # pylint: disable=invalid-name
+    """MEASUREMENT ONLY: within it, tfdp's recompute loops over chunks (`ghost_norms._recomputed`)
+    are traced unrolled (`_StaticLoops`), so that XLA's cost analysis, which counts a while
+    loop's body once whatever its trip count, counts every chunk. The step computes the same
+    values in the same order; only the loop is gone. `trips`: the loops unrolled.
+    `per_trip=k`: each loop runs k chunks per trip instead (`_StaticLoops`)."""
+
+    def __init__(self, per_trip=0):
+        self._per_trip = per_trip
+
+    def __enter__(self):
+        from tfdp.dp import ghost_norms
+        self._module = ghost_norms
+        self._saved = ghost_norms.tf
+        ghost_norms.tf = _StaticLoops(self._saved, self._per_trip)
+        return ghost_norms.tf
+
+    def __exit__(self, *exc):
+        self._module.tf = self._saved
+        return False
 
 
 def write_step(out_dir, name, fn, args, extra=None):
@@ -164,51 +298,77 @@ def write_step(out_dir, name, fn, args, extra=None):
     return meta
 
 
-def export_case(case, out_dir, plan="tf32"):
-    """Writes CASE_plain and CASE_dp (see the module docstring); returns their names and metadata."""
+def export_case(case, out_dir, plan="tf32", loops="unrolled", normalize_update=False,
+                ema_decay=None):
+    """Writes CASE_plain and CASE_dp (see the module docstring); returns their names and metadata.
+
+    Where the DP step has recompute loops (more than one chunk), `loops` adds a
+    measurement variant: "unrolled" (`CASE_dp_unrolled`, the same step traced
+    with its chunk loops unrolled: every trip counted), "doubled"
+    (`CASE_dp_doubled`, two chunks per trip: `doubled_corrected`), "coarse"
+    (`CASE_dp_coarse`, half as many chunks: `loop_corrected`), "all" (the three), or "none".
+    `normalize_update` (the mechanism's: De et al. 2022, eq. (3)) and `ema_decay` (DPModel's
+    parameter EMA, updated in the step): as a config sets them (imagenet.gin: True, 0.99999).
+    """
     import keras
     import tensorflow as tf
     from tfdp import accounting
     from tfdp.dp import ghost_norms
     from tfdp.training.dp_model import DPModel
-    model_name, batch, res, name = parse_case(case)
+    model_name, batch, views, res, name = parse_case(case)
     os.makedirs(out_dir, exist_ok=True)
     set_plan(plan)
-    x, y = batch_of(model_name, batch, res)
+    x, y = batch_of(model_name, batch, res, views)
     metas = []
-    # plain: Keras' own train_step, as model.compile(jit_compile=True) runs it
+    # plain: Keras' own train_step, as model.compile(jit_compile=True) runs it, on all B K images
     keras.utils.set_random_seed(0)
     model = build_model(model_name, res)
     model.compile(optimizer=keras.optimizers.SGD(0.01),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     fn = tf.function(lambda x, y: model.train_step((x, y)), jit_compile=True)
-    metas.append(write_step(out_dir, f"{name}_plain", fn, (tf.constant(x), tf.constant(y)),
-                            {"case": case, "kind": "plain", "batch": batch}))
+    plain_x, plain_y = x.reshape((batch * views, *x.shape[-3:])), y.repeat(views)
+    metas.append(write_step(out_dir, f"{name}_plain", fn, (tf.constant(plain_x), tf.constant(plain_y)),
+                            {"case": case, "kind": "plain", "batch": batch, "views": views}))
     # DP: DPModel.train_step on (x, y, mask), clipping="auto" as the trainer chooses
     keras.utils.set_random_seed(0)
     model = build_model(model_name, res)
     mechanism = accounting.DPMechanism(num_examples=60000, batch_size=batch, num_steps=1000,
-                                       noise_multiplier=1.0, l2_clip_norm=1.0, delta=1e-5)
-    dp = DPModel(model, mechanism, clipping="auto", noise_seed=0)
+                                       noise_multiplier=1.0, l2_clip_norm=1.0, delta=1e-5,
+                                       normalize_update=normalize_update)
+    dp = DPModel(model, mechanism, clipping="auto", noise_seed=0, ema_decay=ema_decay)
     dp.compile(optimizer=keras.optimizers.SGD(0.01), jit_compile=True)
-    fn = tf.function(lambda x, y, m: dp.train_step((x, y, m)), jit_compile=True)
     args = (tf.constant(x), tf.constant(y), tf.ones([batch]))
+
+    def dp_step():
+        return tf.function(lambda x, y, m: dp.train_step((x, y, m)), jit_compile=True)
+
     chunks = ghost_norms.recompute_chunk_count(batch) if ghost_norms.recomputed_gradients() else 1
-    metas.append(write_step(out_dir, f"{name}_dp", fn, args,
-                            {"case": case, "kind": "dp", "batch": batch,
-                             "clipping_path": dp.clipping_path, "plan": plan,
-                             "recompute_chunks": chunks}))
-    if chunks > 1:
+    extra = {"case": case, "batch": batch, "views": views, "plan": plan}
+    metas.append(write_step(out_dir, f"{name}_dp", dp_step(), args,
+                            {**extra, "kind": "dp", "clipping_path": dp.clipping_path,
+                             "recompute_chunks": chunks, "normalize_update": normalize_update,
+                             "ema_decay": ema_decay}))
+    if chunks > 1 and loops in ("unrolled", "all"):
+        with unrolled_loops() as patched:
+            meta = write_step(out_dir, f"{name}_dp_unrolled", dp_step(), args,
+                              {**extra, "kind": "dp_unrolled", "recompute_chunks": chunks})
+        meta["unrolled_trips"] = patched.trips
+        metas.append(meta)
+    if chunks > 1 and chunks % 2 == 0 and loops in ("doubled", "all"):
+        with unrolled_loops(per_trip=2) as patched:
+            meta = write_step(out_dir, f"{name}_dp_doubled", dp_step(), args,
+                              {**extra, "kind": "dp_doubled", "recompute_chunks": chunks})
+        meta["doubled_trips"] = patched.trips
+        metas.append(meta)
+    if chunks > 1 and loops in ("coarse", "all"):
         # XLA's cost analysis counts a while loop's body once (HloCostAnalysis::HandleWhile),
         # whatever its trip count: the same step with coarser chunks gives the loops' work.
         saved = ghost_norms.RECOMPUTE_CHUNKS
         ghost_norms.RECOMPUTE_CHUNKS = chunks // 2
         try:
             coarse = ghost_norms.recompute_chunk_count(batch)
-            fn = tf.function(lambda x, y, m: dp.train_step((x, y, m)), jit_compile=True)
-            metas.append(write_step(out_dir, f"{name}_dp_coarse", fn, args,
-                                    {"case": case, "kind": "dp_coarse", "batch": batch,
-                                     "plan": plan, "recompute_chunks": coarse}))
+            metas.append(write_step(out_dir, f"{name}_dp_coarse", dp_step(), args,
+                                    {**extra, "kind": "dp_coarse", "recompute_chunks": coarse}))
         finally:
             ghost_norms.RECOMPUTE_CHUNKS = saved
     return metas
@@ -231,7 +391,23 @@ def loop_corrected(dp, coarse, chunks, coarse_chunks):
     return out
 
 
-# -- Per-layer analysis ---------------------------------------------------
+def doubled_corrected(dp, doubled, chunks):
+    """The DP step's flops and bytes with every trip counted, from two chunks per trip.
+
+    XLA reports `A + w` for the step (one trip's work w counted) and `A + 2 w`
+    for the same step with two chunks per trip (`CASE_dp_doubled`: the same
+    chunk shapes): w is their difference, and the step's cost is `A + n w`.
+    The check of the unrolled count: no assumption about how a chunk's cost
+    grows with its size (the coarse correction's), only that XLA counts two
+    chunks of the same shapes as twice one.
+    """
+    out = dict(dp)
+    for key in ("GFLOP", "GB_accessed"):
+        out[key] = dp[key] + (chunks - 1) * (doubled[key] - dp[key])
+    return out
+
+
+# -- Per-layer analysis -----------------------------------------------------------------------
 
 
 def kernel_layers(model, res):
@@ -281,7 +457,7 @@ def export_layers(case, out_dir, plan="tf32", first=None):
     import tensorflow as tf
     from tfdp.dp import ghost_norms
     from tfdp.models import ws_conv2d
-    model_name, batch, res, name = parse_case(case)
+    model_name, batch, _, res, name = parse_case(case)
     os.makedirs(out_dir, exist_ok=True)
     set_plan(plan)
     keras.utils.set_random_seed(0)
@@ -334,9 +510,13 @@ def layer_table(metas, costs, batch):
 # -- The side interpreter --------------------------------------------------------------------
 
 
-def run_jax(jax_python, out_dir, names, replay_seconds):
-    """Runs xla_step_cost_jax.py in the side interpreter; {name: record}."""
-    command = [jax_python, JAX_SCRIPT, out_dir, *names, f"--seconds={replay_seconds}"]
+def run_jax(jax_python, out_dir, names, replay_seconds, target="default"):
+    """Runs xla_step_cost_jax.py in the side interpreter for `target`; {name: record}.
+
+    A step the target's compiler refuses raises (RuntimeError, with its message).
+    """
+    command = [jax_python, JAX_SCRIPT, out_dir, *names, f"--seconds={replay_seconds}",
+               f"--target={target}"]
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     errors = tempfile.TemporaryFile(mode="w+")  # not a pipe: XLA's warnings could fill it
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=errors, text=True, env=env)
@@ -352,7 +532,42 @@ def run_jax(jax_python, out_dir, names, replay_seconds):
     if process.returncode != 0:
         tail = stderr.strip().splitlines()[-3:]
         raise RuntimeError(f"{jax_python} {JAX_SCRIPT} failed ({process.returncode}): {tail}")
+    failed = {n: r["error"] for n, r in records.items() if "error" in r}
+    if failed:
+        raise RuntimeError(f"{target} did not compile {sorted(failed)}: {failed}")
     return records
+
+
+def every_trip_counted(metas, costs):
+    """The DP step's record with its loops' every trip in GFLOP and GB_accessed (see the docstring).
+
+    From `CASE_dp_unrolled` where exported (`count`: "unrolled"), else from
+    `CASE_dp_coarse` (`loop_corrected`: "linear"), else the step's own
+    ("as compiled": one chunk, every loop runs once). `temp_MB` is always
+    the step's own (the loops' memory). `GFLOP_loops_once` /
+    `GB_loops_once`: the step's own analysis. `exact`: the program counted
+    has no more while loops than the step minus those unrolled (a TPU's
+    compiled program does not show trip counts, so loops are counted, not
+    their trips: what is left is the loop whose trip count is not static,
+    the non-finite fallback's, counted as XLA counts a conditional).
+    """
+    by_kind = {m["kind"]: m for m in metas}
+    dp_meta = by_kind["dp"]
+    dp = costs[dp_meta["name"]]
+    out = dict(dp, GFLOP_loops_once=dp["GFLOP"], GB_loops_once=dp["GB_accessed"])
+    if "dp_unrolled" in by_kind:
+        counted = costs[by_kind["dp_unrolled"]["name"]]
+        out.update(GFLOP=counted["GFLOP"], GB_accessed=counted["GB_accessed"], count="unrolled",
+                   unrolled_temp_MB=counted.get("temp_MB"))
+        left = len(dp.get("loops") or []) - len(by_kind["dp_unrolled"].get("unrolled_trips", []))
+        out["exact"] = len(counted.get("loops") or []) <= max(left, 0)
+    elif "dp_coarse" in by_kind:
+        out.update(loop_corrected(dp, costs[by_kind["dp_coarse"]["name"]],
+                                  dp_meta["recompute_chunks"], by_kind["dp_coarse"]["recompute_chunks"]))
+        out.update(count="linear", exact=False)
+    else:
+        out.update(count="as compiled", exact=dp_meta.get("recompute_chunks", 1) <= 1)
+    return out
 
 
 def ratio(dp, plain):
@@ -360,23 +575,27 @@ def ratio(dp, plain):
 
 
 def step_table(cases, costs):
+    """One row per case: `costs[CASE_dp]` as `every_trip_counted` gives it (or a step's own)."""
     def mark(value, target):
         return f"{value:.2f}x" + ("" if value <= target else " (>)")
     timed = any("step_ms" in r for r in costs.values())
     head = ("| case | plain GFLOP | DP GFLOP | flops DP/plain | plain GB | DP GB | bytes DP/plain | "
-            "plain temp MB | DP temp MB | temp DP/plain |")
+            "plain temp MB | DP temp MB | temp DP/plain | DP loops once GFLOP / GB | count |")
     if timed:
         head += " plain ms | DP ms | time DP/plain |"
     lines = [head, "|---|" + "---|" * (head.count("|") - 2)]
     for case in cases:
-        name = parse_case(case)[3]
+        name = parse_case(case)[4]
         plain, dp = costs[f"{name}_plain"], costs[f"{name}_dp"]
         row = (f"| {case} | {plain['GFLOP']:.2f} | {dp['GFLOP']:.2f} | "
                f"{mark(ratio(dp['GFLOP'], plain['GFLOP']), TARGETS['flops'])} | "
                f"{plain['GB_accessed']:.3f} | {dp['GB_accessed']:.3f} | "
                f"{mark(ratio(dp['GB_accessed'], plain['GB_accessed']), TARGETS['bytes'])} | "
                f"{plain['temp_MB']:.1f} | {dp['temp_MB']:.1f} | "
-               f"{mark(ratio(dp['temp_MB'], plain['temp_MB']), TARGETS['temp'])} |")
+               f"{mark(ratio(dp['temp_MB'], plain['temp_MB']), TARGETS['temp'])} | "
+               f"{dp.get('GFLOP_loops_once', dp['GFLOP']):.2f} / "
+               f"{dp.get('GB_loops_once', dp['GB_accessed']):.3f} | "
+               f"{dp.get('count', 'as compiled')}{'' if dp.get('exact', True) else ' (lower bound)'} |")
         if timed:
             pm, dm = plain.get("step_ms", float("nan")), dp.get("step_ms", float("nan"))
             row += f" {pm:.2f} | {dm:.2f} | {ratio(dm, pm):.2f}x |"
@@ -388,8 +607,21 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--cases", default="wrn16_4:32,wrn16_4:128,nf_resnet50:8@224")
     parser.add_argument("--out_dir", default="/tmp/xla_step_cost")
-    parser.add_argument("--jax_python", default=None,
-                        help="a Python with JAX (required unless --export_only)")
+    parser.add_argument("--jax_python", "--side_python", dest="jax_python", default=None,
+                        help="a Python with JAX (jax[tpu] for a TPU target; required unless "
+                             "--export_only)")
+    parser.add_argument("--target", default="default",
+                        help="where the steps compile: default (the side Python's JAX backend), "
+                             "cpu, gpu, tpu:v4, tpu:v5e, tpu:v5p or tpu:v6e (libtpu's "
+                             "compile-only client: no TPU needed)")
+    parser.add_argument("--loops", choices=("unrolled", "doubled", "coarse", "all", "none"),
+                        default="unrolled",
+                        help="how the DP step's recompute loops get every trip counted: a variant "
+                             "traced with them unrolled (exact), two chunks per trip (its check), "
+                             "the old half-the-chunks linear correction, all three (the table "
+                             "takes the unrolled), or none")
+    parser.add_argument("--normalize_update", action="store_true",
+                        help="the DP step with De et al.'s normalized update (imagenet.gin's)")
     parser.add_argument("--replay_seconds", type=float, default=0.0, help="0: no timing")
     parser.add_argument("--plan", choices=("tf32", "bf16", "host"), default="tf32",
                         help="the device the DP step's ghost rules plan for")
@@ -416,23 +648,42 @@ def main(argv=None):
     print(f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; "
           f"{' '.join(shlex.quote(a) for a in [sys.executable, *sys.argv])}")
     for case in cases:
-        metas = (export_layers if args.layers else export_case)(case, args.out_dir, args.plan)
+        if args.layers:
+            metas = export_layers(case, args.out_dir, args.plan)
+        else:
+            metas = export_case(case, args.out_dir, args.plan, loops=args.loops,
+                                normalize_update=args.normalize_update)
         for meta in metas:
             print(json.dumps(meta), flush=True)
         if args.export_only:
             continue
         costs = run_jax(args.jax_python, args.out_dir, [m["name"] for m in metas],
-                        args.replay_seconds)
+                        args.replay_seconds, target=args.target)
         backend = costs.pop("_backend", {})
-        coarse = [m for m in metas if m["kind"] == "dp_coarse"]
-        if coarse:
-            dp_meta = next(m for m in metas if m["kind"] == "dp")
-            dp_name = dp_meta["name"]
-            costs[dp_name] = loop_corrected(costs[dp_name], costs.pop(coarse[0]["name"]),
-                                            dp_meta["recompute_chunks"],
-                                            coarse[0]["recompute_chunks"])
-            print(json.dumps({"name": dp_name, "loop_corrected": {
-                k: round(v, 4) for k, v in costs[dp_name].items() if "GFLOP" in k or "GB" in k}}))
+        if not args.layers:
+            by_kind = {m["kind"]: m for m in metas}
+            if "dp_unrolled" in by_kind and len(by_kind) > 3:  # the checks of the unrolled count
+                dp_meta = by_kind["dp"]
+                dp, chunks = costs[dp_meta["name"]], dp_meta["recompute_chunks"]
+                unrolled = costs[by_kind["dp_unrolled"]["name"]]
+                others = {}
+                if "dp_doubled" in by_kind:
+                    others["doubled"] = doubled_corrected(dp, costs[by_kind["dp_doubled"]["name"]],
+                                                          chunks)
+                if "dp_coarse" in by_kind:
+                    coarse = by_kind["dp_coarse"]
+                    others["linear"] = loop_corrected(dp, costs[coarse["name"]], chunks,
+                                                      coarse["recompute_chunks"])
+                print(json.dumps({"name": dp_meta["name"], "unrolled_vs": {
+                    way: {key: [round(other[key], 4), unrolled[key],
+                                round(other[key] / unrolled[key] - 1.0, 4)]
+                          for key in ("GFLOP", "GB_accessed")}
+                    for way, other in others.items()}}))
+            dp_name = by_kind["dp"]["name"]
+            costs[dp_name] = every_trip_counted(metas, costs)
+            print(json.dumps({"name": dp_name, "every_trip": {
+                k: v for k, v in costs[dp_name].items()
+                if "GFLOP" in k or "GB" in k or k in ("count", "exact", "temp_MB", "loops")}}))
         if args.layers:
             lines, total = layer_table(metas, costs, parse_case(case)[1])
             print(f"{case}: each kernel's ghost rule (plan {args.plan}, forms {args.form}), XLA on {backend}")
