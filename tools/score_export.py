@@ -92,15 +92,8 @@ def main(argv=None):
         return _fail(str(error))
     # TensorFlow reads the variables' path as a glob pattern: an export in `sweep[lr=0.5]/`
     # is loaded through its open folder, a path without `[` `]`.
-    folder = None
-    if not storage.is_url(args.export) and storage.has_glob_characters(args.export):
-        folder = os.open(args.export, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        path = args.export if folder is None else f"/proc/self/fd/{folder}"
-        serve = tf.saved_model.load(path).signatures["serve"]
-    finally:
-        if folder is not None:
-            os.close(folder)
+    with storage.folder_aliased(args.export):
+        serve = tf.saved_model.load(storage.tf_path(args.export)).signatures["serve"]
     expected = tuple(serve.structured_input_signature[1]["images"].shape[1:])
     if tuple(split.images.shape[1:]) != expected:
         return _fail(f"the export takes images of shape {expected}, but {args.dataset} "
