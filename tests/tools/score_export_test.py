@@ -54,3 +54,19 @@ def test_score_refuses_what_the_signature_would_misread(images, labels, message)
 def test_the_command_refuses_a_folder_that_is_not_an_export(tmp_path, capsys):
     assert score_export.main([str(tmp_path), "--dataset", "fashion_mnist"]) == 2
     assert "is not a tfdp export" in capsys.readouterr().err
+
+
+def test_an_export_in_a_folder_named_like_a_glob_pattern_loads(argmax_pixel_export, tmp_path,
+                                                                 capsys):
+    # TensorFlow read `sweep[lr=0.5]/export/variables/...` as a pattern and found no variables.
+    import shutil  # pylint: disable=g-import-not-at-top
+
+    from tfdp import data  # pylint: disable=g-import-not-at-top
+
+    named = tmp_path / "sweep[lr=0.5] {a,b}" / "export"
+    shutil.copytree(argmax_pixel_export, named)
+    with data.mock_data(num_examples=3):
+        status = score_export.main([str(named), "--dataset", "fashion_mnist", "--split", "test"])
+    # Loaded: the refusal is the one that reads the export's signature (2x2 images, not 28x28).
+    assert status == 2
+    assert "the export takes images of shape (2, 2, 1)" in capsys.readouterr().err
