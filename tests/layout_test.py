@@ -8,8 +8,9 @@ ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
 # The floors, in the order a run goes through them: each may import only lower floors,
 # `accounting` (pure Python over dp_accounting) and the leaves.
 FLOORS = ["data", "augment", "models", "dp", "training", "export", "audit"]
+# `cluster` is a leaf: the multi-worker start-up that `training.make_strategy` runs first.
 LEAVES = {"storage", "host", "gin_bindings", "graph_checks", "lease", "workdir", "accounting",
-          "process_settings", "atomic_file"}
+          "process_settings", "atomic_file", "cluster"}
 # Leaves of pure Python that import no other part of tfdp: `accounting` may use them.
 PURE_LEAVES = {"atomic_file"}
 # The stages of the trainer, built on the floors (and the CLI over them).

@@ -94,7 +94,7 @@ def _two_workers(tmp_path, workdir, num_steps=NUM_STEPS, static_batch_size="'aut
 
 
 @pytest.mark.slow  # end to end (tests/run_slow.sh); the default suite has the per-host
-# input (tests/inputs_test.py) and the start checks (distribute_test)
+# input (tests/inputs_test.py) and the start checks (tests/cluster_test.py)
 def test_two_workers_on_loopback_train_and_the_chief_writes_once(tmp_path):
     workdir = tmp_path / "workdir"
     temp_dirs = _two_workers(tmp_path, workdir)
@@ -378,7 +378,7 @@ def test_the_pure_tf_input_reads_each_worker_s_share_and_matches_one_worker(tmp_
     for name in mine:
         np.testing.assert_allclose(mine[name], reference[name], rtol=1e-5, atol=1e-6,
                                    err_msg=name)
-@pytest.mark.slow  # a whole CLI start (about 30 s); the waiting is tested in distribute_test
+@pytest.mark.slow  # a whole CLI start (about 30 s); the waiting is tested in cluster_test
 def test_a_worker_that_never_starts_stops_the_run_with_its_name(tmp_path):
     # Before: worker 0 printed nothing, for as long as one waited (and ignored SIGTERM).
     ports = _free_ports(2)
@@ -430,7 +430,7 @@ def test_two_tasks_with_the_same_address_are_refused_at_start(tmp_path):
     assert not (tmp_path / "workdir").exists()
 
 
-@pytest.mark.slow  # a whole CLI start and a 4 s wait (about 20 s); distribute_test has the unit
+@pytest.mark.slow  # a whole CLI start and a 4 s wait (about 20 s); cluster_test has the unit
 def test_a_port_held_by_a_stale_process_is_not_taken_for_the_worker(tmp_path):
     # Before: the stale listener answered on worker 1's port, worker 0 took it for worker 1,
     # and waited in TensorFlow's cluster setup forever with no output (killed here at 120 s).

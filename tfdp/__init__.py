@@ -7,9 +7,8 @@ The privacy facts of a run live in `tfdp.accounting.DPMechanism`.
 `make_private` and `PrivateTraining` are imported on first use, so that
 `import tfdp.accounting` (and `tools/privacy.py`) never imports TensorFlow.
 
-Importing tfdp turns TensorFlow's oneDNN kernels on (`TF_ENABLE_ONEDNN_OPTS=1`)
-when TensorFlow is not yet imported and the user did not set the variable;
-`tfdp.host` says why (they are off by default on AVX2-only CPUs).
+Importing tfdp sets `TF_ENABLE_ONEDNN_OPTS=1` (unless the user set it): TensorFlow reads it only
+at its own import, and leaves oneDNN off on AVX2-only CPUs, where the DP step runs at half speed.
 """
 
 from tfdp import process_settings as _process_settings  # first: the settings as imported

@@ -1,14 +1,10 @@
 """The CPU host a run is on, and TensorFlow's oneDNN kernels (on by default with tfdp).
 
-TensorFlow 2.21's Linux x86 wheels read `TF_ENABLE_ONEDNN_OPTS` once, while
-TensorFlow is imported (`IsMklEnabled` in tensorflow/core/util/port.cc, which
-logs "oneDNN custom operations are on" when they are). Unset, the default is
-on only for CPUs with AVX-512 VNNI or BF16, AVX-VNNI or AMX
-(`DefaultOneDnnPolicy` there): an AVX2-only CPU gets the Eigen kernels, and
-tfdp's DP step runs at half the speed (docs/design/dp_step.md, "oneDNN on,
-on every host"). So tfdp sets `TF_ENABLE_ONEDNN_OPTS=1` before TensorFlow is imported,
-unless the user set it: `import tfdp` and `python -m tfdp.main` call
-`enable_onednn()`, and so do the tools and benchmarks that train.
+TensorFlow reads `TF_ENABLE_ONEDNN_OPTS` only at its import, and unset it leaves oneDNN off on
+AVX2-only CPUs, where tfdp's DP step then runs at half speed: so `import tfdp` sets it to 1 first.
+`enable_onednn()` does that, unless the user set the variable; `python -m tfdp.main` and the
+tools and benchmarks that train call it too. The rule, TensorFlow's source and the measurements:
+docs/design/dp_step.md ("oneDNN on, on every host").
 
 `describe_host()` is the one-line host description that the run log and the
 benchmarks' headers print: the CPU's vector flags and whether oneDNN is on,
