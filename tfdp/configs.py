@@ -40,7 +40,7 @@ from tfdp import augment
 from tfdp import gin_bindings
 from tfdp import storage
 from tfdp.accounting import mechanism as mechanism_lib
-from tfdp.training.dp_model import CLIPPING_PATHS
+from tfdp.dp.clipping import CLIPPING_PATHS
 
 
 def _positive_int(name, value, fix=""):
