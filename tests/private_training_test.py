@@ -286,6 +286,19 @@ def test_a_config_of_another_kind_is_refused():
         tfdp.make_private(_model(), (IMAGES, LABELS), batch_size=10, num_steps=1, **PRIVACY)
 
 
+def test_a_gin_binding_that_would_fill_a_field_is_refused():
+    import gin  # pylint: disable=g-import-not-at-top
+
+    gin.parse_config("tfdp.PrivacyConfig.noise_multiplier = 3.0")
+    try:
+        with pytest.raises(ValueError, match=r"gin binds tfdp.PrivacyConfig.noise_multiplier in "
+                                             r"this process.*gin.clear_config\(\)"):
+            config()
+    finally:
+        gin.clear_config()
+    config()
+
+
 def test_each_supported_setting_reaches_the_mechanism_or_the_model():
     private = _private(accountant="pld", num_microbatches=2, normalize_update=True,
                        clipping="vectorized", noise_seed=7, sampling_seed=11,

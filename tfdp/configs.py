@@ -450,8 +450,9 @@ class PrivateTrainingConfig:
 
     Raises:
       ValueError: privacy or optimization of another type (privacy None:
-        make_private trains only privately), or a setting make_private does
-        not support (`MAKE_PRIVATE_REFUSES`: data_normalization, simulation,
+        make_private trains only privately), gin bindings of either group in
+        the process (they would fill the fields not given), or a setting
+        make_private does not support (`MAKE_PRIVATE_REFUSES`: data_normalization, simulation,
         study_dir, sampling other than "poisson"), named with what to do.
     """
 
@@ -469,6 +470,14 @@ class PrivateTrainingConfig:
                     "privacy=tfdp.PrivacyConfig(l2_clip_norm=1.0, target_delta=1e-5, "
                     "target_epsilon=3.0), optimization=tfdp.OptimizationConfig(optimizer_fn="
                     "lambda: keras.optimizers.SGD(0.5), batch_size=256, num_steps=1000)).")
+        bound = [f"tfdp.{cls.__name__}.{name}" for cls in (PrivacyConfig, OptimizationConfig)
+                 for name in gin.get_bindings(f"tfdp.{cls.__name__}")]
+        if bound:
+            raise ValueError(
+                f"gin binds {', '.join(bound)} in this process (a parsed config): a "
+                "PrivacyConfig or OptimizationConfig built in Python takes gin's value for "
+                "every field not given, so make_private would train with settings that are "
+                "not in its config. Call gin.clear_config() before building the configs.")
         for (group, name), why in MAKE_PRIVATE_REFUSES.items():
             value = getattr(getattr(self, group), name)
             if value != _UNSET[name]:
