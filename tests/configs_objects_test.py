@@ -146,6 +146,17 @@ def test_each_group_is_frozen():
         config.eval_every_steps = 3
 
 
+def test_the_config_layer_does_not_import_the_keras_model():
+    """configs.py imports no training module: the settings check without the DPModel."""
+    tree = ast.parse(open(os.path.join(ROOT, "tfdp", "configs.py")).read())
+    imported = [f"{node.module}.{alias.name}" for node in ast.walk(tree)
+                if isinstance(node, ast.ImportFrom) for alias in node.names]
+    imported += [alias.name for node in ast.walk(tree) if isinstance(node, ast.Import)
+                 for alias in node.names]
+    assert not [name for name in imported if name.startswith("tfdp.training")], imported
+    assert "ghost" in configs.CLIPPING_PATHS
+
+
 def test_the_trainer_has_no_branch_on_the_privacy_mode():
     """train_and_evaluate asks its mode object, never which mode it is (tfdp.modes)."""
     source = open(os.path.join(ROOT, "tfdp", "experiment.py")).read()

@@ -1,5 +1,6 @@
 """make_private refuses what it cannot train right; PrivateTraining.export never deletes."""
 
+import dataclasses
 import os
 
 import keras
@@ -12,17 +13,29 @@ from tfdp import private_training
 
 IMAGES = np.zeros((40, 8, 8, 1), np.uint8)
 LABELS = np.arange(40) % 2
-COMMON = dict(noise_multiplier=1.0, target_delta=1e-5, l2_clip_norm=1.0)
+PRIVACY = dict(noise_multiplier=1.0, target_delta=1e-5, l2_clip_norm=1.0)
+OPTIMIZATION = dict(optimizer_fn=keras.optimizers.SGD, batch_size=10, num_steps=1)
+OPTIMIZATION_FIELDS = {field.name for field in dataclasses.fields(tfdp.OptimizationConfig)}
+
+
+def config(trainable=None, data_dir=None, **settings):
+    """A PrivateTrainingConfig of PRIVACY and OPTIMIZATION, with `settings` in their groups."""
+    privacy = dict(PRIVACY, **{k: v for k, v in settings.items()
+                               if k not in OPTIMIZATION_FIELDS})
+    optimization = dict(OPTIMIZATION, **{k: v for k, v in settings.items()
+                                         if k in OPTIMIZATION_FIELDS})
+    return tfdp.PrivateTrainingConfig(
+        privacy=tfdp.PrivacyConfig(**privacy),
+        optimization=tfdp.OptimizationConfig(**optimization),
+        trainable=trainable, data_dir=data_dir)
 
 
 def _model(shape=(8, 8, 1)):
     return keras.Sequential([keras.Input(shape), keras.layers.Flatten(), keras.layers.Dense(2)])
 
 
-def _private(**kwargs):
-    args = dict(COMMON, batch_size=10, num_steps=1, optimizer="sgd")
-    args.update(kwargs)
-    return tfdp.make_private(_model(), (IMAGES, LABELS), **args)
+def _private(**settings):
+    return tfdp.make_private(_model(), (IMAGES, LABELS), config(**settings))
 
 
 @pytest.mark.parametrize("data, message", [
@@ -35,8 +48,7 @@ def _private(**kwargs):
 ])
 def test_infinite_and_empty_data_are_refused(data, message):
     with pytest.raises(ValueError, match=message):
-        tfdp.make_private(_model(), data, batch_size=10, num_steps=1, optimizer="sgd",
-                          **COMMON)
+        tfdp.make_private(_model(), data, config())
 
 
 def test_unknown_cardinality_is_read_up_to_a_documented_limit(monkeypatch):
@@ -45,26 +57,25 @@ def test_unknown_cardinality_is_read_up_to_a_documented_limit(monkeypatch):
         lambda image, label: True)
     assert int(endless.cardinality()) == tf.data.UNKNOWN_CARDINALITY
     with pytest.raises(ValueError, match=r"unknown cardinality with more than 100 examples"):
-        tfdp.make_private(_model(), endless, batch_size=10, num_steps=1, optimizer="sgd",
-                          **COMMON)
+        tfdp.make_private(_model(), endless, config())
     short = tf.data.Dataset.from_tensor_slices((IMAGES, LABELS)).filter(lambda i, l: True)
-    private = tfdp.make_private(_model(), short, batch_size=10, num_steps=1, optimizer="sgd",
-                                **COMMON)
+    private = tfdp.make_private(_model(), short, config())
     assert private.source.num_examples == 40
 
 
-@pytest.mark.parametrize("kwargs, message", [
+@pytest.mark.parametrize("settings, message", [
     # Before: ZeroDivisionError.
-    (dict(batch_size=0, epochs=1), r"batch_size must be a positive int .* got 0"),
-    (dict(batch_size=2.5, epochs=1), r"batch_size must be a positive int .* got 2\.5"),
+    (dict(batch_size=0), r"batch_size must be a positive int .* got 0"),
+    (dict(batch_size=2.5), r"batch_size must be a positive int .* got 2\.5"),
     # Before: accepted, then failed in fit.
-    (dict(batch_size=10, epochs=1, optimizer=None), "optimizer is required"),
+    (dict(optimizer_fn=None), r"optimizer_fn=None is not a builder"),
+    (dict(optimizer_fn="sgd"), r"optimizer_fn='sgd' is not a builder: .*lambda: "),
+    (dict(optimizer_fn=lambda: "sgd"), r"optimizer_fn\(\) returned str, not a "
+                                       r"keras.optimizers.Optimizer"),
 ])
-def test_bad_batch_size_and_missing_optimizer_are_refused(kwargs, message):
-    args = dict(COMMON, optimizer="sgd")
-    args.update(kwargs)
+def test_bad_batch_size_and_optimizer_fn_are_refused(settings, message):
     with pytest.raises(ValueError, match=message):
-        tfdp.make_private(_model(), (IMAGES, LABELS), **args)
+        tfdp.make_private(_model(), (IMAGES, LABELS), config(**settings))
 
 
 @pytest.mark.parametrize("shape", [(9, 8, 1), (8, 9, 1), (8, 8, 3)])
@@ -72,8 +83,7 @@ def test_images_that_do_not_match_the_model_are_refused(shape):
     # Before: accepted, then failed deep in TF at the first step.
     with pytest.raises(ValueError, match=r"The images are \[N, 8, 8, 1\] but the model takes "
                                          rf"inputs \(None, {shape[0]}, {shape[1]}, {shape[2]}\)"):
-        tfdp.make_private(_model(shape), (IMAGES, LABELS), batch_size=10, num_steps=1,
-                          optimizer="sgd", **COMMON)
+        tfdp.make_private(_model(shape), (IMAGES, LABELS), config())
 
 
 @pytest.fixture(scope="module")
@@ -154,9 +164,8 @@ def _pretrained_with_batch_norm():
 def test_make_private_fine_tuning_modes(trainable, trained):
     model = _pretrained_with_batch_norm()
     before = {v.path: v.numpy() for v in model.variables}
-    private = tfdp.make_private(model, (IMAGES + 100, LABELS), batch_size=10, num_steps=1,
-                                optimizer=keras.optimizers.SGD(1.0), trainable=trainable,
-                                **COMMON)
+    private = tfdp.make_private(model, (IMAGES + 100, LABELS), config(
+        trainable=trainable, optimizer_fn=lambda: keras.optimizers.SGD(1.0)))
     private.fit(verbose=False)
     changed = {v.path.split("/")[0] for v in model.variables
                if not np.array_equal(v.numpy(), before[v.path])}
@@ -166,12 +175,11 @@ def test_make_private_fine_tuning_modes(trainable, trained):
 
 def test_make_private_refuses_a_pattern_that_matches_no_layer():
     with pytest.raises(ValueError, match="'dense_typo' matches no layer"):
-        tfdp.make_private(_pretrained_with_batch_norm(), (IMAGES, LABELS), batch_size=10,
-                          num_steps=1, optimizer="sgd", trainable=["dense_typo"], **COMMON)
+        tfdp.make_private(_pretrained_with_batch_norm(), (IMAGES, LABELS),
+                          config(trainable=["dense_typo"]))
     # Without trainable=, a trainable BatchNorm is refused as before.
     with pytest.raises(ValueError, match="BatchNorm"):
-        tfdp.make_private(_pretrained_with_batch_norm(), (IMAGES, LABELS), batch_size=10,
-                          num_steps=1, optimizer="sgd", **COMMON)
+        tfdp.make_private(_pretrained_with_batch_norm(), (IMAGES, LABELS), config())
 
 
 # -- What make_private and PrivateTraining refuse, with a message -------------------
@@ -220,7 +228,7 @@ def _frozen():
 def test_models_and_data_make_private_cannot_train_are_refused_with_a_message(model, data,
                                                                               message):
     with pytest.raises(ValueError, match=message):
-        tfdp.make_private(model(), data, batch_size=10, num_steps=1, optimizer="sgd", **COMMON)
+        tfdp.make_private(model(), data, config())
 
 
 def test_export_to_an_empty_path_is_refused(trained, tmp_path, monkeypatch):
@@ -239,8 +247,123 @@ def test_the_delta_warning_is_given_once_per_make_private(recwarn):
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        tfdp.make_private(_model(), (IMAGES, LABELS), target_delta=0.05, l2_clip_norm=1.0,
-                          batch_size=10, num_steps=3, target_epsilon=3.0, optimizer="sgd")
+        tfdp.make_private(_model(), (IMAGES, LABELS), config(
+            target_delta=0.05, noise_multiplier=None, num_steps=3, target_epsilon=3.0))
     deltas = [w for w in caught if "1/num_examples" in str(w.message)]
     assert len(deltas) == 1, [str(w.message) for w in deltas]
     assert "delta=0.05 >= 1/num_examples=0.025" in str(deltas[0].message)
+
+
+# -- The config: the CLI's own groups, each setting used or refused -------------------
+
+
+@pytest.mark.parametrize("settings, message", [
+    (dict(data_normalization={"l2_clip_norm_mean": 1.0}),
+     r"tfdp.PrivacyConfig.data_normalization=\{.*\}: make_private does not support it "
+     r"\(private feature normalization .*\). Leave it at None, or train with "
+     r"python -m tfdp.main"),
+    (dict(simulation={"reference": {}}), r"tfdp.PrivacyConfig.simulation=.*does not support"),
+    (dict(study_dir="study"), r"tfdp.PrivacyConfig.study_dir='study': make_private does not "
+                              r"support it \(only python -m tfdp.main appends"),
+    (dict(sampling="shuffle"), r"tfdp.OptimizationConfig.sampling='shuffle': make_private "
+                               r"does not support it \(PrivateTraining.fit draws Poisson "
+                               r"batches.*Leave it at 'poisson'"),
+])
+def test_a_setting_only_the_trainer_supports_is_refused_naming_it(settings, message):
+    with pytest.raises(ValueError, match=message):
+        config(**settings)
+
+
+def test_a_config_of_another_kind_is_refused():
+    with pytest.raises(ValueError, match=r"config must be a tfdp.PrivateTrainingConfig, got "
+                                         r"PrivacyConfig"):
+        tfdp.make_private(_model(), (IMAGES, LABELS), tfdp.PrivacyConfig(**PRIVACY))
+    with pytest.raises(ValueError, match=r"PrivateTrainingConfig.privacy must be a "
+                                         r"tfdp.PrivacyConfig, got NoneType"):
+        tfdp.PrivateTrainingConfig(privacy=None,
+                                   optimization=tfdp.OptimizationConfig(**OPTIMIZATION))
+    with pytest.raises(TypeError):  # the old keyword form is gone
+        tfdp.make_private(_model(), (IMAGES, LABELS), batch_size=10, num_steps=1, **PRIVACY)
+
+
+def test_a_gin_binding_that_would_fill_a_field_is_refused():
+    import gin  # pylint: disable=g-import-not-at-top
+
+    gin.parse_config("tfdp.PrivacyConfig.noise_multiplier = 3.0")
+    try:
+        with pytest.raises(ValueError, match=r"gin binds tfdp.PrivacyConfig.noise_multiplier in "
+                                             r"this process.*gin.clear_config\(\)"):
+            config()
+    finally:
+        gin.clear_config()
+    config()
+
+
+def test_each_supported_setting_reaches_the_mechanism_or_the_model():
+    private = _private(accountant="pld", num_microbatches=2, normalize_update=True,
+                       clipping="vectorized", noise_seed=7, sampling_seed=11,
+                       accumulation_steps=2, ema_decay=0.9, num_steps=2)
+    mechanism = private.mechanism
+    assert (mechanism.accountant, mechanism.num_microbatches, mechanism.normalize_update,
+            mechanism.num_steps, mechanism.batch_size, mechanism.sampling) == (
+                "pld", 2, True, 2, 10, "poisson")
+    assert mechanism.fixed_seeds == ("sampling_seed", "noise_seed")
+    assert (private.model.clipping, private.model.accumulation_steps,
+            private.model.ema_decay) == ("vectorized", 2, 0.9)
+    assert private._sampling_seed == 11  # pylint: disable=protected-access
+    private.fit(verbose=False)
+    assert private.steps == 2
+    report = private.privacy_report()
+    assert report["exported_parameters"] == "ema"
+
+
+def test_fixed_seeds_reproduce_the_run():
+    keras.utils.set_random_seed(0)
+    model = _model()
+    start = [v.numpy() for v in model.weights]
+    weights = []
+    for _ in range(2):
+        for variable, value in zip(model.weights, start):
+            variable.assign(value)
+        private = tfdp.make_private(model, (IMAGES + 50, LABELS), config(
+            noise_seed=3, sampling_seed=4, num_steps=2))
+        private.fit(verbose=False)
+        weights.append([v.numpy() for v in model.weights])
+    for first, second in zip(*weights):
+        np.testing.assert_array_equal(first, second)
+    assert not np.array_equal(weights[0][0], start[0])
+
+
+def test_the_mechanism_is_planned_as_the_trainer_plans_it():
+    from tfdp import planning  # pylint: disable=g-import-not-at-top
+
+    settings = config(target_epsilon=3.0, noise_multiplier=None, num_steps=5)
+    private = tfdp.make_private(_model(), (IMAGES, LABELS), settings)
+    assert private.mechanism == planning.private_mechanism(
+        settings.privacy, settings.optimization, num_examples=40)
+
+
+@pytest.mark.parametrize("epochs, num_steps", [(3, 12), (0.5, 2), (0.01, 1), (2.5, 10)])
+def test_num_steps_for_epochs(epochs, num_steps):
+    assert tfdp.num_steps_for_epochs(epochs, num_examples=40, batch_size=10) == num_steps
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(epochs=0), "epochs must be a finite number > 0, got 0"),
+    (dict(epochs=float("inf")), "epochs must be a finite number > 0"),
+    (dict(epochs=True), "epochs must be a finite number > 0"),
+    (dict(epochs=1, num_examples=0), "num_examples must be a positive int, got 0"),
+    (dict(epochs=1, batch_size=2.0), r"batch_size must be a positive int, got 2\.0"),
+])
+def test_num_steps_for_epochs_refuses_what_has_no_length(kwargs, message):
+    args = dict(num_examples=40, batch_size=10)
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=message):
+        tfdp.num_steps_for_epochs(**args)
+
+
+def test_doctests_pass():
+    import doctest  # pylint: disable=g-import-not-at-top
+
+    failed, attempted = doctest.testmod(private_training, verbose=False)
+    assert attempted and not failed

@@ -44,19 +44,22 @@ def test_make_private_refuses_what_would_be_wrong():
     labels = np.arange(100) % 3
     plain = keras.Sequential([keras.Input((8, 8, 1)), keras.layers.Flatten(),
                               keras.layers.Dense(2)])
-    common = dict(target_epsilon=3.0, target_delta=1e-5, batch_size=10, epochs=1,
-                  l2_clip_norm=1.0, optimizer="sgd")
+    privacy = tfdp.PrivacyConfig(target_epsilon=3.0, target_delta=1e-5, l2_clip_norm=1.0)
+    common = tfdp.PrivateTrainingConfig(privacy=privacy, optimization=tfdp.OptimizationConfig(
+        optimizer_fn=keras.optimizers.SGD, batch_size=10,
+        num_steps=tfdp.num_steps_for_epochs(1, num_examples=100, batch_size=10)))
     with pytest.raises(ValueError, match=r"labels must be in \[0, 2\)"):
-        tfdp.make_private(plain, (images, labels), **common)
+        tfdp.make_private(plain, (images, labels), common)
     with pytest.raises(ValueError, match="images must be uint8"):
-        tfdp.make_private(plain, (images.astype(np.float32), labels % 2), **common)
+        tfdp.make_private(plain, (images.astype(np.float32), labels % 2), common)
     batchnorm = keras.Sequential([keras.Input((8, 8, 1)), keras.layers.BatchNormalization(),
                                   keras.layers.Flatten(), keras.layers.Dense(2)])
     with pytest.raises(ValueError, match="BatchNorm"):
-        tfdp.make_private(batchnorm, (images, labels % 2), **common)
+        tfdp.make_private(batchnorm, (images, labels % 2), common)
     with pytest.raises(ValueError, match="clipping must be one of"):
-        tfdp.make_private(plain, (images, labels % 2), clipping="fast", **common)
-    private = tfdp.make_private(plain, (images, labels % 2), **common)
+        tfdp.PrivacyConfig(target_epsilon=3.0, target_delta=1e-5, l2_clip_norm=1.0,
+                           clipping="fast")
+    private = tfdp.make_private(plain, (images, labels % 2), common)
     with pytest.raises(ValueError, match="fixed-size shuffled batches"):
         private.model.fit(images, labels % 2, batch_size=10)
 
@@ -72,12 +75,14 @@ def test_a_tf_data_dataset_of_pairs_is_accepted():
     model = keras.Sequential([keras.Input((8, 8, 1)), keras.layers.Flatten(),
                               keras.layers.Dense(2)])
     dataset = tf.data.Dataset.from_tensor_slices((images, labels))
-    private = tfdp.make_private(model, dataset, noise_multiplier=1.0, target_delta=1e-5,
-                                batch_size=10, num_steps=2, l2_clip_norm=1.0, optimizer="sgd")
+    config = tfdp.PrivateTrainingConfig(
+        privacy=tfdp.PrivacyConfig(noise_multiplier=1.0, target_delta=1e-5, l2_clip_norm=1.0),
+        optimization=tfdp.OptimizationConfig(optimizer_fn=keras.optimizers.SGD, batch_size=10,
+                                             num_steps=2))
+    private = tfdp.make_private(model, dataset, config)
     assert private.source.num_examples == 50 and private.mechanism.sampling_prob == 0.2
     with pytest.raises(ValueError, match="single .* pairs, not batches"):
-        tfdp.make_private(model, dataset.batch(5), noise_multiplier=1.0, target_delta=1e-5,
-                          batch_size=10, num_steps=2, l2_clip_norm=1.0, optimizer="sgd")
+        tfdp.make_private(model, dataset.batch(5), config)
 
 
 # The docs: README is the entry, each topic's detail is a page under docs/ linked from it.

@@ -27,6 +27,10 @@ accountant read them through one `tfdp.accounting.DPMechanism`.
 Settings of older tfdp versions were arguments of `tfdp.train_and_evaluate`;
 `MOVED` maps each to its new home, `old_binding_error` says so, and
 `tools/migrate_config.py` rewrites a config file.
+
+`tfdp.make_private` takes a `PrivateTrainingConfig`: the same `PrivacyConfig`
+and `OptimizationConfig`, built in Python, and refuses the settings only the
+trainer supports (`MAKE_PRIVATE_REFUSES`) instead of dropping them.
 """
 
 import dataclasses
@@ -40,7 +44,7 @@ from tfdp import augment
 from tfdp import gin_bindings
 from tfdp import storage
 from tfdp.accounting import mechanism as mechanism_lib
-from tfdp.training.dp_model import CLIPPING_PATHS
+from tfdp.dp.clipping import CLIPPING_PATHS
 
 
 def _positive_int(name, value, fix=""):
@@ -397,6 +401,90 @@ class RunConfig:
     def checkpoint_every_steps(self):
         """The checkpoint interval: `runtime.checkpoint_every_steps`, or eval_every_steps."""
         return int(self.runtime.checkpoint_every_steps or self.evaluation.eval_every_steps)
+
+
+# The settings `tfdp.make_private` refuses, each with why and what to do instead: the CLI
+# trainer (`python -m tfdp.main`) supports them, make_private would silently drop them.
+MAKE_PRIVATE_REFUSES = {
+    ("privacy", "data_normalization"): (
+        "private feature normalization (Tramer & Boneh 2021, App. B) needs "
+        "tfdp.DataConfig.features='scatternet', which only python -m tfdp.main computes"),
+    ("privacy", "simulation"): (
+        "a simulated run (TAN, Sec. 3.4) is labelled so only in the report of "
+        "python -m tfdp.main"),
+    ("privacy", "study_dir"): (
+        "only python -m tfdp.main appends a run to a tuning study's ledger and reports the "
+        "whole study's epsilon"),
+    ("optimization", "sampling"): (
+        "PrivateTraining.fit draws Poisson batches (q = batch_size / N, what the accountant "
+        "assumes); fixed-size shuffled batches (sampling='shuffle') are trained by "
+        "python -m tfdp.main"),
+}
+# What each refused setting holds when it is left unset.
+_UNSET = {"data_normalization": None, "simulation": None, "study_dir": None,
+          "sampling": "poisson"}
+
+
+@dataclasses.dataclass(frozen=True)
+class PrivateTrainingConfig:
+    """What `tfdp.make_private` trains with: the CLI's own privacy and optimization groups.
+
+    make_private reads the same `PrivacyConfig` and `OptimizationConfig` as
+    `python -m tfdp.main` (each checks itself); the data's group is the data
+    given to make_private. Training length is `optimization.num_steps`,
+    optimizer updates; `tfdp.num_steps_for_epochs` turns epochs over N into
+    it. The optimizer is `optimization.optimizer_fn()`, called once per
+    make_private (e.g. `lambda: keras.optimizers.SGD(0.5)`, or
+    `functools.partial(tfdp.training.build_optimizer, "sgd", learning_rate=0.5)`).
+
+    Attributes:
+      privacy: a `PrivacyConfig`: C, delta, sigma or the target epsilon, the
+        accountant, num_microbatches, normalize_update, the seeds, clipping.
+      optimization: an `OptimizationConfig`: optimizer_fn, the expected batch
+        size B, num_steps T, accumulation_steps, ema_decay.
+      trainable: None (train what the model marks trainable), "head", "all"
+        or a list of fnmatch patterns of layer names
+        (`tfdp.models.set_trainable`, applied to the model in place).
+      data_dir: TFDS data_dir, when the training data is a dataset's name
+        (None: TFDS's default).
+
+    Raises:
+      ValueError: privacy or optimization of another type (privacy None:
+        make_private trains only privately), gin bindings of either group in
+        the process (they would fill the fields not given), or a setting
+        make_private does not support (`MAKE_PRIVATE_REFUSES`: data_normalization, simulation,
+        study_dir, sampling other than "poisson"), named with what to do.
+    """
+
+    privacy: PrivacyConfig
+    optimization: OptimizationConfig
+    trainable: object = None
+    data_dir: Optional[str] = None
+
+    def __post_init__(self):
+        for name, cls in (("privacy", PrivacyConfig), ("optimization", OptimizationConfig)):
+            if not isinstance(getattr(self, name), cls):
+                raise ValueError(
+                    f"PrivateTrainingConfig.{name} must be a tfdp.{cls.__name__}, got "
+                    f"{type(getattr(self, name)).__name__}: e.g. tfdp.PrivateTrainingConfig("
+                    "privacy=tfdp.PrivacyConfig(l2_clip_norm=1.0, target_delta=1e-5, "
+                    "target_epsilon=3.0), optimization=tfdp.OptimizationConfig(optimizer_fn="
+                    "lambda: keras.optimizers.SGD(0.5), batch_size=256, num_steps=1000)).")
+        bound = [f"tfdp.{cls.__name__}.{name}" for cls in (PrivacyConfig, OptimizationConfig)
+                 for name in gin.get_bindings(f"tfdp.{cls.__name__}")]
+        if bound:
+            raise ValueError(
+                f"gin binds {', '.join(bound)} in this process (a parsed config): a "
+                "PrivacyConfig or OptimizationConfig built in Python takes gin's value for "
+                "every field not given, so make_private would train with settings that are "
+                "not in its config. Call gin.clear_config() before building the configs.")
+        for (group, name), why in MAKE_PRIVATE_REFUSES.items():
+            value = getattr(getattr(self, group), name)
+            if value != _UNSET[name]:
+                cls = type(getattr(self, group)).__name__
+                raise ValueError(
+                    f"tfdp.{cls}.{name}={value!r}: make_private does not support it ({why}). "
+                    f"Leave it at {_UNSET[name]!r}, or train with python -m tfdp.main.")
 
 
 def check_together(config: RunConfig) -> None:

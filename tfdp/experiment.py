@@ -11,10 +11,10 @@ each host reads only its replicas' chunks of every (padded, masked) logical
 batch, and only the chief writes the outputs.
 """
 
+import dataclasses
 import json
 import re
 import sys
-import types
 
 import gin
 import keras
@@ -86,10 +86,11 @@ def train_and_evaluate(workdir, *, model_fn=gin.REQUIRED, privacy="dp", audit=No
     mode = modes.make_mode(config.privacy, audit)
     strategy = _start(config.runtime)
     plan = mode.plan(config, strategy)
+    context = RunContext(config=config, mode=mode, plan=plan, strategy=strategy)
     keras.utils.set_random_seed(config.runtime.seed)
-    train, test, fingerprints = _open_data(config, mode)
-    with Run.open(workdir, mode, plan, strategy=strategy, splits={"train": train, "test": test},
-                  data_fingerprint=fingerprints) as run:
+    opened = _open_data(config=config, mode=mode)
+    with Run.open(workdir, mode, plan, strategy=strategy, splits=opened.splits,
+                  data_fingerprint=opened.fingerprints) as run:
         if run.finished_report is not None:
             if run.chief:  # a cache left behind (removal failed, or an older tfdp's)
                 features_lib.remove_feature_cache(run.workdir)
@@ -103,15 +104,87 @@ def train_and_evaluate(workdir, *, model_fn=gin.REQUIRED, privacy="dp", audit=No
         releases_first = getattr(plan, "data_normalization", None) is not None
         if releases_first:
             mode.start(plan, workdir=run.workdir, chief=run.chief, resuming=resuming)
-        built = _build(config, mode, plan, run, strategy, model_fn, train, test, fingerprints)
+        built = _build(context=context, run=run, model_fn=model_fn, opened=opened)
         manager, start_step = run.restore(built.dp_model, built.ledger)
         if not releases_first:
             mode.start(plan, workdir=run.workdir, chief=run.chief, resuming=resuming)
         if run.chief and built.features.unsaved is not None:  # checkpoint 0 exists now
-            features_lib.write_feature_cache(run.workdir, built.extractor, fingerprints,
+            features_lib.write_feature_cache(run.workdir, built.extractor, opened.fingerprints,
                                              built.features.unsaved)
-        _fit(config, mode, plan, run, strategy, built, manager, start_step)
-        return _finish(config, mode, plan, run, built)
+        _fit(context=context, run=run, built=built, manager=manager, start_step=start_step)
+        return _finish(context=context, run=run, built=built)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunContext:
+    """What every stage after planning reads, fixed before any I/O.
+
+    Attributes:
+      config: the run's `tfdp.configs.RunConfig` (the six groups).
+      mode: the `tfdp.modes` object of the run (private, audited or non-private).
+      plan: the mode's plan: a `tfdp.accounting.DPMechanism`, or a
+        `tfdp.planning.NonPrivatePlan`.
+      strategy: the `tf.distribute.Strategy` (`tfdp.training.make_strategy`).
+    """
+
+    config: configs.RunConfig
+    mode: object
+    plan: object
+    strategy: object
+
+
+@dataclasses.dataclass(frozen=True)
+class OpenedData:
+    """The two splits as opened and checked, before the workdir is touched (`_open_data`).
+
+    Attributes:
+      train, test: the splits' sources (`tfdp.data`), read by index: uint8
+        images `[H, W, C]` and int labels.
+      fingerprints: `{"train": ..., "test": ...}`, each split's
+        `tfdp.data.fingerprint.split_fingerprint`, which a resume compares.
+    """
+
+    train: object
+    test: object
+    fingerprints: dict
+
+    @property
+    def splits(self):
+        """`{"train": train, "test": test}`, as `tfdp.run.Run.open` takes them."""
+        return {"train": self.train, "test": self.test}
+
+
+@dataclasses.dataclass(frozen=True)
+class BuiltRun:
+    """The model and what it reads, built in the strategy's scope (`_build`).
+
+    Attributes:
+      train, test: the sources the model reads: the pixels' splits, or their
+        cached features (a frozen extractor's, or ScatterNet's).
+      extractor: the frozen public feature extractor (`tfdp.features`), or None.
+      features: the `tfdp.features.Features`; its `unsaved` features are
+        cached by the chief once checkpoint 0 exists.
+      dp_model: the compiled Keras model: a `tfdp.training.DPModel`, or the
+        non-private model of `tfdp.modes.NonPrivateMode`.
+      ledger: the mode's step ledger (sampling seed, steps), checkpointed with
+        the model.
+      backbone: the pretrained backbone's provenance (dict), or None.
+      image_shape: `(height, width, channels)` of the pixels (not features).
+      test_examples: the test examples each evaluation reads (int).
+      export_model: the model the SavedModel serves, on uint8 images
+        (extractor and head composed when there is an extractor).
+    """
+
+    train: object
+    test: object
+    extractor: object
+    features: object
+    dp_model: object
+    ledger: object
+    backbone: object
+    image_shape: tuple
+    test_examples: int
+    export_model: object
 
 
 def _start(runtime):
@@ -124,25 +197,29 @@ def _start(runtime):
     return strategy
 
 
-def _open_data(config, mode):
+def _open_data(*, config, mode):
     """The two splits (read only), checked; and their fingerprints, which a resume compares."""
     train, test = inputs.load_data(config.data, prepare_train=mode.prepare_train)
     data.check_duplicates(train, private=mode.private)
-    fingerprints = {"train": fingerprint.split_fingerprint(train),
-                    "test": fingerprint.split_fingerprint(test)}
-    return train, test, fingerprints
+    return OpenedData(train=train, test=test, fingerprints={
+        "train": fingerprint.split_fingerprint(train),
+        "test": fingerprint.split_fingerprint(test)})
 
 
-def _build(config, mode, plan, run, strategy, model_fn, train, test, fingerprints):
+def _build(*, context, run, model_fn, opened):
     """Features (frozen public extractors), the model and its DP (or plain) step, the ledger.
 
-    Returns a namespace: `train`, `test` (the sources the model reads: pixels,
-    or cached features), `extractor` and `features` (`tfdp.features.Features`,
-    whose `unsaved` features the chief caches once checkpoint 0 exists),
-    `dp_model`, `ledger`, `backbone` (provenance or None),
-    `image_shape` (of the pixels), `test_examples` (each evaluation's) and
-    `export_model` (takes images).
+    Args:
+      context: the `RunContext`.
+      run: the open `tfdp.run.Run` (its workdir holds the feature cache).
+      model_fn: the builder `(num_classes, input_shape=...) -> keras.Model`.
+      opened: the `OpenedData`.
+
+    Returns:
+      A `BuiltRun`.
     """
+    config, plan, strategy = context.config, context.plan, context.strategy
+    train, test = opened.train, opened.test
     image_shape = train.image_shape
     test_examples = inputs.test_examples(config.evaluation.eval_examples, test)
     features_lib.check_builder_bindings(model_fn)
@@ -152,7 +229,8 @@ def _build(config, mode, plan, run, strategy, model_fn, train, test, fingerprint
             config.data.features, model_fn, train, augmult=aug.augmult,
             augmentation=aug.augmentation)
     features = features_lib.cached_features(
-        train, test, extractor, plan.data_normalization, run.workdir, fingerprints=fingerprints)
+        train, test, extractor, plan.data_normalization, run.workdir,
+        fingerprints=opened.fingerprints)
     train, test, head_kwargs = features.train, features.test, features.head_kwargs
     with strategy.scope():
         if extractor is not None:
@@ -160,20 +238,29 @@ def _build(config, mode, plan, run, strategy, model_fn, train, test, fingerprint
             model = extractor.head or model_fn(
                 num_classes=train.num_classes, input_shape=train.image_shape, **head_kwargs)
         features_lib.check_output_width(model, train.num_classes, config.data.dataset)
-        dp_model = mode.build_model(model, plan, config.optimization)
+        dp_model = context.mode.build_model(model, plan, config.optimization)
         dp_model.compile(optimizer=config.optimization.optimizer_fn(),
                          jit_compile=config.runtime.jit_compile)
-    ledger = mode.make_ledger(plan, strategy=strategy, config_text=gin.config_str(),
-                              data=json.dumps(fingerprints, sort_keys=True),
-                              seed=config.runtime.seed)
-    return types.SimpleNamespace(train=train, test=test, dp_model=dp_model, ledger=ledger, backbone=backbone,
-                                 extractor=extractor, features=features,
-                                 image_shape=image_shape, test_examples=test_examples,
-                                 export_model=extractor.compose(model) if extractor else model)
+    ledger = context.mode.make_ledger(plan, strategy=strategy, config_text=gin.config_str(),
+                                    data=json.dumps(opened.fingerprints, sort_keys=True),
+                                    seed=config.runtime.seed)
+    return BuiltRun(train=train, test=test, extractor=extractor, features=features,
+                    dp_model=dp_model, ledger=ledger, backbone=backbone,
+                    image_shape=image_shape, test_examples=test_examples,
+                    export_model=extractor.compose(model) if extractor else model)
 
 
-def _fit(config, mode, plan, run, strategy, built, manager, start_step):
-    """Trains to the planned step; a corrupt shard met by a batch is named, checkpoints kept."""
+def _fit(*, context, run, built, manager, start_step):
+    """Trains to the planned step; a corrupt shard met by a batch is named, checkpoints kept.
+
+    Args:
+      context: the `RunContext`.
+      run: the open `tfdp.run.Run` (metrics go to its `out_dir`).
+      built: the `BuiltRun`.
+      manager: the checkpoint manager `Run.restore` returned.
+      start_step: the optimizer updates already taken (0, or the restored step).
+    """
+    config, mode, plan, strategy = context.config, context.mode, context.plan, context.strategy
     aug, evaluation, runtime = config.augmentation, config.evaluation, config.runtime
     augment_fn = aug.augment_fn()
     accumulation_steps = config.optimization.accumulation_steps
@@ -222,8 +309,9 @@ def changed_file_message(text):
     return found and re.sub(r"['\]] b?['\[]", " ", found.group(0))
 
 
-def _finish(config, mode, plan, run, built):
+def _finish(*, context, run, built):
     """The report (the mode's), the SavedModel and FINISHED; returns the report."""
+    config, mode, plan = context.config, context.mode, context.plan
     steps_done = int(built.dp_model.optimizer.iterations.numpy())
     if steps_done != plan.num_steps:
         raise RuntimeError(

@@ -78,18 +78,36 @@ def plan_private(config, strategy):
       ValueError: from `plan_mechanism` (invalid or inconsistent privacy
         values) or `truncation`.
     """
-    privacy, optimization = config.privacy, config.optimization
-    mechanism = accounting.plan_mechanism(
-        num_examples=config.data.num_examples, batch_size=optimization.batch_size,
+    mechanism = private_mechanism(config.privacy, config.optimization,
+                                  num_examples=config.data.num_examples)
+    return dataclasses.replace(mechanism, truncation=truncation(
+        config.runtime.static_batch_size, mechanism, strategy,
+        config.optimization.accumulation_steps))
+
+
+def private_mechanism(privacy, optimization, *, num_examples):
+    """The `DPMechanism` of a `PrivacyConfig` and an `OptimizationConfig` over N examples.
+
+    The one place the settings become `tfdp.accounting.plan_mechanism`'s
+    arguments, for the trainer (`plan_private`) and `tfdp.make_private`
+    alike; no static-batch truncation.
+
+    Args:
+      privacy: the `tfdp.configs.PrivacyConfig`.
+      optimization: the `tfdp.configs.OptimizationConfig`.
+      num_examples: N, the training examples.
+
+    Raises:
+      ValueError: from `plan_mechanism` (invalid or inconsistent privacy values).
+    """
+    return accounting.plan_mechanism(
+        num_examples=num_examples, batch_size=optimization.batch_size,
         num_steps=optimization.num_steps, l2_clip_norm=privacy.l2_clip_norm,
         target_delta=privacy.target_delta, noise_multiplier=privacy.noise_multiplier,
         target_epsilon=privacy.target_epsilon, accountant=privacy.accountant,
         sampling=optimization.sampling, normalize_update=privacy.normalize_update,
         num_microbatches=privacy.num_microbatches,
         data_normalization=privacy.data_normalization, fixed_seeds=privacy.fixed_seeds)
-    return dataclasses.replace(mechanism, truncation=truncation(
-        config.runtime.static_batch_size, mechanism, strategy,
-        optimization.accumulation_steps))
 
 
 def plan_non_private(config, strategy, unused):

@@ -1,15 +1,23 @@
 """make_private: DP-SGD for your own Keras model and data, in a few lines.
 
 The Python counterpart of `python -m tfdp.main` (which trains the shipped
-configs from gin): it takes a Keras classifier and a dataset, and wires the
-same pieces the trainer uses. The model is checked by the DP validator (no
-BatchNorm), the data is read by index with the Poisson sampler the accountant
-assumes (secret seeds from OS entropy), and one `tfdp.accounting.DPMechanism`
-gives the noise, epsilon, the privacy report and the export.
+configs from gin): it takes a Keras classifier, a dataset and a
+`tfdp.PrivateTrainingConfig` made of the trainer's own `tfdp.PrivacyConfig`
+and `tfdp.OptimizationConfig`, and wires the same pieces the trainer uses.
+The model is checked by the DP validator (no BatchNorm), the data is read by
+index with the Poisson sampler the accountant assumes (secret seeds from OS
+entropy unless fixed), and one `tfdp.accounting.DPMechanism`, planned from
+the config as the trainer plans it (`tfdp.planning.private_mechanism`), gives
+the noise, epsilon, the privacy report and the export.
 
-    private = tfdp.make_private(model, (images, labels), target_epsilon=3.0,
-                                target_delta=1e-5, batch_size=256, epochs=10,
-                                l2_clip_norm=1.0, optimizer=keras.optimizers.SGD(0.5))
+    config = tfdp.PrivateTrainingConfig(
+        privacy=tfdp.PrivacyConfig(target_epsilon=3.0, target_delta=1e-5,
+                                   l2_clip_norm=1.0),
+        optimization=tfdp.OptimizationConfig(
+            optimizer_fn=lambda: keras.optimizers.SGD(0.5), batch_size=256,
+            num_steps=tfdp.num_steps_for_epochs(10, num_examples=len(images),
+                                                batch_size=256)))
+    private = tfdp.make_private(model, (images, labels), config)
     private.fit()
     print(private.privacy_report()["epsilon"])
     private.export("my_model")
@@ -26,9 +34,10 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfdp import accounting
+from tfdp import configs
 from tfdp import data
 from tfdp import models
+from tfdp import planning
 from tfdp.dp import seeds
 from tfdp.dp import precision
 from tfdp.export import privacy_report
@@ -157,28 +166,7 @@ class PrivateTraining:
                     overwrite=overwrite)
 
 
-def make_private(
-    model,
-    train_data,
-    *,
-    target_delta,
-    l2_clip_norm,
-    batch_size,
-    optimizer,
-    target_epsilon=None,
-    noise_multiplier=None,
-    epochs=None,
-    num_steps=None,
-    accountant="rdp",
-    normalize_update=False,
-    accumulation_steps=1,
-    ema_decay=None,
-    clipping="auto",
-    data_dir=None,
-    trainable=None,
-    class_weight=None,
-    sample_weight=None,
-):
+def make_private(model, train_data, config, *, class_weight=None, sample_weight=None):
     """Wraps your Keras classifier for DP-SGD on your data, with a matching sampler.
 
     Args:
@@ -190,99 +178,136 @@ def make_private(
         `(images, labels)` arrays (uint8 `[N, H, W, C]`, integer `[N]`); a
         `tf.data.Dataset` of single `(image uint8 [H, W, C], label)` pairs
         (read once into memory); or the name of a prepared TFDS dataset (its
-        "train" split, read by index from ArrayRecord files in `data_dir`).
-      target_delta: delta; keep it well below 1/N.
-      l2_clip_norm: C, the per-example gradient bound.
-      batch_size: B, the EXPECTED batch size: each example joins a step's
-        batch with probability B / N (Poisson sampling).
-      optimizer: a `keras.optimizers.Optimizer` (or its name); it sees only
-        the noisy clipped gradient.
-      target_epsilon: the budget: sigma is calibrated to it (or, with
-        `noise_multiplier`, the steps are capped at it).
-      noise_multiplier: sigma (noise std / sensitivity), or None to calibrate.
-      epochs: training length in passes over N (steps = ceil(epochs N / B));
-        or give `num_steps`.
-      num_steps: training length in optimizer updates.
-      accountant: "rdp" or "pld".
-      normalize_update: De et al. 2022, eq. (3).
-      accumulation_steps: chunks each batch is processed in (memory).
-      ema_decay: None or the EMA decay of the exported parameters.
-      clipping: "auto", "ghost" or "vectorized": how per-example gradients
-        are clipped (`DPModel`); the same sum, so the same guarantee.
-      data_dir: TFDS data_dir, for a dataset name.
-      trainable: None (default) trains what the model marks trainable,
-        Keras' own rule (`layer.trainable`): a model from
-        `tfdp.models.build_finetune_model` keeps the mode it was built with.
-        Or a fine-tuning mode, applied to `model` IN PLACE before anything
-        else (`tfdp.models.set_trainable`): "head" (only the head: the
-        fine-tuning model's "head", or else the model's last Dense layer),
-        "all", or a list of fnmatch patterns of layer names (each must match
-        a layer; the head always trains). Every BatchNormalization layer is
-        then frozen (inference mode, pretrained statistics). Only the
-        trainable variables are clipped, noised and updated; frozen layers
-        run forward only when just the head trains. Unlike
-        `python -m tfdp.main`, make_private does not cache a frozen trunk's
-        features: the trunk runs on every batch., sample_weight: refused (ValueError) if given: a weight on an
-        example's loss scales its sensitivity beyond l2_clip_norm
-        (`tfdp.training.dp_model.refuse_example_weights`). They are named here so
-        that passing them is explained, not a TypeError.
+        "train" split, read by index from ArrayRecord files in
+        `config.data_dir`).
+      config: a `tfdp.PrivateTrainingConfig`: the CLI's `tfdp.PrivacyConfig`
+        (C, delta, sigma or the target epsilon, accountant, num_microbatches,
+        normalize_update, the seeds, clipping) and `tfdp.OptimizationConfig`
+        (optimizer_fn, B the EXPECTED batch size: each example joins a
+        step's batch with probability B / N; num_steps, optimizer updates,
+        `num_steps_for_epochs`; accumulation_steps; ema_decay), plus
+        `trainable` and `data_dir`. `optimizer_fn()` is called once; the
+        optimizer sees only the noisy clipped gradient. A fixed seed
+        (`sampling_seed`, `noise_seed`) reproduces the run, and the report
+        says the guarantee assumes it stays secret; unset, each is drawn
+        from OS entropy. `trainable` other than None is applied to `model`
+        IN PLACE before anything else (`tfdp.models.set_trainable`):
+        "head", "all" or fnmatch patterns of layer names (the head always
+        trains; every BatchNormalization is frozen). Only the trainable
+        variables are clipped, noised and updated; unlike
+        `python -m tfdp.main`, a frozen trunk's features are not cached.
+      class_weight, sample_weight: refused (ValueError) if given: a weight
+        on an example's loss scales its sensitivity beyond l2_clip_norm
+        (`tfdp.training.dp_model.refuse_example_weights`). They are named
+        here so that passing them is explained, not a TypeError.
 
     Returns:
       A `PrivateTraining`: `.fit()`, `.evaluate(test_data)`, `.epsilon()`,
       `.privacy_report()`, `.export(dir)`.
 
     Raises:
-      ValueError: on an invalid `trainable` (`tfdp.models.set_trainable`: also
-        a pattern that matches no layer), a model that mixes examples, logits
-        that do not cover
-        the labels, data in another form or shape (images that do not match
-        `model.input_shape`), an infinite or empty dataset (or one of unknown
-        cardinality longer than `MAX_UNKNOWN_CARDINALITY_EXAMPLES`), a
-        batch_size that is not a positive int, no optimizer, invalid privacy
-        parameters, not exactly one of epochs and num_steps, an unknown
-        clipping, or class or sample weights.
+      ValueError: a config that is not a `PrivateTrainingConfig` (whose own
+        checks refuse the settings only the trainer supports), a batch_size
+        that is not a positive int, an optimizer_fn that is not a callable
+        returning a `keras.optimizers.Optimizer`, an invalid `trainable`
+        (also a pattern that matches no layer), a model that mixes examples,
+        logits that do not cover the labels, data in another form or shape
+        (images that do not match `model.input_shape`), an infinite or empty
+        dataset (or one of unknown cardinality longer than
+        `MAX_UNKNOWN_CARDINALITY_EXAMPLES`), invalid privacy parameters
+        (`tfdp.accounting.plan_mechanism`), or class or sample weights.
+
+    Reference:
+      Abadi et al. 2016, Algorithm 1; De et al. 2022, App. A.1, Algorithm 1.
     """
     refuse_example_weights(class_weight, sample_weight, where="make_private")
-    _check_arguments(batch_size=batch_size, optimizer=optimizer)
-    if (epochs is None) == (num_steps is None):
-        raise ValueError("Give exactly one of epochs (passes over the data) and num_steps "
-                         f"(optimizer updates); got epochs={epochs}, num_steps={num_steps}.")
-    if trainable is not None:
-        models.set_trainable(model, trainable)
+    _check_config(config)
+    privacy, optimization = config.privacy, config.optimization
+    if config.trainable is not None:
+        models.set_trainable(model, config.trainable)
     num_classes = _output_width(model)
     if not model.trainable_variables:
         raise ValueError(
             f"The model {getattr(model, 'name', '')!r} has no trainable variables (every layer "
             "is frozen, trainable=False): DP-SGD would have nothing to train. Unfreeze what "
-            "should train (layer.trainable = True), or pass trainable='head' (the last Dense "
-            "layer) or trainable='all'.")
+            "should train (layer.trainable = True), or set PrivateTrainingConfig.trainable to "
+            "'head' (the last Dense layer) or 'all'.")
     models.validate_dp_model(model)
-    source = _source(train_data, num_classes=num_classes, data_dir=data_dir)
+    source = _source(train_data, num_classes=num_classes, data_dir=config.data_dir)
     _check_input_shape(model, source)
-    if epochs is not None:
-        if not (isinstance(epochs, (int, float)) and epochs > 0):
-            raise ValueError(f"epochs must be a number > 0, got {epochs!r}.")
-        num_steps = math.ceil(epochs * source.num_examples / batch_size)
-    mechanism = accounting.plan_mechanism(
-        num_examples=source.num_examples, batch_size=batch_size, num_steps=num_steps,
-        l2_clip_norm=l2_clip_norm, target_delta=target_delta,
-        noise_multiplier=noise_multiplier, target_epsilon=target_epsilon,
-        accountant=accountant, normalize_update=normalize_update)
-    dp_model = DPModel(model, mechanism, accumulation_steps=accumulation_steps,
-                       ema_decay=ema_decay, clipping=clipping)
-    dp_model.compile(optimizer=keras.optimizers.get(optimizer))
-    return PrivateTraining(dp_model, mechanism, source, sampling_seed=seeds.secret_seed())
+    mechanism = planning.private_mechanism(privacy, optimization,
+                                           num_examples=source.num_examples)
+    dp_model = DPModel(model, mechanism, accumulation_steps=optimization.accumulation_steps,
+                       noise_seed=privacy.noise_seed, ema_decay=optimization.ema_decay,
+                       clipping=privacy.clipping)
+    dp_model.compile(optimizer=_build_optimizer(optimization.optimizer_fn))
+    sampling_seed = (seeds.secret_seed() if privacy.sampling_seed is None
+                     else privacy.sampling_seed)
+    return PrivateTraining(dp_model, mechanism, source, sampling_seed=sampling_seed)
 
 
-def _check_arguments(*, batch_size, optimizer):
-    """Refuses a batch_size that is not a positive int, and a missing optimizer."""
+def num_steps_for_epochs(epochs, *, num_examples, batch_size):
+    """Optimizer updates for `epochs` expected passes over N examples: ceil(epochs N / B).
+
+    With Poisson sampling each step's batch holds B examples in expectation,
+    so T steps read T B examples in expectation. Give the result to
+    `tfdp.OptimizationConfig(num_steps=...)`, the one training length.
+
+    >>> num_steps_for_epochs(3, num_examples=2000, batch_size=200)
+    30
+
+    Args:
+      epochs: passes over the data (a number > 0, need not be whole).
+      num_examples: N, the training examples (e.g. `len(images)`).
+      batch_size: B, the expected batch size (`OptimizationConfig.batch_size`).
+
+    Returns:
+      num_steps, an int >= 1.
+
+    Raises:
+      ValueError: epochs not a number > 0; num_examples or batch_size not a
+        positive int.
+    """
+    if isinstance(epochs, bool) or not isinstance(epochs, (int, float, np.integer,
+                                                           np.floating)) or not (
+            0 < epochs < math.inf):
+        raise ValueError(f"epochs must be a finite number > 0, got {epochs!r}.")
+    for name, value in (("num_examples", num_examples), ("batch_size", batch_size)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}.")
+    return max(1, math.ceil(epochs * int(num_examples) / int(batch_size)))
+
+
+def _check_config(config):
+    """Refuses a config that is not a PrivateTrainingConfig, a bad batch_size or optimizer_fn."""
+    if not isinstance(config, configs.PrivateTrainingConfig):
+        raise ValueError(
+            f"config must be a tfdp.PrivateTrainingConfig, got {type(config).__name__}: e.g. "
+            "tfdp.PrivateTrainingConfig(privacy=tfdp.PrivacyConfig(l2_clip_norm=1.0, "
+            "target_delta=1e-5, target_epsilon=3.0), optimization=tfdp.OptimizationConfig("
+            "optimizer_fn=lambda: keras.optimizers.SGD(0.5), batch_size=256, "
+            "num_steps=1000)).")
+    batch_size = config.optimization.batch_size
     if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or (
             batch_size < 1):
         raise ValueError(f"batch_size must be a positive int (the expected examples per step), "
                          f"got {batch_size!r}.")
-    if optimizer is None:
-        raise ValueError("optimizer is required: a keras.optimizers.Optimizer or its name, "
-                         "e.g. optimizer=keras.optimizers.SGD(0.5).")
+    if not callable(config.optimization.optimizer_fn):
+        raise ValueError(
+            f"optimizer_fn={config.optimization.optimizer_fn!r} is not a builder: "
+            "tfdp.OptimizationConfig.optimizer_fn is called to make the optimizer, e.g. "
+            "optimizer_fn=lambda: keras.optimizers.SGD(0.5), or functools.partial("
+            "tfdp.training.build_optimizer, 'sgd', learning_rate=0.5).")
+
+
+def _build_optimizer(optimizer_fn):
+    """`optimizer_fn()`, refused unless it is a `keras.optimizers.Optimizer`."""
+    optimizer = optimizer_fn()
+    if not isinstance(optimizer, keras.optimizers.Optimizer):
+        raise ValueError(
+            f"optimizer_fn() returned {type(optimizer).__name__}, not a "
+            "keras.optimizers.Optimizer: e.g. optimizer_fn=lambda: keras.optimizers.SGD(0.5).")
+    return optimizer
 
 
 def _check_input_shape(model, source):

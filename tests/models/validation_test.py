@@ -140,6 +140,7 @@ def test_iter_layers_visits_every_layer_once_with_paths():
 # -- refuse_example_mixing: behaviour on a probe batch, not class names ----------
 
 from tfdp import accounting  # noqa: E402
+from tfdp import OptimizationConfig, PrivacyConfig, PrivateTrainingConfig  # noqa: E402
 from tfdp import make_private  # noqa: E402
 from tfdp.models.validation import ExampleMixingError, refuse_example_mixing  # noqa: E402
 from tfdp.training.dp_model import DPModel  # noqa: E402
@@ -258,8 +259,10 @@ def test_make_private_refuses_a_mixing_layer():
     x = rng.integers(0, 256, (64, 8, 8, 3)).astype(np.uint8)
     y = rng.integers(0, 2, 64)
     with pytest.raises(ExampleMixingError, match="model/norm_axis0 mixes examples"):
-        make_private(model, (x, y), batch_size=8, epochs=1, target_epsilon=3.0,
-                     target_delta=1e-3, l2_clip_norm=1.0, optimizer="sgd")
+        make_private(model, (x, y), PrivateTrainingConfig(
+            privacy=PrivacyConfig(target_epsilon=3.0, target_delta=1e-3, l2_clip_norm=1.0),
+            optimization=OptimizationConfig(optimizer_fn=keras.optimizers.SGD, batch_size=8,
+                                            num_steps=8)))  # one epoch of 64
 
 
 def test_a_subclassed_model_is_checked_on_its_first_batch():

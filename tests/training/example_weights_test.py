@@ -80,11 +80,14 @@ def test_train_on_batch_refuses_weights_and_takes_a_0_1_mask():
 
 def test_make_private_refuses_weights():
     images, labels = _data(20)
+    config = tfdp.PrivateTrainingConfig(
+        privacy=tfdp.PrivacyConfig(target_delta=1e-5, l2_clip_norm=1.0, noise_multiplier=1.0),
+        optimization=tfdp.OptimizationConfig(optimizer_fn=keras.optimizers.SGD, batch_size=4,
+                                             num_steps=2))
     for name, value in (("class_weight", {0: 1.0, 1: 5.0}), ("sample_weight", np.ones(20))):
         with pytest.raises(ValueError, match=f"make_private does not take {name}: {WEIGHTS}"):
-            tfdp.make_private(_model(), (images.astype(np.uint8), labels), target_delta=1e-5,
-                              l2_clip_norm=1.0, batch_size=4, optimizer="sgd",
-                              noise_multiplier=1.0, num_steps=2, **{name: value})
+            tfdp.make_private(_model(), (images.astype(np.uint8), labels), config,
+                              **{name: value})
 
 
 @pytest.mark.parametrize("clipping, num_microbatches",

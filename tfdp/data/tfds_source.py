@@ -21,8 +21,8 @@ so no statistic is ever computed from the private training set (Tramer & Boneh
 2021, App. B, on private data normalization).
 """
 
+import dataclasses
 import os
-import types
 import textwrap
 
 import numpy as np
@@ -536,6 +536,20 @@ def image_collection(name):
     return _IMAGE_COLLECTIONS.get(identity, identity)
 
 
+@dataclasses.dataclass(frozen=True)
+class _SplitSize:
+    """A split's size, where `tfds.core.ReadInstruction.to_absolute` takes a `tfds.core.SplitInfo`.
+
+    `to_absolute` reads only `num_examples` of each split (TFDS 4.9,
+    `tensorflow_datasets/core/splits.py`).
+
+    Attributes:
+      num_examples: the examples in the split.
+    """
+
+    num_examples: int
+
+
 def splits_overlap(name, split_a, split_b, *, data_dir=None, image_size=None):
     """Whether two split strings of one TFDS dataset share any example.
 
@@ -560,9 +574,8 @@ def splits_overlap(name, split_a, split_b, *, data_dir=None, image_size=None):
         # [(split name, first, end)] of the examples a split string reads; the split sizes
         # come from TFDSSource, which also answers under tfdp.data.mock_data.
         bases = {part.split("[")[0].strip() for part in split.split("+")}
-        sizes = {base: types.SimpleNamespace(
-            num_examples=TFDSSource(name, base, data_dir=data_dir,
-                                    image_size=image_size).num_examples)
+        sizes = {base: _SplitSize(TFDSSource(name, base, data_dir=data_dir,
+                                             image_size=image_size).num_examples)
                  for base in bases}
         return [(i.splitname, i.from_ or 0,
                  sizes[i.splitname].num_examples if i.to is None else i.to)

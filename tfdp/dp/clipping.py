@@ -17,6 +17,10 @@ from tfdp.dp import precision
 
 
 PER_EXAMPLE_METHODS = ("vectorized", "loop")
+# How `tfdp.training.DPModel` computes the clipped sum (its `clipping` argument): "auto"
+# (ghost norms when every trainable layer has a rule, else vectorized), "vectorized" or
+# "ghost". The sum, and so the guarantee, is the same on every path.
+CLIPPING_PATHS = ("auto", "vectorized", "ghost")
 
 
 def per_example_gradients(

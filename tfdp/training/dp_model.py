@@ -18,7 +18,7 @@ from tfdp.training import clip_paths
 from tfdp.training import ema
 from tfdp.training import ghost_clipping
 
-CLIPPING_PATHS = ("auto", "vectorized", "ghost")
+from tfdp.dp.clipping import CLIPPING_PATHS
 
 
 def refuse_example_weights(class_weight, sample_weight, *, where):
