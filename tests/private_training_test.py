@@ -282,8 +282,18 @@ def test_a_config_of_another_kind_is_refused():
                                          r"tfdp.PrivacyConfig, got NoneType"):
         tfdp.PrivateTrainingConfig(privacy=None,
                                    optimization=tfdp.OptimizationConfig(**OPTIMIZATION))
-    with pytest.raises(TypeError):  # the old keyword form is gone
-        tfdp.make_private(_model(), (IMAGES, LABELS), batch_size=10, num_steps=1, **PRIVACY)
+    # Settings given as keywords: each is named with the group that takes it.
+    with pytest.raises(ValueError, match=r"one config, not as keywords.*batch_size -> "
+                                         r"OptimizationConfig.*epochs -> OptimizationConfig "
+                                         r"\(as num_steps.*l2_clip_norm -> PrivacyConfig.*"
+                                         r"optimizer -> OptimizationConfig \(as optimizer_fn"
+                                         r".*trainable -> PrivateTrainingConfig.*"
+                                         r"verbose -> no setting of make_private"):
+        tfdp.make_private(_model(), (IMAGES, LABELS), batch_size=10, epochs=1, optimizer="sgd",
+                          trainable="all", verbose=1, **PRIVACY)
+    with pytest.raises(ValueError, match=r"config must be a tfdp.PrivateTrainingConfig, got "
+                                         r"NoneType"):
+        tfdp.make_private(_model(), (IMAGES, LABELS))
 
 
 def test_a_gin_binding_that_would_fill_a_field_is_refused():

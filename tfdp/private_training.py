@@ -26,6 +26,7 @@ Reference: Abadi et al. 2016 (DP-SGD); De et al. 2022, App. A.1, Algorithm 1;
 How to DP-fy ML (Ponomareva et al. 2023), Sec. 5.3.3 for the report.
 """
 
+import dataclasses
 import math
 import os
 import tempfile
@@ -166,7 +167,8 @@ class PrivateTraining:
                     overwrite=overwrite)
 
 
-def make_private(model, train_data, config, *, class_weight=None, sample_weight=None):
+def make_private(model, train_data, config=None, *, class_weight=None, sample_weight=None,
+                 **settings):
     """Wraps your Keras classifier for DP-SGD on your data, with a matching sampler.
 
     Args:
@@ -200,6 +202,8 @@ def make_private(model, train_data, config, *, class_weight=None, sample_weight=
         on an example's loss scales its sensitivity beyond l2_clip_norm
         (`tfdp.training.dp_model.refuse_example_weights`). They are named
         here so that passing them is explained, not a TypeError.
+      **settings: refused (ValueError): the settings go in `config`; the
+        message shows where each keyword given belongs.
 
     Returns:
       A `PrivateTraining`: `.fit()`, `.evaluate(test_data)`, `.epsilon()`,
@@ -221,6 +225,7 @@ def make_private(model, train_data, config, *, class_weight=None, sample_weight=
       Abadi et al. 2016, Algorithm 1; De et al. 2022, App. A.1, Algorithm 1.
     """
     refuse_example_weights(class_weight, sample_weight, where="make_private")
+    _refuse_keywords(settings)
     _check_config(config)
     privacy, optimization = config.privacy, config.optimization
     if config.trainable is not None:
@@ -276,6 +281,28 @@ def num_steps_for_epochs(epochs, *, num_examples, batch_size):
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}.")
     return max(1, math.ceil(epochs * int(num_examples) / int(batch_size)))
+
+
+def _refuse_keywords(settings):
+    """Refuses settings given as keywords, saying which config group takes each."""
+    if not settings:
+        return
+    groups = {"PrivacyConfig": configs.PrivacyConfig,
+              "OptimizationConfig": configs.OptimizationConfig,
+              "PrivateTrainingConfig": configs.PrivateTrainingConfig}
+    where = []
+    for name in sorted(settings):
+        owner = next((group for group, cls in groups.items()
+                      if name in {f.name for f in dataclasses.fields(cls)}), None)
+        if name == "optimizer":
+            owner = "OptimizationConfig (as optimizer_fn, a builder)"
+        elif name == "epochs":
+            owner = "OptimizationConfig (as num_steps: tfdp.num_steps_for_epochs)"
+        where.append(f"{name} -> {owner or 'no setting of make_private'}")
+    raise ValueError(
+        "make_private takes its settings in one config, not as keywords: "
+        "make_private(model, train_data, tfdp.PrivateTrainingConfig(privacy=tfdp.PrivacyConfig("
+        "...), optimization=tfdp.OptimizationConfig(...))). Given: " + "; ".join(where) + ".")
 
 
 def _check_config(config):
