@@ -108,7 +108,7 @@ def parse_config(gin_files, gin_params, *, refuse_repeats=False):
             f"Could not parse the gin config: {_unclosed(paths, gin_params)}: {e.args[0]} "
             "(an unclosed '(', '[', '{' or string?).") from None
     except (ValueError, KeyError, SyntaxError, ImportError, OSError) as e:
-        _refuse_old_bindings(paths, gin_params, e)
+        _refuse_moved_setting(e)
         unset = re.findall(r"No bindings specified for '([A-Za-z_][A-Za-z0-9_]*)/gin\.macro'",
                            str(e))
         if unset:
@@ -187,33 +187,27 @@ def _check_params(gin_params, *, refuse_repeats=False):
         seen[name] = param
 
 
-def _refuse_old_bindings(paths, gin_params, error):
-    """Raises ConfigError naming the new home of each old-style setting, if the error is one.
+# gin's refusal of an argument the trainer no longer takes, e.g. an older layout's
+# `tfdp.train_and_evaluate.batch_size` (its "In file ..., line N" lines follow).
+_UNKNOWN_TRAINER_ARGUMENT = re.compile(
+    r"Configurable '(?:[\w.]*\.)?train_and_evaluate' doesn't have a parameter named '(\w+)'\.?")
 
-    Older tfdp versions bound every setting as an argument of the trainer
-    (`tfdp.train_and_evaluate.batch_size`); they now live in config objects
-    (`tfdp.configs.MOVED`), and gin refuses the old name as an unknown
-    parameter. Files and --gin_params are read for old bindings; an included
-    file's is found from gin's message.
+
+def _refuse_moved_setting(error):
+    """Raises ConfigError naming the new home of a setting gin refused on the trainer, if one.
+
+    The settings that were arguments of `tfdp.train_and_evaluate` live in the
+    config objects (`tfdp.configs.MOVED`). Gin refuses the old name as an
+    unknown parameter, naming the file and line (or the --gin_param); this adds
+    where the setting lives now.
     """
     from tfdp import configs  # pylint: disable=g-import-not-at-top
 
-    found = []
-    for path in paths:
-        with open(path, encoding="utf-8") as f:
-            found += [(old, new, path) for old, new in configs.old_bindings(f.read())]
-    for param in gin_params:
-        found += [(old, new, f"--gin_param={param!r}")
-                  for old, new in configs.old_bindings(param)]
-    named = re.findall(r"Configurable '(?:[\w.]*\.)?train_and_evaluate' doesn't have a parameter "
-                       r"named '(\w+)'", str(error))
-    if not found and named and named[0] in configs.MOVED:
-        found = [(f"tfdp.train_and_evaluate.{named[0]}", configs.MOVED[named[0]],
-                  "an included gin file")]
-    if found:
-        where = ", ".join(dict.fromkeys(w for _, _, w in found))
-        raise ConfigError(configs.old_binding_error([(o, n) for o, n, _ in found],
-                                                    where)) from None
+    match = _UNKNOWN_TRAINER_ARGUMENT.search(str(error))
+    if match and match.group(1) in configs.MOVED:
+        where = str(error)[match.end():].strip().replace("In bindings string",
+                                                         "In the --gin_param bindings,")
+        raise ConfigError(configs.moved_setting_error(match.group(1), where)) from None
 
 
 def _unclosed(paths, gin_params):
