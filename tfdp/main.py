@@ -130,17 +130,6 @@ _BINDING = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_.]*(?:/[A-Za-z_][A-Za-z0-9_.]*)
                       re.DOTALL)
 
 
-def _finite(value):
-    """Whether every number in a parsed gin value is finite (containers searched)."""
-    if isinstance(value, float):
-        return math.isfinite(value)
-    if isinstance(value, dict):
-        return all(_finite(v) for v in value.values())
-    if isinstance(value, (list, tuple)):
-        return all(_finite(v) for v in value)
-    return True
-
-
 def _check_params(gin_params, *, refuse_repeats=False):
     """Refuses a --gin_param that is no binding, has no gin value, an inf or NaN, or repeats one.
 
@@ -153,6 +142,8 @@ def _check_params(gin_params, *, refuse_repeats=False):
     import tokenize  # pylint: disable=g-import-not-at-top
 
     import gin  # pylint: disable=g-import-not-at-top
+
+    from tfdp import gin_bindings  # pylint: disable=g-import-not-at-top
 
     seen = {}
     for param in gin_params:
@@ -176,7 +167,7 @@ def _check_params(gin_params, *, refuse_repeats=False):
                 f"--gin_param={param!r}: {text!r} is not a gin value ({e.args[0] if e.args else e}"
                 "). Give a number, True/False/None, a string in quotes, a list, a dict, or "
                 "@a.configurable.") from None
-        if not _finite(value):
+        if not all(math.isfinite(number) for number in gin_bindings.found(value, float)):
             raise ConfigError(
                 f"--gin_param={param!r}: {name} must be a finite number ({text} is read as "
                 f"{value!r}). Give a finite value.")
@@ -262,7 +253,7 @@ def _check_macros_are_used(files_config="", gin_params=()):
 
     Gin accepts any `NAME = value` as a macro, so a typo in a macro name would
     otherwise train with the config's own value, silently. Macros and their
-    uses are read from the parsed config (`gin.config_str`, `gin.parse_value`).
+    uses are read from the parsed config (`gin.config_str`, `tfdp.gin_bindings.parse`).
 
     A macro of the files that a `--gin_param` binding made unused is not a
     typo: `--gin_param=tfdp.OptimizationConfig.num_steps=3` replaces the
@@ -282,18 +273,10 @@ def _check_macros_are_used(files_config="", gin_params=()):
 
     from tfdp import gin_bindings  # pylint: disable=g-import-not-at-top
 
-    defined, used = set(), set()
-    for line in gin.config_str(max_line_length=100_000).splitlines():  # one line a binding
-        if not line or line.startswith("#"):
-            continue
-        key, _, value = line.partition(" = ")
-        if "." not in key:  # `NAME = value` is a macro; bindings are `configurable.param`
-            defined.add(key)
-        for ref in gin_bindings.found(gin.config.parse_value(value),
-                                      gin.config.ConfigurableReference):
-            if ref.selector == "gin.macro":
-                used.add(ref.scoped_selector.rsplit("/", 1)[0])
-    unused = sorted(defined - used)
+    macros, bindings = gin_bindings.parse(gin.config_str(max_line_length=100_000))
+    used = {name for value in [*macros.values(), *bindings.values()]
+            for name in gin_bindings.macro_uses(value)}
+    unused = sorted(set(macros) - used)
     overridden = _overridden_macros(unused, files_config, gin_params)
     conflicts = []
     for name, (value, bindings, set_by_param) in overridden.items():
