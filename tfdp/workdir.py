@@ -326,11 +326,7 @@ def _acquire(workdir):
 
 
 def _lock_file(path, workdir):
-    """Takes `path`'s FileLock without waiting; writes the holder into the file.
-
-    Returns:
-      `(lock, inode)`: the held `filelock.FileLock`, and the inode number of
-      the file it locked.
+    """Takes `path`'s FileLock (0.1 s of retries at most); writes the holder into the file.
 
     `filelock` opens the file without following a link and without
     truncating it (the holder's record stays readable for the refusal), and
@@ -338,6 +334,15 @@ def _lock_file(path, workdir):
     before it unlocks: `locked`). Where the file system has no flock at all,
     it raises instead of falling back to a marker file, which a killed run
     would leave behind.
+
+    Returns:
+      `(lock, inode)`: the held `filelock.FileLock`, and the inode number of
+      the file it locked.
+
+    Raises:
+      WorkdirLockedError: another process holds the file's lock.
+      WorkdirError: `path` is a symbolic link.
+      OSError: the file cannot be opened or written, or has no flock.
     """
     written = []
 
@@ -350,8 +355,11 @@ def _lock_file(path, workdir):
         os.write(fd, json.dumps(holder).encode())
         os.fsync(fd)
 
-    lock = filelock.FileLock(path, timeout=0, fallback_to_soft=False,
-                             on_acquired=write_holder)
+    # thread_local=False: the run may end (release) on another thread than it began. A
+    # tenth of a second of retries: a file its holder deleted and unlocked just as this
+    # process locked it is tried again (at the path's new file), not called in use.
+    lock = filelock.FileLock(path, timeout=0.1, poll_interval=0.02, thread_local=False,
+                             fallback_to_soft=False, on_acquired=write_holder)
     try:
         lock.acquire()
     except filelock.Timeout:  # an OSError: caught first
