@@ -1,11 +1,9 @@
-"""The settings as config objects (`tfdp.configs`): their checks, old bindings, migration."""
+"""The settings as config objects (`tfdp.configs`): their checks, and old bindings refused."""
 
 import ast
 import dataclasses
 import os
 import re
-import subprocess
-import sys
 
 import gin
 import pytest
@@ -22,16 +20,6 @@ def _old_style(text):
     return re.sub(r"^tfdp\.(\w+Config)\.(\w+)(?=\s*=)", lambda m: (
         f"tfdp.train_and_evaluate.{m.group(2)}" if m.group(1) in {
             c.__name__ for c in configs.CONFIGS} else m.group(0)), text, flags=re.MULTILINE)
-
-
-@pytest.mark.parametrize("config", sorted(main.shipped_gin_configs()))
-def test_migrating_an_old_style_config_gives_the_shipped_one(config):
-    text = open(main.shipped_gin_configs()[config]).read()
-    old = _old_style(text)
-    if "Config." in text:
-        assert old != text and configs.old_bindings(old)
-    assert configs.migrate(old) == text
-    assert configs.old_bindings(text) == []
 
 
 def test_every_old_setting_has_one_home():
@@ -57,41 +45,29 @@ def test_an_old_binding_is_refused_naming_its_new_home(tmp_path, where):
     finally:
         gin.clear_config()
     message = str(error.value)
-    assert "tfdp.train_and_evaluate.batch_size is now tfdp.OptimizationConfig.batch_size" in (
-        message), message
-    assert "tools/migrate_config.py" in message and (str(path) if where == "file" else
-                                                       "--gin_param") in message
+    moved = re.search(r"tfdp\.train_and_evaluate\.(\w+) is now (tfdp\.\w+Config)\.(\w+)\.",
+                      message)
+    assert moved and moved.group(1) == moved.group(3), message
+    assert configs.MOVED[moved.group(1)] == f"{moved.group(2)}.{moved.group(1)}"
+    if where == "file":  # gin names the file and line of the first old binding
+        assert f'In file "{path}", line' in message, message
+    else:
+        assert moved.group(1) == "batch_size" and "--gin_param" in message, message
 
 
 def test_an_old_binding_in_an_included_file_is_named(tmp_path):
+    """Gin's location names the included file and the include."""
     (tmp_path / "base.gin").write_text(
         _old_style(open(main.shipped_gin_configs()["fashion_mnist.gin"]).read()))
     (tmp_path / "top.gin").write_text(f"include '{tmp_path / 'base.gin'}'\n")
     gin.clear_config()
     try:
-        with pytest.raises(main.ConfigError, match=r"is now tfdp\.\w+Config\.\w+"):
+        with pytest.raises(main.ConfigError, match=r"is now tfdp\.\w+Config\.\w+") as error:
             main.parse_config([str(tmp_path / "top.gin")], [])
     finally:
         gin.clear_config()
-
-
-# Three processes that start TensorFlow (11 s): under -m slow. The default suite checks the
-# rewrite itself on every shipped config (test_migrating_an_old_style_config_gives_the_shipped_one).
-@pytest.mark.slow
-def test_the_migration_tool_rewrites_a_file_and_the_result_parses(tmp_path):
-    path = tmp_path / "mine.gin"
-    shipped = open(main.shipped_gin_configs()["fashion_mnist_scatternet_linear.gin"]).read()
-    path.write_text(_old_style(shipped))
-    dry = subprocess.run([sys.executable, "tools/migrate_config.py", "--dry_run", str(path)],
-                         cwd=ROOT, capture_output=True, text=True, check=True)
-    assert "tfdp.train_and_evaluate.num_examples -> tfdp.DataConfig.num_examples" in dry.stdout
-    assert path.read_text() == _old_style(shipped)  # a dry run changes nothing
-    subprocess.run([sys.executable, "tools/migrate_config.py", str(path)], cwd=ROOT,
-                   capture_output=True, text=True, check=True)
-    assert path.read_text() == shipped
-    missing = subprocess.run([sys.executable, "tools/migrate_config.py", str(tmp_path / "no.gin")],
-                             cwd=ROOT, capture_output=True, text=True)
-    assert missing.returncode == 1 and missing.stderr.startswith("error: cannot read")
+    assert f'In file "{tmp_path / "base.gin"}"' in str(error.value)
+    assert f'In file "{tmp_path / "top.gin"}"' in str(error.value)
 
 
 def test_an_older_checkpoints_settings_compare_under_their_new_homes():
@@ -183,13 +159,6 @@ def test_no_function_in_the_package_is_over_120_lines():
                         if lines > 120:
                             long.append(f"{os.path.relpath(path, ROOT)}:{node.name} {lines}")
     assert not long, long
-
-
-def test_a_commented_out_old_binding_is_not_named():
-    text = "# tfdp.train_and_evaluate.batch_size = 256\ntfdp.OptimizationConfig.num_steps = 3\n"
-    assert configs.old_bindings(text) == []
-    assert configs.old_bindings("tfdp.train_and_evaluate.num_steps = 3  # was 4") == [
-        ("tfdp.train_and_evaluate.num_steps", "tfdp.OptimizationConfig.num_steps")]
 
 
 @pytest.mark.parametrize("make, match", [

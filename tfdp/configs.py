@@ -24,9 +24,9 @@ that fall on evaluations, data normalization under multi-worker) are in
 stay macros in the configs, defined once; the sampler, DPModel and the
 accountant read them through one `tfdp.accounting.DPMechanism`.
 
-Settings of older tfdp versions were arguments of `tfdp.train_and_evaluate`;
-`MOVED` maps each to its new home, `old_binding_error` says so, and
-`tools/migrate_config.py` rewrites a config file.
+Settings of the first layout were arguments of `tfdp.train_and_evaluate`;
+`MOVED` maps each to its new home: gin refuses such a binding as an unknown
+parameter, and `moved_setting_error` adds where it lives now.
 
 `tfdp.make_private` takes a `PrivateTrainingConfig`: the same `PrivacyConfig`
 and `OptimizationConfig`, built in Python, and refuses the settings only the
@@ -35,7 +35,6 @@ trainer supports (`MAKE_PRIVATE_REFUSES`) instead of dropping them.
 
 import dataclasses
 import inspect
-import re
 from typing import Optional
 
 import gin
@@ -521,38 +520,25 @@ def check_together(config: RunConfig) -> None:
 MOVED = {field.name: f"tfdp.{cls.__name__}.{field.name}"
          for cls in CONFIGS for field in dataclasses.fields(cls)}
 TRAINER = "tfdp.train_and_evaluate"
-_OLD_BINDING = re.compile(r"(?<![\w.])((?:[\w.]*\.)?train_and_evaluate)\.(\w+)(?=\s*=)")
 
 
-def old_bindings(text: str):
-    """`[(old name, new home)]` for each old-style `train_and_evaluate.<setting>` binding in `text`.
+def moved_setting_error(name: str, where: str = "") -> str:
+    """The message for a binding of `name` on the trainer: its new home (`MOVED`), and the fix.
 
-    Comments are skipped (a `#` in a binding's string value cuts the line there too,
-    which can only miss a binding after it on the same line, never invent one).
+    Args:
+      name: the argument gin refused on `tfdp.train_and_evaluate`, e.g. "batch_size".
+      where: gin's location of the binding ("In file ..., line N" and the line).
+
+    Returns:
+      "tfdp.train_and_evaluate.batch_size is now tfdp.OptimizationConfig.batch_size. ...",
+      then `where`.
     """
-    found = []
-    text = "\n".join(line.split("#", 1)[0] for line in text.splitlines())  # not comments
-    for match in _OLD_BINDING.finditer(text):
-        if match.group(2) in MOVED:
-            found.append((f"{match.group(1)}.{match.group(2)}", MOVED[match.group(2)]))
-    return found
-
-
-def old_binding_error(found, where="") -> str:
-    """The message for old bindings (`old_bindings`): each one's new home, and the fix."""
-    moves = "; ".join(f"{old} is now {new}" for old, new in dict(found).items())
-    return (f"Old-style setting(s){' in ' + where if where else ''}: {moves}. The settings of "
-            "tfdp.train_and_evaluate are grouped by concern (tfdp.DataConfig, "
+    return (f"{TRAINER}.{name} is now {MOVED[name]}. The settings of {TRAINER} (all but "
+            "model_fn and privacy) are grouped by concern (tfdp.DataConfig, "
             "tfdp.AugmentationConfig, tfdp.PrivacyConfig, tfdp.OptimizationConfig, "
-            "tfdp.EvaluationConfig, tfdp.RuntimeConfig; docs/configs.md). Rewrite the file "
-            "with `python tools/migrate_config.py FILE`, or rename the bindings by hand; "
-            "macros such as NUM_STEPS are unchanged.")
-
-
-def migrate(text: str) -> str:
-    """`text` with each old-style `train_and_evaluate.<setting>` binding renamed to its new home."""
-    return _OLD_BINDING.sub(
-        lambda m: MOVED[m.group(2)] if m.group(2) in MOVED else m.group(0), text)
+            "tfdp.EvaluationConfig, tfdp.RuntimeConfig; docs/configs.md): rename each "
+            f"{TRAINER}.<setting> binding to its group's; macros such as NUM_STEPS are "
+            "unchanged." + (f"\n{where}" if where else ""))
 
 
 def new_key(key):

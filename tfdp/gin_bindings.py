@@ -85,8 +85,10 @@ def parse(config_text: str) -> Tuple[Dict[str, object], Dict[Tuple[str, str], ob
     for statement in config_parser.ConfigParser(config_text, _Delegate()):
         if not isinstance(statement, config_parser.BindingStatement):
             continue
-        if not statement.arg_name:  # `NAME = value`: a macro
-            macros[statement.selector] = statement.value
+        if not statement.arg_name:  # `NAME = value` (or `scope/NAME = value`): a macro
+            name = f"{statement.scope}/{statement.selector}" if statement.scope else (
+                statement.selector)
+            macros[name] = statement.value
             continue
         selector = canonical_name(statement.selector)
         if statement.scope:

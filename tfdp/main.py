@@ -108,7 +108,7 @@ def parse_config(gin_files, gin_params, *, refuse_repeats=False):
             f"Could not parse the gin config: {_unclosed(paths, gin_params)}: {e.args[0]} "
             "(an unclosed '(', '[', '{' or string?).") from None
     except (ValueError, KeyError, SyntaxError, ImportError, OSError) as e:
-        _refuse_old_bindings(paths, gin_params, e)
+        _refuse_moved_setting(e)
         unset = re.findall(r"No bindings specified for '([A-Za-z_][A-Za-z0-9_]*)/gin\.macro'",
                            str(e))
         if unset:
@@ -130,17 +130,6 @@ _BINDING = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_.]*(?:/[A-Za-z_][A-Za-z0-9_.]*)
                       re.DOTALL)
 
 
-def _finite(value):
-    """Whether every number in a parsed gin value is finite (containers searched)."""
-    if isinstance(value, float):
-        return math.isfinite(value)
-    if isinstance(value, dict):
-        return all(_finite(v) for v in value.values())
-    if isinstance(value, (list, tuple)):
-        return all(_finite(v) for v in value)
-    return True
-
-
 def _check_params(gin_params, *, refuse_repeats=False):
     """Refuses a --gin_param that is no binding, has no gin value, an inf or NaN, or repeats one.
 
@@ -153,6 +142,8 @@ def _check_params(gin_params, *, refuse_repeats=False):
     import tokenize  # pylint: disable=g-import-not-at-top
 
     import gin  # pylint: disable=g-import-not-at-top
+
+    from tfdp import gin_bindings  # pylint: disable=g-import-not-at-top
 
     seen = {}
     for param in gin_params:
@@ -176,7 +167,7 @@ def _check_params(gin_params, *, refuse_repeats=False):
                 f"--gin_param={param!r}: {text!r} is not a gin value ({e.args[0] if e.args else e}"
                 "). Give a number, True/False/None, a string in quotes, a list, a dict, or "
                 "@a.configurable.") from None
-        if not _finite(value):
+        if not all(math.isfinite(number) for number in gin_bindings.found(value, float)):
             raise ConfigError(
                 f"--gin_param={param!r}: {name} must be a finite number ({text} is read as "
                 f"{value!r}). Give a finite value.")
@@ -187,33 +178,27 @@ def _check_params(gin_params, *, refuse_repeats=False):
         seen[name] = param
 
 
-def _refuse_old_bindings(paths, gin_params, error):
-    """Raises ConfigError naming the new home of each old-style setting, if the error is one.
+# gin's refusal of an argument the trainer no longer takes, e.g. an older layout's
+# `tfdp.train_and_evaluate.batch_size` (its "In file ..., line N" lines follow).
+_UNKNOWN_TRAINER_ARGUMENT = re.compile(
+    r"Configurable '(?:[\w.]*\.)?train_and_evaluate' doesn't have a parameter named '(\w+)'\.?")
 
-    Older tfdp versions bound every setting as an argument of the trainer
-    (`tfdp.train_and_evaluate.batch_size`); they now live in config objects
-    (`tfdp.configs.MOVED`), and gin refuses the old name as an unknown
-    parameter. Files and --gin_params are read for old bindings; an included
-    file's is found from gin's message.
+
+def _refuse_moved_setting(error):
+    """Raises ConfigError naming the new home of a setting gin refused on the trainer, if one.
+
+    The settings that were arguments of `tfdp.train_and_evaluate` live in the
+    config objects (`tfdp.configs.MOVED`). Gin refuses the old name as an
+    unknown parameter, naming the file and line (or the --gin_param); this adds
+    where the setting lives now.
     """
     from tfdp import configs  # pylint: disable=g-import-not-at-top
 
-    found = []
-    for path in paths:
-        with open(path, encoding="utf-8") as f:
-            found += [(old, new, path) for old, new in configs.old_bindings(f.read())]
-    for param in gin_params:
-        found += [(old, new, f"--gin_param={param!r}")
-                  for old, new in configs.old_bindings(param)]
-    named = re.findall(r"Configurable '(?:[\w.]*\.)?train_and_evaluate' doesn't have a parameter "
-                       r"named '(\w+)'", str(error))
-    if not found and named and named[0] in configs.MOVED:
-        found = [(f"tfdp.train_and_evaluate.{named[0]}", configs.MOVED[named[0]],
-                  "an included gin file")]
-    if found:
-        where = ", ".join(dict.fromkeys(w for _, _, w in found))
-        raise ConfigError(configs.old_binding_error([(o, n) for o, n, _ in found],
-                                                    where)) from None
+    match = _UNKNOWN_TRAINER_ARGUMENT.search(str(error))
+    if match and match.group(1) in configs.MOVED:
+        where = str(error)[match.end():].strip().replace("In bindings string",
+                                                         "In the --gin_param bindings,")
+        raise ConfigError(configs.moved_setting_error(match.group(1), where)) from None
 
 
 def _unclosed(paths, gin_params):
@@ -268,7 +253,7 @@ def _check_macros_are_used(files_config="", gin_params=()):
 
     Gin accepts any `NAME = value` as a macro, so a typo in a macro name would
     otherwise train with the config's own value, silently. Macros and their
-    uses are read from the parsed config (`gin.config_str`, `gin.parse_value`).
+    uses are read from the parsed config (`gin.config_str`, `tfdp.gin_bindings.parse`).
 
     A macro of the files that a `--gin_param` binding made unused is not a
     typo: `--gin_param=tfdp.OptimizationConfig.num_steps=3` replaces the
@@ -288,18 +273,10 @@ def _check_macros_are_used(files_config="", gin_params=()):
 
     from tfdp import gin_bindings  # pylint: disable=g-import-not-at-top
 
-    defined, used = set(), set()
-    for line in gin.config_str(max_line_length=100_000).splitlines():  # one line a binding
-        if not line or line.startswith("#"):
-            continue
-        key, _, value = line.partition(" = ")
-        if "." not in key:  # `NAME = value` is a macro; bindings are `configurable.param`
-            defined.add(key)
-        for ref in gin_bindings.found(gin.config.parse_value(value),
-                                      gin.config.ConfigurableReference):
-            if ref.selector == "gin.macro":
-                used.add(ref.scoped_selector.rsplit("/", 1)[0])
-    unused = sorted(defined - used)
+    macros, bindings = gin_bindings.parse(gin.config_str(max_line_length=100_000))
+    used = {name for value in [*macros.values(), *bindings.values()]
+            for name in gin_bindings.macro_uses(value)}
+    unused = sorted(set(macros) - used)
     overridden = _overridden_macros(unused, files_config, gin_params)
     conflicts = []
     for name, (value, bindings, set_by_param) in overridden.items():

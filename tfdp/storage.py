@@ -83,7 +83,8 @@ def writes_guarded(url, check):
     has taken the workdir over, `check` raises, and no object under it is
     created, replaced or removed by this process from then on, whichever
     code path writes (an export's upload, a report, a feature cache).
-    Local paths are not guarded here (`tfdp.workdir.check_held`).
+    `check_writable` runs the same check without writing. Local paths are
+    not guarded here (`tfdp.workdir.check_held` checks the folder's identity).
     """
     key = os.fspath(url).rstrip("/")
     _write_guards[key] = check
@@ -93,9 +94,16 @@ def writes_guarded(url, check):
         _write_guards.pop(key, None)
 
 
-def _check_write(path):
-    """Calls the guard of every guarded URL that `path` is, or is under (`writes_guarded`)."""
-    path = os.fspath(path)
+def check_writable(path):
+    """Calls the guard of every guarded URL that `path` is, or is under (`writes_guarded`).
+
+    Every write below a URL calls it; `tfdp.workdir.check_held` calls it for a
+    URL workdir at each step. A no-op for a local path or an unguarded URL.
+
+    Raises:
+      whatever the guard raises (a lost lease: `tfdp.workdir.WorkdirLockedError`).
+    """
+    path = os.fspath(path).rstrip("/")
     if not _write_guards or not is_url(path):
         return
     for prefix, check in list(_write_guards.items()):
@@ -105,7 +113,7 @@ def _check_write(path):
 
 def makedirs(path):
     if is_url(path):
-        _check_write(path)
+        check_writable(path)
         _gfile().makedirs(path)
     else:
         os.makedirs(path, exist_ok=True)
@@ -187,7 +195,7 @@ def write_whole(path, content):
 def _write_with(path, write):
     """`write(f)` into a binary file object that replaces `path` whole (see `write_whole`)."""
     if is_url(path):
-        _check_write(path)
+        check_writable(path)
         if scheme(path) == "ram" and _gfile().exists(path):
             # TensorFlow's ram:// appends to an existing file instead of replacing it
             # (measured with TF 2.21); an object store replaces the object.
@@ -222,7 +230,7 @@ def read_array(path):
 def append_text(path, text):
     """Appends a line (or more) to a text file. On an object store the object is rewritten."""
     if is_url(path):
-        _check_write(path)
+        check_writable(path)
         with _gfile().GFile(path, "a") as f:
             f.write(text)
         return
@@ -233,7 +241,7 @@ def append_text(path, text):
 def copy(source, target):
     """Copies a file (a local one into a URL, or any pair), replacing `target`."""
     if is_url(source) or is_url(target):
-        _check_write(target)
+        check_writable(target)
         if scheme(target) == "ram" and _gfile().exists(target):
             _gfile().remove(target)  # ram:// would append (see write_whole)
         _gfile().copy(source, target, overwrite=True)
@@ -255,7 +263,7 @@ def remove(path):
     if is_url(path):
         import tensorflow as tf  # pylint: disable=g-import-not-at-top
 
-        _check_write(path)
+        check_writable(path)
         with contextlib.suppress(tf.errors.NotFoundError):
             _gfile().remove(path)
         return
@@ -266,7 +274,7 @@ def remove(path):
 def rmtree(path):
     """Removes a folder and everything in it; errors are ignored (best effort)."""
     if is_url(path):
-        _check_write(path)
+        check_writable(path)
         with contextlib.suppress(Exception):  # pylint: disable=broad-except
             _gfile().rmtree(path)
         return
@@ -275,7 +283,7 @@ def rmtree(path):
 
 def remove_any(path):
     """Removes a file or a folder tree, ignoring errors (not a guard's: `writes_guarded`)."""
-    _check_write(path)
+    check_writable(path)
     if isdir(path):
         rmtree(path)
     else:
@@ -285,7 +293,7 @@ def remove_any(path):
 
 def rmdir_if_empty(path):
     """Removes an empty folder (on an object store, its placeholder); else nothing."""
-    _check_write(path)
+    check_writable(path)
     with contextlib.suppress(Exception):  # pylint: disable=broad-except
         if is_url(path):
             if isdir(path) and not listdir(path):
@@ -298,15 +306,6 @@ def rmdir_if_empty(path):
 # latest_checkpoint), so a workdir named `sweep[lr=0.5]` would hold checkpoints it cannot find.
 _GLOB_CHARACTERS = re.compile(r"[\[\]*?{}]")
 _aliases = {}  # absolute path of a folder this process holds -> /proc/self/fd/N naming it
-
-
-def alias_folder(path, folder_fd):
-    """While `folder_fd` is open, `tf_path` names paths in `path` through it (None: forget)."""
-    key = os.path.abspath(os.fspath(path))
-    if folder_fd is None:
-        _aliases.pop(key, None)
-    elif os.path.isdir(f"/proc/self/fd/{folder_fd}"):
-        _aliases[key] = f"/proc/self/fd/{folder_fd}"
 
 
 def has_glob_characters(path):
@@ -325,7 +324,7 @@ def tf_path(path):
     """`path` as TensorFlow's checkpoint code must get it: without glob metacharacters.
 
     A local path holding `[`, `]`, `*`, `?`, `{` or `}` inside a folder this
-    process holds (`alias_folder`: the run's locked workdir) is named through
+    process holds (`folder_aliased`: the run's locked workdir) is named through
     the folder's open descriptor (`/proc/self/fd/N/...`), which is the same
     folder and has none; any other path is returned as it is.
     """
@@ -342,27 +341,35 @@ def tf_path(path):
 
 
 @contextlib.contextmanager
-def folder_aliased(path):
+def folder_aliased(path, folder_fd=None):
     """While the context lasts, `tf_path` names paths in the local folder `path` through it.
 
-    For a folder TensorFlow reads that no lock of this process holds (a
-    backbone's workdir, the chief's workdir on another worker): a local
-    folder whose path holds `[`, `]`, `*`, `?`, `{` or `}` is opened and
-    aliased (`alias_folder`) until the context ends. Any other path, or a
-    folder already aliased, is left as it is.
+    A local folder whose path holds `[`, `]`, `*`, `?`, `{` or `}` is named
+    through an open descriptor of it until the context ends: `folder_fd`
+    (the run's locked workdir, `tfdp.workdir.locked`), or one opened here
+    (a backbone's workdir, the chief's workdir on another worker, a workdir
+    whose folder no lock holds). Any other path, or a folder already
+    aliased, is left as it is.
+
+    Args:
+      path: a local folder, or a URL (left as it is).
+      folder_fd: an open descriptor of the folder, or None to open one; the
+        caller keeps and closes its own.
     """
     path = os.fspath(path)
+    key = os.path.abspath(path)
     if (is_url(path) or not _GLOB_CHARACTERS.search(path) or not os.path.isdir(path)
-            or os.path.abspath(path) in _aliases):
+            or key in _aliases):
         yield
         return
-    folder = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    folder = os.open(path, os.O_RDONLY | os.O_DIRECTORY) if folder_fd is None else folder_fd
     try:
-        alias_folder(path, folder)
+        _aliases[key] = f"/proc/self/fd/{folder}"
         yield
     finally:
-        alias_folder(path, None)
-        os.close(folder)
+        _aliases.pop(key, None)
+        if folder_fd is None:
+            os.close(folder)
 
 
 def checkpoint_reader(prefix):

@@ -47,6 +47,8 @@ import os
 import re
 import socket
 
+import filelock
+
 from tfdp import lease as lease_lib
 from tfdp import storage
 
@@ -74,7 +76,6 @@ class WorkdirLockedError(WorkdirError):
 
 
 _held = {}  # absolute path of a workdir this process holds -> (st_dev, st_ino) of its folder
-_leases = {}  # URL of a workdir this process holds -> (its `tfdp.lease.Lease`, the URL as given)
 
 
 def check_held(workdir):
@@ -98,9 +99,7 @@ def check_held(workdir):
     """
     workdir = os.fspath(workdir)
     if storage.is_url(workdir):
-        lease, given = _leases.get(_lease_key(workdir), (None, None))
-        if lease is not None and lease.lost:
-            raise _lost_lease(given)  # the message of `locked`, word for word
+        storage.check_writable(workdir)  # the lease's guard (`_leased`)
         return
     held = _held.get(os.path.abspath(workdir))
     if held is None:
@@ -159,9 +158,9 @@ def locked(workdir, *, lease_seconds=lease_lib.LEASE_SECONDS,
 
     A local workdir is locked with `fcntl.flock` on the folder (an open file
     description of the directory), so replacing or deleting any file in it
-    does not release the lock, and on the file `.tfdp.lock`, which holds the
-    holder's pid, host and start time, and which network file systems lock
-    across hosts (`_acquire`). The file is deleted when the block ends,
+    does not release the lock, and with a `filelock.FileLock` of the file
+    `.tfdp.lock`, which holds the holder's pid, host and start time, and
+    which network file systems lock across hosts (`_acquire`). The file is deleted when the block ends,
     unless something else replaced it. If the block fails and
     the workdir was created here and holds nothing else, the workdir is
     removed again, so that a refused run leaves nothing behind. On a URL the
@@ -183,7 +182,7 @@ def locked(workdir, *, lease_seconds=lease_lib.LEASE_SECONDS,
     created = not os.path.isdir(workdir)
     try:
         os.makedirs(workdir, exist_ok=True)
-        folder_fd, file_fd = _acquire(workdir)
+        folder_fd, file_lock, file_inode = _acquire(workdir)
     except WorkdirLockedError:
         raise
     except OSError as e:
@@ -195,22 +194,22 @@ def locked(workdir, *, lease_seconds=lease_lib.LEASE_SECONDS,
     mine = os.fstat(folder_fd) if folder_fd is not None else os.stat(workdir)
     key = os.path.abspath(workdir)
     _held[key] = (mine.st_dev, mine.st_ino)
-    storage.alias_folder(workdir, folder_fd)  # TensorFlow's checkpoints: `storage.tf_path`
     try:
-        with storage.folder_aliased(workdir):  # where no folder lock was taken (NFS)
+        # TensorFlow's checkpoints (`storage.tf_path`): through the locked folder's descriptor,
+        # or one of its own where no folder lock was taken (NFS).
+        with storage.folder_aliased(workdir, folder_fd):
             yield workdir
     finally:
-        storage.alias_folder(workdir, None)
         _held.pop(key, None)
         with contextlib.suppress(OSError):
-            if os.stat(path).st_ino == os.fstat(file_fd).st_ino:  # not a file put in its place
+            if os.stat(path).st_ino == file_inode:  # not a file put in its place
                 os.unlink(path)  # while still holding it: see _lock_file
         if created:
             with contextlib.suppress(OSError):
                 if (os.stat(workdir).st_dev, os.stat(workdir).st_ino) == (mine.st_dev,
                                                                           mine.st_ino):
                     os.rmdir(workdir)  # ours, and empty; before unlocking (see _acquire)
-        os.close(file_fd)
+        file_lock.release()
         if folder_fd is not None:
             os.close(folder_fd)
 
@@ -236,11 +235,14 @@ def _leased(workdir, lease_seconds, renew_every_seconds):
         raise WorkdirError(
             f"Cannot write into the workdir {workdir}: {_first_line(e)} "
             f"({type(e).__name__}). Check the URL and your write access to it.") from None
-    key = _lease_key(workdir)
-    _leases[key] = (lease, workdir)
+    def guard():
+        if lease.lost:
+            raise _lost_lease(workdir)  # the message of `locked`, word for word
+
     try:
-        # Every write under the workdir through tfdp.storage checks the lease first.
-        with storage.writes_guarded(workdir, lambda: check_held(workdir)):
+        # Every write under the workdir through tfdp.storage checks the lease first, and so
+        # does `check_held`: one check.
+        with storage.writes_guarded(workdir, guard):
             yield
     except KeyboardInterrupt:
         _release(lease, workdir, created)
@@ -250,8 +252,6 @@ def _leased(workdir, lease_seconds, renew_every_seconds):
     except BaseException:
         _release(lease, workdir, created)
         raise
-    finally:
-        _leases.pop(key, None)
     _release(lease, workdir, created)
     if lease.lost:  # lost after the block's last check: its writes may be mixed with another's
         raise _lost_lease(workdir)
@@ -265,10 +265,6 @@ def _lost_lease(workdir):
         "the last checkpoint.")
 
 
-def _lease_key(url):
-    return os.fspath(url).rstrip("/")
-
-
 def _release(lease, workdir, created):
     """Releases `lease`; removes the workdir if this run created it and it is empty."""
     lease.release()
@@ -277,23 +273,25 @@ def _release(lease, workdir, created):
 
 
 def _acquire(workdir):
-    """Locks the workdir twice: its folder, and the file `.tfdp.lock` (exclusive flocks).
+    """Locks the workdir twice: its folder (an flock), and the file `.tfdp.lock` (a FileLock).
 
     * The folder's lock (an open file description of the directory) holds
       whatever happens to the files in it: an editor that saves `.tfdp.lock`
       again (a new file renamed over it) or an `rm` of it does not release it.
       After locking, the path must still name the locked folder (a run that
       removed the folder it created, or a workdir moved aside, is retried).
-    * The file's lock is the one NFS (and other network file systems) pass to
-      the server, so it holds across hosts: a folder's flock there is local
-      to one machine. It also excludes runs of an older tfdp, which locked
-      only the file.
+      `filelock` cannot take it: it opens a file for writing, never a folder.
+    * The file's lock (`filelock.FileLock`, an flock of `.tfdp.lock`) is the
+      one NFS (and other network file systems) pass to the server, so it
+      holds across hosts: a folder's flock there is local to one machine. It
+      also excludes runs of an older tfdp, which locked only the file.
 
     Both are dropped by the kernel when the process dies, even on SIGKILL.
 
     Returns:
-      `(folder_fd, file_fd)`: folder_fd None where the file system cannot
-      flock a folder.
+      `(folder_fd, file_lock, file_inode)`: folder_fd None where the file
+      system cannot flock a folder; file_lock the held `filelock.FileLock`
+      and the inode number of the file it locked.
 
     Raises:
       WorkdirLockedError: another run holds either lock; the message names
@@ -320,55 +318,60 @@ def _acquire(workdir):
         os.close(folder_fd)  # the folder was removed or replaced meanwhile: lock the new one
         os.makedirs(workdir, exist_ok=True)
     try:
-        file_fd = _lock_file(os.path.join(workdir, LOCK_FILE), workdir)
+        return (folder_fd, *_lock_file(os.path.join(workdir, LOCK_FILE), workdir))
     except BaseException:
         if folder_fd is not None:
             os.close(folder_fd)
         raise
-    return folder_fd, file_fd
 
 
 def _lock_file(path, workdir):
-    """Opens and flocks `path`; writes the holder into it; returns the fd.
+    """Takes `path`'s FileLock (0.1 s of retries at most); writes the holder into the file.
 
-    The holder deletes the lock file before it closes it, so a process that
-    opened the old file and got its lock after the holder closed it sees that
-    the path now names another file (or none) and tries again.
+    `filelock` opens the file without following a link and without
+    truncating it (the holder's record stays readable for the refusal), and
+    takes no lock on a file that was deleted meanwhile (a holder deletes it
+    before it unlocks: `locked`). Where the file system has no flock at all,
+    it raises instead of falling back to a marker file, which a killed run
+    would leave behind.
+
+    Returns:
+      `(lock, inode)`: the held `filelock.FileLock`, and the inode number of
+      the file it locked.
+
+    Raises:
+      WorkdirLockedError: another process holds the file's lock.
+      WorkdirError: `path` is a symbolic link.
+      OSError: the file cannot be opened or written, or has no flock.
     """
-    while True:
-        try:  # never through a link: it would write the holder into another file
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
-        except OSError as e:
-            if e.errno != errno.ELOOP:
-                raise
-            raise WorkdirError(
-                f"{path} is a symbolic link: tfdp writes its lock only into a file of its "
-                "own, never through a link into another file. Remove the link (the file it "
-                "points to is untouched), or use another workdir.") from None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            os.close(fd)
-            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                raise
-            raise _in_use(workdir) from None
-        try:
-            same = os.fstat(fd).st_ino == os.stat(path).st_ino
-        except FileNotFoundError:
-            same = False
-        if same:
-            break
-        os.close(fd)
-    holder = {"pid": os.getpid(), "host": socket.gethostname(),
-              "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds")}
-    try:
+    written = []
+
+    def write_holder(fd):
+        written.append(os.fstat(fd).st_ino)
+        holder = {"pid": os.getpid(), "host": socket.gethostname(),
+                  "started": datetime.datetime.now().astimezone().isoformat(
+                      timespec="seconds")}
         os.ftruncate(fd, 0)
         os.write(fd, json.dumps(holder).encode())
         os.fsync(fd)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
+
+    # thread_local=False: the run may end (release) on another thread than it began. A
+    # tenth of a second of retries: a file its holder deleted and unlocked just as this
+    # process locked it is tried again (at the path's new file), not called in use.
+    lock = filelock.FileLock(path, timeout=0.1, poll_interval=0.02, thread_local=False,
+                             fallback_to_soft=False, on_acquired=write_holder)
+    try:
+        lock.acquire()
+    except filelock.Timeout:  # an OSError: caught first
+        raise _in_use(workdir) from None
+    except OSError as e:
+        if e.errno != errno.ELOOP:
+            raise
+        raise WorkdirError(
+            f"{path} is a symbolic link: tfdp writes its lock only into a file of its "
+            "own, never through a link into another file. Remove the link (the file it "
+            "points to is untouched), or use another workdir.") from None
+    return lock, written[-1]
 
 
 def _in_use(workdir):
