@@ -150,11 +150,11 @@ def conv2d_example_gradients(inputs: tf.Tensor, output_grads: tf.Tensor, *, kern
     (`tf.nn.depthwise_conv2d`; under XLA a convolution with
     `feature_group_count` = batch, as JAX's `vmap` of a kernel gradient
     lowers): no patches, and the multiply-adds of the plain step's kernel
-    gradient (Rochette et al. 2019; the issue's XLA direction). A stride s
-    takes one such convolution per phase of the kernel offsets (at most s^2),
-    each over its input phase `a[r::s, t::s]`. The K views of an example are
-    summed, one view at a time. One pass at the device's precision, like any
-    held vector (`forms._direct_products`).
+    gradient (Rochette et al. 2019). A stride s takes one such convolution
+    per phase of the kernel offsets (at most s^2), each over its input phase
+    `a[r::s, t::s]`. The K views of an example are summed, one view at a
+    time. One pass at the device's precision, like any held vector
+    (`forms._direct_products`).
 
     Args:
       inputs: float32 `[batch * K, height, width, channels]`, padded: the
