@@ -26,6 +26,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 from tfdp.dp import ghost_norms  # noqa: E402
+from tfdp.dp.ghost_norms import forms  # noqa: E402  (the switches)
 
 
 def variants(batch, height, width, channels, filters, kernel=3, stride=1, jit_compile=False):
@@ -37,14 +38,14 @@ def variants(batch, height, width, channels, filters, kernel=3, stride=1, jit_co
 
     def route(grouped):
         def norms():
-            saved = ghost_norms.GROUPED_CONV_GRADIENTS, ghost_norms.RECOMPUTED_GRADIENTS
+            saved = forms.GROUPED_CONV_GRADIENTS, forms.RECOMPUTED_GRADIENTS
             # held on both routes: the routes' kernels, not the recompute, are compared here
-            ghost_norms.GROUPED_CONV_GRADIENTS, ghost_norms.RECOMPUTED_GRADIENTS = grouped, False
+            forms.GROUPED_CONV_GRADIENTS, forms.RECOMPUTED_GRADIENTS = grouped, False
             try:  # read while tracing
                 squares, weighted_sum = ghost_norms.conv2d_kernel_sq_norms(x, g, **geometry)
                 return squares, weighted_sum(tf.ones_like(squares))
             finally:
-                ghost_norms.GROUPED_CONV_GRADIENTS, ghost_norms.RECOMPUTED_GRADIENTS = saved
+                forms.GROUPED_CONV_GRADIENTS, forms.RECOMPUTED_GRADIENTS = saved
         return tf.function(norms, jit_compile=jit_compile)
 
     @tf.function(jit_compile=jit_compile)

@@ -68,7 +68,9 @@ import tensorflow as tf  # noqa: E402
 
 from tfdp import accounting  # noqa: E402
 from tfdp import models  # noqa: E402
-from tfdp.dp import ghost_norms  # noqa: E402
+from tfdp.dp.ghost_norms import conv as conv_norms  # noqa: E402
+from tfdp.dp.ghost_norms import dense as dense_norms  # noqa: E402
+from tfdp.dp.ghost_norms import weight_standardized as ws_norms  # noqa: E402
 from tfdp.training.dp_model import DPModel  # noqa: E402
 
 MODELS = {
@@ -119,7 +121,9 @@ def ablate_kernel_norms():
     """Benchmark-only: every kernel's per-example squared norm becomes 0 (wrong clipping).
 
     The rules' weighted sums are kept; TensorFlow prunes the norm work they do
-    not share.
+    not share. Each rule is replaced on the module that defines it, where the tap rules and
+    the other rules read it (`conv2d_kernel_sq_norms` and `einsum_kernel_sq_norms` call
+    `dense.kernel_sq_norms`).
     """
     def zero_squares(rule):
         def ablated(*args, **kwargs):
@@ -127,8 +131,9 @@ def ablate_kernel_norms():
             return tf.zeros_like(squares), weighted_sum
         return ablated
 
-    for name in ("kernel_sq_norms", "conv2d_kernel_sq_norms", "ws_kernel_sq_norms"):
-        setattr(ghost_norms, name, zero_squares(getattr(ghost_norms, name)))
+    for module, name in ((dense_norms, "kernel_sq_norms"), (conv_norms, "conv2d_kernel_sq_norms"),
+                         (ws_norms, "ws_kernel_sq_norms")):
+        setattr(module, name, zero_squares(getattr(module, name)))
 
 
 def speed(args):

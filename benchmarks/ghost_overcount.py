@@ -1,7 +1,7 @@
 """How much the float32 ghost norms over-count, per example, on ordinary images.
 
 The ghost rules return, per example, an upper bound on the norm of what the
-clipped sum adds for it (`tfdp.dp.ghost_norms`, "Rounding"). This measures by
+clipped sum adds for it (`tfdp.dp.ghost_norms.forms`, "Rounding"). This measures by
 how much that bound exceeds:
   - the vector actually added: `slack_i = norm_i / |v_i| - 1`, where v_i is
     `GhostClipping.clipped_sum`'s sum for a batch whose mask is one-hot on

@@ -36,7 +36,7 @@ cannot run) stops the script with the compiler's message.
         --plan=bf16 --cases=wrn16_4:32,wrn16_4:128,wrn16_4:64:16,nf_resnet50:8@224
 
 Where the DP step recomputes per-example gradients in while loops over
-chunks of the batch (a GPU's or TPU's plan, `ghost_norms._recomputed`),
+chunks of the batch (a GPU's or TPU's plan, `ghost_norms.forms._recomputed`),
 XLA's cost analysis counts a loop's body once, not once per trip (its
 `HandleWhile`), on every backend. `--loops` says how every trip is counted:
 
@@ -85,7 +85,7 @@ patches: its norms and its weighted sum with unit factors) and prints XLA's
 flops per layer beside the plain step's ~3 x 2 B T p d for that kernel and
 the two forms' estimates (Gram ~ B T^2 (p + d), direct ~ B T p d); see
 `layer_table`. `--form=direct|gram|bu` (analysis only, never a training
-setting) replaces `ghost_norms.choose_form` in this process, for the steps or
+setting) replaces `ghost_norms.forms.choose_form` in this process, for the steps or
 the layers: every kernel in the direct form, in the Gram form, or as Bu et
 al. 2022's mixed ghost clipping chooses (direct where 2 T^2 > p d).
 """
@@ -150,18 +150,19 @@ def set_plan(plan):
 def set_form(form):
     """ANALYSIS ONLY (never a training setting): every kernel rule takes `form` ("direct" or
     "gram"), or Bu et al. 2022's mixed ghost clipping's pick ("bu": direct where 2 R^2 > fan_in
-    fan_out, else Gram), instead of `ghost_norms.choose_form`'s ("auto"), in this process."""
-    from tfdp.dp import ghost_norms
+    fan_out, else Gram), instead of `forms.choose_form`'s ("auto"), in this process (set on
+    `tfdp.dp.ghost_norms.forms`, which the kernel rules read it from)."""
+    from tfdp.dp.ghost_norms import forms
     if not hasattr(set_form, "real"):
-        set_form.real = ghost_norms.choose_form
+        set_form.real = forms.choose_form
     if form == "auto":
-        ghost_norms.choose_form = set_form.real
+        forms.choose_form = set_form.real
     elif form == "bu":
-        ghost_norms.choose_form = lambda rows, fan_in, fan_out, *_: (
-            ghost_norms.DIRECT if rows is None or 2 * rows * rows > fan_in * fan_out
-            else ghost_norms.GRAM)
+        forms.choose_form = lambda rows, fan_in, fan_out, *_: (
+            forms.DIRECT if rows is None or 2 * rows * rows > fan_in * fan_out
+            else forms.GRAM)
     else:
-        ghost_norms.choose_form = lambda rows, fan_in, fan_out, *_: form
+        forms.choose_form = lambda rows, fan_in, fan_out, *_: form
 
 
 def batch_of(model_name, batch, res, views=1, seed=0):
@@ -245,7 +246,7 @@ class _StaticLoops:
 
 
 class unrolled_loops:  # pylint: disable=invalid-name
-    """MEASUREMENT ONLY: within it, tfdp's recompute loops over chunks (`ghost_norms._recomputed`)
+    """MEASUREMENT ONLY: within it, tfdp's recompute loops over chunks (`forms._recomputed`)
     are traced unrolled (`_StaticLoops`), so that XLA's cost analysis, which counts a while
     loop's body once whatever its trip count, counts every chunk. The step computes the same
     values in the same order; only the loop is gone. `trips`: the loops unrolled.
@@ -255,11 +256,11 @@ class unrolled_loops:  # pylint: disable=invalid-name
         self._per_trip = per_trip
 
     def __enter__(self):
-        from tfdp.dp import ghost_norms
-        self._module = ghost_norms
-        self._saved = ghost_norms.tf
-        ghost_norms.tf = _StaticLoops(self._saved, self._per_trip)
-        return ghost_norms.tf
+        from tfdp.dp.ghost_norms import forms  # the module whose `_recomputed` loops
+        self._module = forms
+        self._saved = forms.tf
+        forms.tf = _StaticLoops(self._saved, self._per_trip)
+        return forms.tf
 
     def __exit__(self, *exc):
         self._module.tf = self._saved
@@ -313,7 +314,7 @@ def export_case(case, out_dir, plan="tf32", loops="unrolled", normalize_update=F
     import keras
     import tensorflow as tf
     from tfdp import accounting
-    from tfdp.dp import ghost_norms
+    from tfdp.dp.ghost_norms import forms
     from tfdp.training.dp_model import DPModel
     model_name, batch, views, res, name = parse_case(case)
     os.makedirs(out_dir, exist_ok=True)
@@ -342,7 +343,7 @@ def export_case(case, out_dir, plan="tf32", loops="unrolled", normalize_update=F
     def dp_step():
         return tf.function(lambda x, y, m: dp.train_step((x, y, m)), jit_compile=True)
 
-    chunks = ghost_norms.recompute_chunk_count(batch) if ghost_norms.recomputed_gradients() else 1
+    chunks = forms.recompute_chunk_count(batch) if forms.recomputed_gradients() else 1
     extra = {"case": case, "batch": batch, "views": views, "plan": plan}
     metas.append(write_step(out_dir, f"{name}_dp", dp_step(), args,
                             {**extra, "kind": "dp", "clipping_path": dp.clipping_path,
@@ -363,14 +364,14 @@ def export_case(case, out_dir, plan="tf32", loops="unrolled", normalize_update=F
     if chunks > 1 and loops in ("coarse", "all"):
         # XLA's cost analysis counts a while loop's body once (HloCostAnalysis::HandleWhile),
         # whatever its trip count: the same step with coarser chunks gives the loops' work.
-        saved = ghost_norms.RECOMPUTE_CHUNKS
-        ghost_norms.RECOMPUTE_CHUNKS = chunks // 2
+        saved = forms.RECOMPUTE_CHUNKS
+        forms.RECOMPUTE_CHUNKS = chunks // 2
         try:
-            coarse = ghost_norms.recompute_chunk_count(batch)
+            coarse = forms.recompute_chunk_count(batch)
             metas.append(write_step(out_dir, f"{name}_dp_coarse", dp_step(), args,
                                     {**extra, "kind": "dp_coarse", "recompute_chunks": coarse}))
         finally:
-            ghost_norms.RECOMPUTE_CHUNKS = saved
+            forms.RECOMPUTE_CHUNKS = saved
     return metas
 
 
@@ -455,7 +456,7 @@ def export_layers(case, out_dir, plan="tf32", first=None):
     import keras
     import numpy as np
     import tensorflow as tf
-    from tfdp.dp import ghost_norms
+    from tfdp.dp.ghost_norms import forms
     from tfdp.models import ws_conv2d
     model_name, batch, _, res, name = parse_case(case)
     os.makedirs(out_dir, exist_ok=True)
@@ -473,10 +474,10 @@ def export_layers(case, out_dir, plan="tf32", first=None):
         fn = tf.function(_layer_rule(layer, is_conv, ws, batch), jit_compile=True)
         t = math.prod(out_shape[1:-1])
         p, d = math.prod(kernel.shape[:-1]), kernel.shape[-1]
-        form = getattr(set_form, "real", ghost_norms.choose_form)(t, p, d, ws)  # tfdp's own pick
+        form = getattr(set_form, "real", forms.choose_form)(t, p, d, ws)  # tfdp's own pick
         meta = write_step(out_dir, f"{name}_layer{index:02d}", fn, (a, g), {
             "layer": layer.name, "T": t, "p": p, "d": d, "ws": ws, "tfdp_form": form,
-            "rule_form": ghost_norms.choose_form(t, p, d, ws),
+            "rule_form": forms.choose_form(t, p, d, ws),
             "bu_form": "direct" if 2 * t * t > p * d else "gram", "batch": batch})
         metas.append(meta)
     return metas
@@ -629,7 +630,7 @@ def main(argv=None):
                         help="analysis only: force every kernel rule's form (auto: tfdp's choice)")
     parser.add_argument("--held", action="store_true",
                         help="analysis only: hold every direct-form gradient (no recompute; "
-                             "ghost_norms.RECOMPUTED_GRADIENTS = False)")
+                             "ghost_norms.forms.RECOMPUTED_GRADIENTS = False)")
     parser.add_argument("--export_only", action="store_true")
     parser.add_argument("--layers", action="store_true",
                         help="per-kernel ghost-rule cost instead of the steps (analysis)")
@@ -642,8 +643,8 @@ def main(argv=None):
     cases = [c for c in args.cases.split(",") if c]
     set_form(args.form)
     if args.held:
-        from tfdp.dp import ghost_norms
-        ghost_norms.RECOMPUTED_GRADIENTS = False
+        from tfdp.dp.ghost_norms import forms
+        forms.RECOMPUTED_GRADIENTS = False
     print(host.describe_host())
     print(f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; "
           f"{' '.join(shlex.quote(a) for a in [sys.executable, *sys.argv])}")

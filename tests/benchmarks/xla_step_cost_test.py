@@ -35,12 +35,12 @@ def _precision_left_as_found():
     Without this, an xdist worker's later tests traced their steps with the TF32 plan
     (tests/training/device_arithmetic_test.py failed after this file).
     """
-    from tfdp.dp import ghost_norms  # pylint: disable=g-import-not-at-top
     from tfdp.dp import precision  # pylint: disable=g-import-not-at-top
+    from tfdp.dp.ghost_norms import forms  # pylint: disable=g-import-not-at-top
 
-    saved = precision.device_inputs, ghost_norms.choose_form
+    saved = precision.device_inputs, forms.choose_form
     yield
-    precision.device_inputs, ghost_norms.choose_form = saved
+    precision.device_inputs, forms.choose_form = saved
 
 
 @pytest.fixture(scope="module")
@@ -114,11 +114,12 @@ def test_unrolled_loops_trace_the_same_rules_without_their_chunk_loops(monkeypat
     # for bit.
     import tensorflow as tf  # pylint: disable=g-import-not-at-top
     from tfdp.dp import ghost_norms  # pylint: disable=g-import-not-at-top
+    from tfdp.dp.ghost_norms import forms  # pylint: disable=g-import-not-at-top
 
-    monkeypatch.setattr(ghost_norms, "GROUPED_CONV_GRADIENTS", True)
-    monkeypatch.setattr(ghost_norms, "RECOMPUTED_GRADIENTS", True)
-    monkeypatch.setattr(ghost_norms, "choose_form", lambda *_: ghost_norms.DIRECT)
-    monkeypatch.setattr(ghost_norms, "RECOMPUTE_CHUNK_EXAMPLES", 2)
+    monkeypatch.setattr(forms, "GROUPED_CONV_GRADIENTS", True)
+    monkeypatch.setattr(forms, "RECOMPUTED_GRADIENTS", True)
+    monkeypatch.setattr(forms, "choose_form", lambda *_: ghost_norms.DIRECT)
+    monkeypatch.setattr(forms, "RECOMPUTE_CHUNK_EXAMPLES", 2)
     batch, views = 6, 2
     rng = np.random.default_rng(0)
     x = tf.constant(rng.normal(size=(batch * views, 7, 7, 3)).astype(np.float32))
@@ -147,7 +148,7 @@ def test_unrolled_loops_trace_the_same_rules_without_their_chunk_loops(monkeypat
         unrolled = tf.function(rules, jit_compile=True)
         got = unrolled(x, factors)
         assert whiles(unrolled) == 0
-    assert ghost_norms.tf is tf  # put back
+    assert forms.tf is tf  # put back
     # each rule: its squares' loop, and its weighted sum's loop once per row of factors
     assert patched.trips == [3] * (2 * (1 + len(factors)))
     for want, have in zip(tf.nest.flatten(expected), tf.nest.flatten(got)):

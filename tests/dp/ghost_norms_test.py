@@ -8,6 +8,8 @@ import tensorflow as tf
 from hypothesis import given, settings, strategies as st
 
 from tfdp.dp import ghost_norms
+from tfdp.dp.ghost_norms import conv as conv_norms
+from tfdp.dp.ghost_norms import forms
 from tfdp.dp import precision
 
 import os
@@ -18,11 +20,28 @@ def _normal(*shape, scale=1.0):
     return tf.constant(RNG.normal(size=shape) * scale, tf.float32)
 
 
+def _counted(monkeypatch, module, name, calls, replacement=None):
+    """`module.name` replaced by `replacement` (or kept), its calls counted in `calls[name]`."""
+    called = replacement or getattr(module, name)
+    calls[name] = 0
+
+    def counting(*args, **kwargs):
+        calls[name] += 1
+        return called(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, counting)
+
+
 @pytest.fixture(params=[ghost_norms.DIRECT, ghost_norms.GRAM])
 def form(request, monkeypatch):
-    """Runs a test once per kernel form, whatever the shapes would choose."""
-    monkeypatch.setattr(ghost_norms, "choose_form", lambda *_: request.param)
-    return request.param
+    """Runs a test once per kernel form, whatever the shapes would choose.
+
+    Fails if no rule read the form: set on a module the rules do not read, it would not take.
+    """
+    calls = {}
+    _counted(monkeypatch, forms, "choose_form", calls, lambda *_: request.param)
+    yield request.param
+    assert calls["choose_form"], "no kernel rule read the form set on `forms`"
 
 
 CONV_FORMS = ["direct", "direct_grouped", "direct_recomputed", "gram"]
@@ -32,14 +51,27 @@ CONV_FORMS = ["direct", "direct_grouped", "direct_recomputed", "gram"]
 def conv_form(request, monkeypatch):
     """As `form`, for convolutions: the direct form from patches, or from one grouped
     convolution (`conv2d_example_gradients`, a GPU's or a TPU's route), held or recomputed
-    chunk by chunk (`_recomputed`, one example per chunk), or the Gram form."""
+    chunk by chunk (`_recomputed`, one example per chunk), or the Gram form.
+
+    Fails if a rule did not take the route set: where a kernel has a grouped route (it asks
+    `grouped_conv_gradients()`), the grouped and recomputed params build its gradients by
+    grouped convolutions, the recomputed one chunk by chunk, the others neither.
+    """
     form = ghost_norms.GRAM if request.param == "gram" else ghost_norms.DIRECT
-    monkeypatch.setattr(ghost_norms, "choose_form", lambda *_: form)
-    monkeypatch.setattr(ghost_norms, "GROUPED_CONV_GRADIENTS",
-                        request.param in ("direct_grouped", "direct_recomputed"))
-    monkeypatch.setattr(ghost_norms, "RECOMPUTED_GRADIENTS", request.param == "direct_recomputed")
-    monkeypatch.setattr(ghost_norms, "RECOMPUTE_CHUNK_EXAMPLES", 1)
-    return form
+    grouped = request.param in ("direct_grouped", "direct_recomputed")
+    calls = {}
+    _counted(monkeypatch, forms, "choose_form", calls, lambda *_: form)
+    monkeypatch.setattr(forms, "GROUPED_CONV_GRADIENTS", grouped)
+    monkeypatch.setattr(forms, "RECOMPUTED_GRADIENTS", request.param == "direct_recomputed")
+    monkeypatch.setattr(forms, "RECOMPUTE_CHUNK_EXAMPLES", 1)
+    for module, name in ((forms, "grouped_conv_gradients"), (forms, "_recomputed"),
+                         (conv_norms, "conv2d_example_gradients")):
+        _counted(monkeypatch, module, name, calls)
+    yield form
+    assert calls["choose_form"], "no kernel rule read the form set on `forms`"
+    routed = calls["grouped_conv_gradients"] > 0
+    assert bool(calls["conv2d_example_gradients"]) == (grouped and routed), calls
+    assert bool(calls["_recomputed"]) == (request.param == "direct_recomputed" and routed), calls
 
 
 def _per_example(loss_of_example, variable, batch):
@@ -476,9 +508,35 @@ def test_rules_match_their_exact_class_only():
     assert ghost_norms.find_layer_rule(Derived()) is None
 
 
+def test_a_switch_set_on_the_package_raises_and_on_forms_reaches_the_rules(monkeypatch):
+    # The rules read the switches and `choose_form` from `forms`: set on the package they would
+    # reach no rule, so the package refuses them (and every name it re-exports).
+    for name in ("choose_form", "GROUPED_CONV_GRADIENTS", "RECOMPUTED_GRADIENTS",
+                 "RECOMPUTE_CHUNKS", "RECOMPUTE_CHUNK_EXAMPLES", "kernel_sq_norms"):
+        with pytest.raises(AttributeError, match="set it on the module that defines it"):
+            monkeypatch.setattr(ghost_norms, name, None, raising=False)  # undone if it took
+    assert ghost_norms.choose_form is forms.choose_form  # nothing was set
+    a, g = _normal(4, 3, 6), _normal(4, 3, 5)
+    picked = []
+    monkeypatch.setattr(forms, "choose_form", lambda *args: picked.append(args) or forms.GRAM)
+    ghost_norms.kernel_sq_norms(ghost_norms.Rows.of(a), g)
+    ghost_norms.ws_kernel_sq_norms(ghost_norms.Rows.of(a), g, _normal(6, 5), epsilon=1e-4)
+    assert picked == [(3, 6, 5), (3, 6, 5, True)]
+
+
 # -- Rounding: norms never come out too small ------------------------
 
+import contextlib  # noqa: E402
 from unittest import mock  # noqa: E402
+
+
+@contextlib.contextmanager
+def _forced_form(form):
+    """Every kernel rule within takes `form`; fails unless one read it (a patch that took)."""
+    calls = []
+    with mock.patch.object(forms, "choose_form", lambda *_: calls.append(form) or form):
+        yield
+    assert calls, "no kernel rule read the form set on `forms`"
 
 
 def _exact_sq_norms(a, g, num_views, unit=None, scale=None):
@@ -548,7 +606,7 @@ def _assert_never_too_small(squares, exact, terms, weighted_sum, batch, *, held=
 @given(_cancelling_rows())
 def test_kernel_norms_never_come_out_too_small(case):
     a, g, views, form, _ = case
-    with mock.patch.object(ghost_norms, "choose_form", lambda *_: form):
+    with mock.patch.object(forms, "choose_form", lambda *_: form):
         squares, weighted_sum = ghost_norms.kernel_sq_norms(ghost_norms.Rows.of(a), g,
                                                             num_views=views)
     exact, terms = _exact_sq_norms(a, g, views)
@@ -563,7 +621,7 @@ def test_ws_kernel_norms_never_come_out_too_small(case):
     fan_in, fan_out = a.shape[-1], g.shape[-1]
     kernel = tf.Variable(np.random.default_rng(seed).normal(size=(fan_in, fan_out)),
                          dtype=tf.float32)
-    with mock.patch.object(ghost_norms, "choose_form", lambda *_: form):
+    with mock.patch.object(forms, "choose_form", lambda *_: form):
         squares, weighted_sum = ghost_norms.ws_kernel_sq_norms(
             ghost_norms.Rows.of(a), g, kernel, epsilon=1e-4, num_views=views)
     w = kernel.numpy().astype(np.longdouble)
@@ -663,7 +721,7 @@ def _rule_results(a, g, views, form, seed):
     strided = dict(kernel_size=(1, 2), strides=(2, 2), dilation_rate=(1, 1), padding="same")
     conv_kernel = tf.Variable(np.random.default_rng(seed).normal(size=(1, 3, fan_in, fan_out)),
                               dtype=tf.float32)
-    with mock.patch.object(ghost_norms, "choose_form", lambda *_: form):
+    with _forced_form(form):
         yield "kernel", ghost_norms.kernel_sq_norms(ghost_norms.Rows.of(a), g, num_views=views)
         yield "ws", ghost_norms.ws_kernel_sq_norms(ghost_norms.Rows.of(a), g, kernel,
                                                    epsilon=1e-4, num_views=views)
@@ -676,8 +734,8 @@ def _rule_results(a, g, views, form, seed):
         yield "strided conv", ghost_norms.conv2d_kernel_sq_norms(
             images, image_grads[:, :, :-(-a.shape[1] // 2)], **strided, num_views=views)
         if form == ghost_norms.DIRECT:  # the same WS conv, recomputed chunk by chunk
-            with mock.patch.object(ghost_norms, "RECOMPUTED_GRADIENTS", True), \
-                    mock.patch.object(ghost_norms, "RECOMPUTE_CHUNK_EXAMPLES", 1):
+            with mock.patch.object(forms, "RECOMPUTED_GRADIENTS", True), \
+                    mock.patch.object(forms, "RECOMPUTE_CHUNK_EXAMPLES", 1):
                 yield "recomputed ws conv", ghost_norms.ws_kernel_sq_norms(
                     ghost_norms.conv2d_patches(images, **conv), image_grads, conv_kernel,
                     epsilon=1e-4, num_views=views)
@@ -753,7 +811,7 @@ def test_rules_trace_with_a_dynamic_batch(form):
 
     @tf.function(input_signature=[tf.TensorSpec([None, 4, 5]), tf.TensorSpec([None, 4, 6])])
     def rules(x, g):
-        with mock.patch.object(ghost_norms, "choose_form", lambda *_: form):
+        with _forced_form(form):
             plain = ghost_norms.kernel_sq_norms(ghost_norms.Rows.of(x), g)
             ws = ghost_norms.ws_kernel_sq_norms(ghost_norms.Rows.of(x), g, kernel, epsilon=1e-4)
         bias = ghost_norms.broadcast_sq_norms(g, (6,))
@@ -767,16 +825,15 @@ def test_rules_trace_with_a_dynamic_batch(form):
     np.testing.assert_allclose(squares[0].numpy(), eager[0].numpy(), rtol=2e-4)
 
 
-# Under -m slow: the Gram form without XLA (with XLA it skips); the direct routes run by default.
+# Under -m slow: the Gram form without XLA; the direct routes run by default. Not run: the
+# Gram form with XLA (a dynamic batch there: the direct routes; the Gram form's is above), and
+# the recomputed route (a dynamic batch keeps the gradients held: the grouped route here;
+# test_recomputed_where_the_gradient_holds_more_than_what_it_reads).
 @pytest.mark.parametrize("conv_form, jit", [
     pytest.param(form, jit, marks=[pytest.mark.slow] if (form, jit) == ("gram", False) else [])
-    for form in CONV_FORMS for jit in (False, True)], indirect=["conv_form"])
+    for form in CONV_FORMS for jit in (False, True)
+    if form != "direct_recomputed" and (form, jit) != ("gram", True)], indirect=["conv_form"])
 def test_conv_rules_trace_with_a_dynamic_batch(conv_form, jit):
-    if jit and conv_form == ghost_norms.GRAM:
-        pytest.skip("XLA with a dynamic batch: the direct routes (the Gram form's is above)")
-    if ghost_norms.RECOMPUTED_GRADIENTS:
-        pytest.skip("a dynamic batch keeps the gradients held (the grouped route above; "
-                    "test_recomputed_where_the_gradient_holds_more_than_what_it_reads)")
     # The same for convolutions, on each route (the grouped one takes the batch as its
     # channels): a stride-2 conv and a WS conv, against the static batch.
     x, g = _normal(3, 7, 6, 2), _normal(3, 4, 3, 5)
@@ -804,8 +861,10 @@ def test_grouped_route_isolates_non_finite_pixels(monkeypatch, jit):
     # On a GPU's or TPU's plan: an inf that no window reads (odd rows and columns under a
     # 1x1 stride-2 conv) changes nothing; an inf that one is read makes that example's
     # squares inf only, and with its factor 0 the others' sum is unchanged.
-    monkeypatch.setattr(ghost_norms, "GROUPED_CONV_GRADIENTS", True)
-    monkeypatch.setattr(ghost_norms, "choose_form", lambda *_: ghost_norms.DIRECT)
+    monkeypatch.setattr(forms, "GROUPED_CONV_GRADIENTS", True)
+    monkeypatch.setattr(forms, "choose_form", lambda *_: ghost_norms.DIRECT)
+    calls = {}
+    _counted(monkeypatch, conv_norms, "conv2d_example_gradients", calls)
     x, g = _normal(3, 6, 6, 2).numpy(), _normal(3, 3, 3, 4)
     geometry = dict(kernel_size=(1, 1), strides=(2, 2), dilation_rate=(1, 1), padding="valid")
 
@@ -828,6 +887,7 @@ def test_grouped_route_isolates_non_finite_pixels(monkeypatch, jit):
     assert np.isinf(squares[0]) and np.all(np.isfinite(squares[1:]))
     np.testing.assert_array_equal(squares.numpy()[1:], clean_squares.numpy()[1:])
     np.testing.assert_array_equal(summed.numpy(), clean_sum.numpy())
+    assert calls["conv2d_example_gradients"]  # the grouped route ran (the switch took)
 
 
 # -- Per-example conv gradients as one grouped convolution -------------------
@@ -911,13 +971,17 @@ def test_grouped_route_adds_no_more_than_its_norms(case, recompute):
     # `tfdp.dp.precision`, "Range"), on adversarial levels.
     kernel_size, strides, dilation, padding, views, x, g = case
     batch = len(x) // views
-    with mock.patch.object(ghost_norms, "choose_form", lambda *_: ghost_norms.DIRECT), \
-            mock.patch.object(ghost_norms, "GROUPED_CONV_GRADIENTS", True), \
-            mock.patch.object(ghost_norms, "RECOMPUTED_GRADIENTS", recompute), \
-            mock.patch.object(ghost_norms, "RECOMPUTE_CHUNK_EXAMPLES", 1):
+    with mock.patch.object(forms, "choose_form", lambda *_: ghost_norms.DIRECT), \
+            mock.patch.object(forms, "GROUPED_CONV_GRADIENTS", True), \
+            mock.patch.object(forms, "RECOMPUTED_GRADIENTS", recompute), \
+            mock.patch.object(forms, "RECOMPUTE_CHUNK_EXAMPLES", 1), \
+            mock.patch.object(conv_norms, "conv2d_example_gradients",
+                              wraps=conv_norms.conv2d_example_gradients) as grouped, \
+            mock.patch.object(forms, "_recomputed", wraps=forms._recomputed) as recomputed:
         squares, weighted_sum = ghost_norms.conv2d_kernel_sq_norms(
             tf.constant(x), tf.constant(g), kernel_size=kernel_size, strides=strides,
             dilation_rate=dilation, padding=padding, num_views=views)
+    assert grouped.called and recomputed.called == recompute  # the switches took
     squares = squares.numpy().astype(np.float64)
     for i in range(batch):
         added = weighted_sum(tf.one_hot(i, batch, dtype=tf.float32)).numpy().astype(np.float64)
@@ -934,8 +998,8 @@ def test_grouped_route_adds_no_more_than_its_norms(case, recompute):
 def test_recompute_chunks_divide_the_batch_into_at_most_8_chunks_of_8_or_more():
     for batch in range(1, 1100):
         n = ghost_norms.recompute_chunk_count(batch)
-        assert batch % n == 0 and 1 <= n <= ghost_norms.RECOMPUTE_CHUNKS
-        assert n == 1 or batch // n >= ghost_norms.RECOMPUTE_CHUNK_EXAMPLES
+        assert batch % n == 0 and 1 <= n <= forms.RECOMPUTE_CHUNKS
+        assert n == 1 or batch // n >= forms.RECOMPUTE_CHUNK_EXAMPLES
     assert [ghost_norms.recompute_chunk_count(b) for b in (4, 32, 128, 512, 96, 17)] == [
         1, 4, 8, 8, 8, 1]
 
@@ -948,7 +1012,7 @@ def test_recomputed_where_the_gradient_holds_more_than_what_it_reads():
         x = tf.zeros([batch, size, size, channels])
         rows = ghost_norms.conv2d_patches(x, kernel_size=(3, 3), strides=(1, 1),
                                           dilation_rate=(1, 1), padding="same")
-        return ghost_norms._recompute_chunks(rows, tf.zeros([batch, size, size, filters]), 1)
+        return forms._recompute_chunks(rows, tf.zeros([batch, size, size, filters]), 1)
 
     assert chunks(16, 128, 128) == 0  # float32 plan: patches, held
     with precision.emulate(precision.TF32):
@@ -961,7 +1025,7 @@ def test_recomputed_where_the_gradient_holds_more_than_what_it_reads():
         def dynamic(x):
             rows = ghost_norms.conv2d_patches(x, kernel_size=(3, 3), strides=(1, 1),
                                               dilation_rate=(1, 1), padding="same")
-            return tf.constant(ghost_norms._recompute_chunks(rows, x, 1))
+            return tf.constant(forms._recompute_chunks(rows, x, 1))
 
         assert int(dynamic(tf.zeros([4, 8, 8, 256]))) == 0
 
@@ -1020,10 +1084,10 @@ def test_a_recompute_that_differs_adds_no_more_than_the_first_norm(case, scales,
         return h * scales[chunk % 3] + tf.reduce_max(tf.abs(h)) * 1e-3 * noise
 
     lying = dataclasses.replace(rows, gradients=changed)
-    with mock.patch.object(ghost_norms, "choose_form", lambda *_: ghost_norms.DIRECT), \
-            mock.patch.object(ghost_norms, "GROUPED_CONV_GRADIENTS", True), \
-            mock.patch.object(ghost_norms, "RECOMPUTED_GRADIENTS", True), \
-            mock.patch.object(ghost_norms, "RECOMPUTE_CHUNK_EXAMPLES", 1):
+    with mock.patch.object(forms, "choose_form", lambda *_: ghost_norms.DIRECT), \
+            mock.patch.object(forms, "GROUPED_CONV_GRADIENTS", True), \
+            mock.patch.object(forms, "RECOMPUTED_GRADIENTS", True), \
+            mock.patch.object(forms, "RECOMPUTE_CHUNK_EXAMPLES", 1):
         squares, weighted_sum = ghost_norms.kernel_sq_norms(lying, tf.constant(g),
                                                             num_views=views)
         squares = squares.numpy().astype(np.float64)
@@ -1035,6 +1099,7 @@ def test_a_recompute_that_differs_adds_no_more_than_the_first_norm(case, scales,
             bound = np.float64(np.float32(0.7)) * max(np.sqrt(squares[i]), precision.NORM_FLOOR)
             assert np.sqrt(np.sum(added ** 2)) <= bound, (i, scales)
         assert np.all(np.isfinite(weighted_sum(tf.where(np.isfinite(squares), 0.5, 0.0))))
+    assert len(calls) > batch  # built again for the weighted sums: the recompute took
 
 
 @pytest.mark.parametrize("jit", [pytest.param(False, marks=pytest.mark.slow), True])
@@ -1043,9 +1108,9 @@ def test_recomputed_chunks_of_several_examples_are_the_held_vectors(monkeypatch,
     # conv, eagerly and under XLA: the recomputed route gives the held route's squares and,
     # at one-hot factors, its vectors, each within its norm; an inf pixel read by example 2
     # makes its squares inf and leaves the others' squares and (factor 0 for it) the sum.
-    monkeypatch.setattr(ghost_norms, "GROUPED_CONV_GRADIENTS", True)
-    monkeypatch.setattr(ghost_norms, "choose_form", lambda *_: ghost_norms.DIRECT)
-    monkeypatch.setattr(ghost_norms, "RECOMPUTE_CHUNK_EXAMPLES", 2)
+    monkeypatch.setattr(forms, "GROUPED_CONV_GRADIENTS", True)
+    monkeypatch.setattr(forms, "choose_form", lambda *_: ghost_norms.DIRECT)
+    monkeypatch.setattr(forms, "RECOMPUTE_CHUNK_EXAMPLES", 2)
     batch, views = 6, 2
     x, g = _normal(batch * views, 7, 7, 3).numpy(), _normal(batch * views, 4, 4, 5)
     kernel = tf.Variable(_normal(3, 3, 3, 5))
@@ -1055,7 +1120,7 @@ def test_recomputed_chunks_of_several_examples_are_the_held_vectors(monkeypatch,
     def rules(recompute):
         @tf.function(jit_compile=jit)
         def run(x, factors):
-            with mock.patch.object(ghost_norms, "RECOMPUTED_GRADIENTS", recompute):
+            with mock.patch.object(forms, "RECOMPUTED_GRADIENTS", recompute):
                 assert ghost_norms.recompute_chunk_count(batch) == 3
                 plain = ghost_norms.conv2d_kernel_sq_norms(x, g, num_views=views, **geometry)
                 ws = ghost_norms.ws_kernel_sq_norms(ghost_norms.conv2d_patches(x, **geometry),

@@ -10,7 +10,7 @@ With the clip factors known, each layer's share of the clipped sum is
 and output gradients as the norm ("book-keeping", Bu et al. 2022, Sec. 3.2):
 from the per-example gradients it held, or from the same rows as its norm. So
 the backward pass through the network runs only once, and every norm bounds
-the vector actually added for its example (`tfdp.dp.ghost_norms`, "Rounding":
+the vector actually added for its example (`tfdp.dp.ghost_norms.forms`, "Rounding":
 float32 norms that never come out too small at the device's matmul precision).
 
 How the activations and output gradients are captured. The wrapped Keras
@@ -78,7 +78,7 @@ class Site:
       norms: `(inputs, output, output_grad, num_views) -> (squares, weighted_sum)`:
         the per-example squared gradient norm of `variables`, float32
         `[batch]`, an upper bound on the squared norm of what `weighted_sum` adds
-        per unit factor (`tfdp.dp.ghost_norms`, "Rounding"), and
+        per unit factor (`tfdp.dp.ghost_norms.forms`, "Rounding"), and
         `weighted_sum(factors) -> [sum_i factors[i] * gradient_i]` (float32,
         aligned with `variables`).
       num_inputs: how many input tensors `forward` takes.
@@ -480,7 +480,7 @@ class GhostClipping:
                 sites.append((site, inputs, None))
                 computed.append(result)
         # Every rule's squares bound the squared norm of what its weighted sum adds for the
-        # example, per unit factor, in float32 (tfdp.dp.ghost_norms, "Rounding"). Their sum
+        # example, per unit factor, in float32 (tfdp.dp.ghost_norms.forms, "Rounding"). Their sum
         # and root are rounded up here, so that factor * (vector added) <= C (1 + u) for
         # factor = fl(C / norm): the contribution is at most C (1 + 1e-6) on every device.
         squares = [tf.maximum(sq, 0.0) for sq, _ in computed]

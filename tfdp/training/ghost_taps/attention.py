@@ -1,4 +1,8 @@
-"""Tap rule of MultiHeadAttention: its `call` replayed with every sub-layer tapped."""
+"""Tap rule of MultiHeadAttention: its `call` replayed with every sub-layer tapped.
+
+Norms: none of its own; its four projections are EinsumDense layers, whose tap
+(`ghost_taps.dense`) takes `tfdp.dp.ghost_norms.dense`'s.
+"""
 
 import keras
 from keras import ops

@@ -1,6 +1,10 @@
-"""Tap rules of blocks: ConvNeXt's LayerScale, and NFResBlock replayed with its convolutions tapped."""
+"""Tap rules of blocks: ConvNeXt's LayerScale, and NFResBlock replayed with its convolutions tapped.
 
-from tfdp.dp import ghost_norms
+Norms: `tfdp.dp.ghost_norms.broadcast` (`broadcast_sq_norms`: LayerScale's gamma, the skip
+gain); the block's convolutions are the `conv` taps'.
+"""
+
+from tfdp.dp.ghost_norms import broadcast as broadcast_norms
 from tfdp.models.nf_res_block import NFResBlock, scaled_relu
 from tfdp.training.ghost_taps.registry import register, require
 
@@ -25,7 +29,7 @@ def _layer_scale(layer, inputs, recorder):
              "LayerScale whose variables are not one gamma over the last axis")
     return recorder.site(
         layer, [layer.gamma], [inputs], lambda x: x * layer.gamma,
-        lambda ins, out, g, k: ghost_norms.broadcast_sq_norms(
+        lambda ins, out, g, k: broadcast_norms.broadcast_sq_norms(
             g, layer.gamma.shape, inputs=ins[0], num_views=k))
 
 
@@ -46,5 +50,6 @@ def _nf_res_block(block, inputs, recorder):
     out = recorder.call(block.conv2, scaled_relu(out))
     branch = recorder.site(
         block, [block.skip_gain], [out * block.alpha], lambda r: r * block.skip_gain,
-        lambda ins, out, g, k: ghost_norms.broadcast_sq_norms(g, (), inputs=ins[0], num_views=k))
+        lambda ins, out, g, k: broadcast_norms.broadcast_sq_norms(
+            g, (), inputs=ins[0], num_views=k))
     return shortcut + branch

@@ -1,9 +1,12 @@
-"""Tap rule of Embedding (norms: `ghost_norms.embedding_sq_norms`)."""
+"""Tap rule of Embedding.
+
+Norms: `tfdp.dp.ghost_norms.embedding` (`embedding_sq_norms`).
+"""
 
 import keras
 from keras import ops
 
-from tfdp.dp import ghost_norms
+from tfdp.dp.ghost_norms import embedding as embedding_norms
 from tfdp.training.ghost_taps.registry import register, require
 
 
@@ -16,5 +19,5 @@ def _embedding(layer, inputs, recorder):
     table = layer.embeddings
     return recorder.site(
         layer, [table], [inputs], lambda ids: ops.take(table, ops.cast(ids, "int32"), axis=0),
-        lambda ins, out, g, k: ghost_norms.embedding_sq_norms(ins[0], g, layer.input_dim,
-                                                             num_views=k))
+        lambda ins, out, g, k: embedding_norms.embedding_sq_norms(ins[0], g, layer.input_dim,
+                                                                 num_views=k))

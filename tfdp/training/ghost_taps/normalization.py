@@ -1,10 +1,13 @@
-"""Tap rules of normalizations with a scale and offset: GroupNormalization, LayerNormalization."""
+"""Tap rules of normalizations with a scale and offset: GroupNormalization, LayerNormalization.
+
+Norms: `tfdp.dp.ghost_norms.broadcast` (`broadcast_sq_norms`: the scale and the offset).
+"""
 
 import keras
 from keras import ops
 import tensorflow as tf
 
-from tfdp.dp import ghost_norms
+from tfdp.dp.ghost_norms import broadcast as broadcast_norms
 from tfdp.training.ghost_taps.registry import register, require
 
 
@@ -20,10 +23,10 @@ def normalization_site(layer, inputs, recorder, normalize, gamma, beta):
     def norms(ins, out, g, k):
         parts = []
         if gamma is not None:
-            parts.append(ghost_norms.broadcast_sq_norms(g, gamma.shape, inputs=normalize(ins[0]),
-                                                        num_views=k))
+            parts.append(broadcast_norms.broadcast_sq_norms(
+                g, gamma.shape, inputs=normalize(ins[0]), num_views=k))
         if beta is not None:
-            parts.append(ghost_norms.broadcast_sq_norms(g, beta.shape, num_views=k))
+            parts.append(broadcast_norms.broadcast_sq_norms(g, beta.shape, num_views=k))
         return (tf.add_n([squares for squares, _ in parts]),
                 lambda factors: [weighted_sum(factors) for _, weighted_sum in parts])
 
