@@ -70,6 +70,7 @@ import tensorflow as tf
 
 from tfdp.dp import clipping
 from tfdp.dp import compiler_checks
+from tfdp.dp import device_arithmetic
 from tfdp.dp import precision
 
 DIRECT = "direct"
@@ -147,7 +148,7 @@ def choose_form(rows: Optional[int], fan_in: int, fan_out: int,
     """`GRAM` where it holds less per example and costs at most 4x the direct form's extra work.
 
     Per example, with R rows, F = fan_in, O = fan_out and P the passes of an
-    exact product on the planned device (6 where `precision.splits()`: a GPU's
+    exact product on the planned device (6 where `device_arithmetic.splits()`: a GPU's
     TF32 or a TPU's bf16 matmuls; else 1):
 
     | form   | held until the clip factors are known | work beyond the plain step's kernel gradient |
@@ -176,7 +177,7 @@ def choose_form(rows: Optional[int], fan_in: int, fan_out: int,
     """
     if rows is None:
         return DIRECT
-    passes = 6 if precision.splits() else 1
+    passes = 6 if device_arithmetic.splits() else 1
     kernel = rows * fan_in * fan_out
     held_direct, held_gram = fan_in * fan_out, rows * (fan_in + fan_out)
     extra_direct = 2 * fan_in * fan_out
@@ -381,7 +382,7 @@ def _summer(blocks, squares, finish=None):
 
     def weighted_sum(factors):
         factors = tf.cast(factors, blocks[0].dtype)
-        if precision.splits():
+        if device_arithmetic.splits():
             # Elementwise products either way there (`precision.weighted_sum`): one
             # multiply_no_nan pass, no cond, whose two branches XLA computes both (a select:
             # 2.1 of WRN-16-4's 7.8 GB at B = 32).
@@ -969,7 +970,7 @@ GROUPED_CONV_GRADIENTS: Optional[bool] = None
 def grouped_conv_gradients() -> bool:
     """Whether direct-form conv kernels use `conv2d_example_gradients` (read at trace time).
 
-    `GROUPED_CONV_GRADIENTS` if set, else `precision.splits()`: on a GPU or a
+    `GROUPED_CONV_GRADIENTS` if set, else `device_arithmetic.splits()`: on a GPU or a
     TPU (whose matmuls round their inputs), where a grouped convolution is the
     device's own kernel and patches cost memory and bandwidth; not on a CPU,
     where TensorFlow's and XLA's grouped convolutions are 1.3-24x slower than
@@ -977,7 +978,7 @@ def grouped_conv_gradients() -> bool:
     """
     if GROUPED_CONV_GRADIENTS is not None:
         return GROUPED_CONV_GRADIENTS
-    return precision.splits()
+    return device_arithmetic.splits()
 
 
 def conv2d_example_gradients(inputs: tf.Tensor, output_grads: tf.Tensor, *, kernel_size,
@@ -1027,12 +1028,14 @@ def conv2d_example_gradients(inputs: tf.Tensor, output_grads: tf.Tensor, *, kern
     for view in range(num_views):
         a = inputs[view::num_views] if num_views > 1 else inputs
         g = output_grads[view::num_views] if num_views > 1 else output_grads
-        kernel = precision.device_rounded(tf.transpose(g, [1, 2, 0, 3]))  # [oh, ow, batch, O]
+        # [oh, ow, batch, O]
+        kernel = device_arithmetic.device_rounded(tf.transpose(g, [1, 2, 0, 3]))
         out = {}
         for r in phases_h:
             for t in phases_w:
                 phase = a[:, r::s, t::s] if s > 1 else a
-                lhs = precision.device_rounded(tf.transpose(phase, [3, 1, 2, 0]))  # [C, H, W, n]
+                # [C, H, W, n]
+                lhs = device_arithmetic.device_rounded(tf.transpose(phase, [3, 1, 2, 0]))
                 # Offset (y, x) reads input (p s + y d): the input strided by d.
                 out[r, t] = tf.nn.depthwise_conv2d(lhs, kernel, strides=[1, dh, dh, 1],
                                                    padding="VALID")  # [C, ka_r, kb_t, n O]
