@@ -49,7 +49,7 @@ def train_and_evaluate(workdir, *, model_fn=gin.REQUIRED, privacy="dp", audit=No
     until every setting has been checked, the plan made, the data loaded and
     any checkpoint in the workdir checked against this run's plan. Stages:
     `_start` (strategy, determinism), `mode.plan`, `_open_data`, `Run.open`
-    (lock, resume or refuse), `_build` (features, model, ledger),
+    (lock, resume or refuse), `_build` (features, model, checkpoint record),
     `Run.restore`, `_fit`, `_finish` (report, SavedModel, then FINISHED).
 
     Args:
@@ -104,7 +104,7 @@ def train_and_evaluate(workdir, *, model_fn=gin.REQUIRED, privacy="dp", audit=No
         if releases_first:
             mode.start(plan, workdir=run.workdir, chief=run.chief, resuming=resuming)
         built = _build(config, mode, plan, run, strategy, model_fn, train, test, fingerprints)
-        manager, start_step = run.restore(built.dp_model, built.ledger)
+        manager, start_step = run.restore(built.dp_model, built.checkpoint_record)
         if not releases_first:
             mode.start(plan, workdir=run.workdir, chief=run.chief, resuming=resuming)
         if run.chief and built.features.unsaved is not None:  # checkpoint 0 exists now
@@ -134,12 +134,12 @@ def _open_data(config, mode):
 
 
 def _build(config, mode, plan, run, strategy, model_fn, train, test, fingerprints):
-    """Features (frozen public extractors), the model and its DP (or plain) step, the ledger.
+    """Features (frozen public extractors), the model and its DP (or plain) step, its record.
 
     Returns a namespace: `train`, `test` (the sources the model reads: pixels,
     or cached features), `extractor` and `features` (`tfdp.features.Features`,
     whose `unsaved` features the chief caches once checkpoint 0 exists),
-    `dp_model`, `ledger`, `backbone` (provenance or None),
+    `dp_model`, `checkpoint_record`, `backbone` (provenance or None),
     `image_shape` (of the pixels), `test_examples` (each evaluation's) and
     `export_model` (takes images).
     """
@@ -163,10 +163,11 @@ def _build(config, mode, plan, run, strategy, model_fn, train, test, fingerprint
         dp_model = mode.build_model(model, plan, config.optimization)
         dp_model.compile(optimizer=config.optimization.optimizer_fn(),
                          jit_compile=config.runtime.jit_compile)
-    ledger = mode.make_ledger(plan, strategy=strategy, config_text=gin.config_str(),
-                              data=json.dumps(fingerprints, sort_keys=True),
-                              seed=config.runtime.seed)
-    return types.SimpleNamespace(train=train, test=test, dp_model=dp_model, ledger=ledger, backbone=backbone,
+    checkpoint_record = mode.make_checkpoint_record(
+        plan, strategy=strategy, config_text=gin.config_str(),
+        data=json.dumps(fingerprints, sort_keys=True), seed=config.runtime.seed)
+    return types.SimpleNamespace(train=train, test=test, dp_model=dp_model,
+                                 checkpoint_record=checkpoint_record, backbone=backbone,
                                  extractor=extractor, features=features,
                                  image_shape=image_shape, test_examples=test_examples,
                                  export_model=extractor.compose(model) if extractor else model)
@@ -178,7 +179,8 @@ def _fit(config, mode, plan, run, strategy, built, manager, start_step):
     augment_fn = aug.augment_fn()
     accumulation_steps = config.optimization.accumulation_steps
     train_ds = distribute.distribute_chunks(strategy, inputs.train_dataset(
-        built.train, plan, seed=int(built.ledger.sampling_seed.numpy()), start_step=start_step,
+        built.train, plan, seed=int(built.checkpoint_record.sampling_seed.numpy()),
+        start_step=start_step,
         augment_fn=augment_fn, augment_seed=[runtime.seed, 1], augmult=aug.augmult,
         static_batch_size=plan.truncation and plan.truncation.static_batch_size,
         num_replicas=strategy.num_replicas_in_sync, accumulation_steps=accumulation_steps,
@@ -188,7 +190,8 @@ def _fit(config, mode, plan, run, strategy, built, manager, start_step):
     try:
         fit_lib.fit(
             built.dp_model, plan, step_callback=mode.step_callback(plan),
-            metrics_fields=mode.metrics_fields(), manager=manager, ledger=built.ledger,
+            metrics_fields=mode.metrics_fields(), manager=manager,
+            checkpoint_record=built.checkpoint_record,
             train_ds=train_ds, eval_ds=eval_ds, out_dir=run.out_dir, start_step=start_step,
             checkpoint_every_steps=config.checkpoint_every_steps,
             eval_every_steps=evaluation.eval_every_steps,
@@ -229,7 +232,8 @@ def _finish(config, mode, plan, run, built):
         raise RuntimeError(
             f"Training stopped at step {steps_done}, not the planned {plan.num_steps}; "
             "no privacy report or export was written.")
-    report = mode.report(plan, config=config, dp_model=built.dp_model, ledger=built.ledger,
+    report = mode.report(plan, config=config, dp_model=built.dp_model,
+                         checkpoint_record=built.checkpoint_record,
                          steps_done=steps_done, workdir=run.workdir, chief=run.chief)
     if built.backbone is not None:  # outside this run's guarantee: the report says whence
         report["backbone"] = built.backbone

@@ -1,13 +1,15 @@
 """Privacy accounting for DP-SGD: the run's mechanism, epsilon, calibration, TAN, ledger.
 
 `DPMechanism` holds every privacy fact of a run and builds its one DP event;
-the trainer, the checkpoint, the study ledger and the report all read it.
+the trainer, the checkpoint's privacy record (`checkpoint_record`), the study
+ledger (`ledger`) and the report all read it.
 
 Pure Python over `dp_accounting`; nothing in this package imports TensorFlow,
 so epsilon can be computed (e.g. by `tools/privacy.py`) without it.
 """
 
 from tfdp.accounting import calibration
+from tfdp.accounting import checkpoint_record
 from tfdp.accounting import ledger
 from tfdp.accounting import mechanism
 from tfdp.accounting import tan
@@ -57,6 +59,7 @@ __all__ = [
     "calibrate_noise_multiplier",
     "calibrate_num_steps",
     "calibration",
+    "checkpoint_record",
     "compute_epsilon",
     "dp_sgd_event",
     "epsilon_of_event",

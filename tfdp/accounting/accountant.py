@@ -99,8 +99,8 @@ PLD_MIN_NOISE_MULTIPLIER = 0.05
 PLD_MAX_COST = 5e7
 
 # epsilon_of_event's results, keyed by (accountant, delta, `_exact_key(event)`): the
-# accountants are deterministic, and a run's report, its ledger and its checks ask for the
-# same epsilon several times (about 0.2 s each for RDP).
+# accountants are deterministic, and a run's report, its checkpoint record and its checks ask
+# for the same epsilon several times (about 0.2 s each for RDP).
 _EPSILONS = {}
 _MAX_CACHED = 4096
 
