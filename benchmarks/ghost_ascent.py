@@ -25,7 +25,7 @@ rules).
         [--emulate=bf16|tf32 [--unhandled]]
 
 `--emulate` rounds the inputs of every matmul of the ghost-norm rules as a TPU
-(one bf16 pass) or an Ampere GPU (TF32) would (`tfdp.dp.precision.emulate`);
+(one bf16 pass) or an Ampere GPU (TF32) would (`tfdp.dp.device_arithmetic.emulate`);
 `--unhandled` keeps the rules planning for float32 products there, the
 float32 rules without their precision handling.
 
@@ -44,7 +44,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfdp import models
-from tfdp.dp import precision
+from tfdp.dp import device_arithmetic
 from tfdp.training import ghost_clipping
 
 sys.path.insert(0, ".")
@@ -180,8 +180,8 @@ def main():
     args = parser.parse_args()
     print(host_line(), flush=True)
     if args.emulate != "none":
-        device = {"bf16": precision.BF16, "tf32": precision.TF32}[args.emulate]
-        emulation = precision.emulate(device, handled=not args.unhandled)
+        device = {"bf16": device_arithmetic.BF16, "tf32": device_arithmetic.TF32}[args.emulate]
+        emulation = device_arithmetic.emulate(device, handled=not args.unhandled)
         emulation.__enter__()  # kept in `emulation`: a dropped context manager exits
         print(f"emulated matmul inputs: {device.name}, rules "
               f"{'NOT told (float32 plan)' if args.unhandled else 'told (split products)'}",

@@ -39,7 +39,7 @@ import tensorflow as tf  # noqa: E402
 
 from tfdp import models  # noqa: E402
 from tfdp.data import synthetic_imagenet  # noqa: E402
-from tfdp.dp import precision  # noqa: E402
+from tfdp.dp import device_arithmetic  # noqa: E402
 from tfdp.training import ghost_clipping  # noqa: E402
 
 sys.path.insert(0, ".")
@@ -114,11 +114,11 @@ def main():
     args = parser.parse_args()
     print(host.describe_host())
     if args.emulate != "none":
-        device = {"bf16": precision.BF16, "tf32": precision.TF32}[args.emulate]
-        emulation = precision.emulate(device)  # kept: a dropped context manager exits
+        device = {"bf16": device_arithmetic.BF16, "tf32": device_arithmetic.TF32}[args.emulate]
+        emulation = device_arithmetic.emulate(device)  # kept: a dropped context manager exits
         emulation.__enter__()
-    print(f"rules' matmul inputs: {precision.device_inputs().name} "
-          f"(products split: {precision.splits()}); {args.examples} examples per model")
+    print(f"rules' matmul inputs: {device_arithmetic.device_inputs().name} "
+          f"(products split: {device_arithmetic.splits()}); {args.examples} examples per model")
     print("| model | quantity | median | 90th pct | 99th pct | min | max |")
     print("|---|---|---|---|---|---|---|")
     for name in args.models.split(","):

@@ -135,16 +135,16 @@ def build_model(model_name, res):
 
 
 def set_plan(plan):
-    """The device the ghost rules plan for (`precision.device_inputs`): tf32, bf16 or host."""
-    from tfdp.dp import precision
+    """The device the ghost rules plan for (`device_arithmetic.device_inputs`): tf32, bf16, host."""
+    from tfdp.dp import device_arithmetic
     if not hasattr(set_plan, "real"):
-        set_plan.real = precision.device_inputs
+        set_plan.real = device_arithmetic.device_inputs
     if plan == "tf32":
-        precision.device_inputs = lambda: precision.TF32
+        device_arithmetic.device_inputs = lambda: device_arithmetic.TF32
     elif plan == "bf16":
-        precision.device_inputs = lambda: precision.BF16
+        device_arithmetic.device_inputs = lambda: device_arithmetic.BF16
     else:
-        precision.device_inputs = set_plan.real
+        device_arithmetic.device_inputs = set_plan.real
 
 
 def set_form(form):

@@ -63,7 +63,7 @@ def test_non_private_run_trains_and_exports_not_private(non_private_run):
     assert records[-1]["step"] == 2 and "test_accuracy" in records[-1]
     loaded = tf.saved_model.load(str(workdir / "export"))
     assert loaded.serve(tf.zeros([3, 28, 28, 1], tf.uint8))["logits"].shape == (3, 10)
-    # The checkpoint holds no privacy ledger, and its mark says so.
+    # The checkpoint holds no private record (no mechanism), and its mark says so.
     reader = tf.train.load_checkpoint(tf.train.latest_checkpoint(str(workdir / "checkpoints")))
     assert reader.get_tensor("ledger/privacy/.ATTRIBUTES/VARIABLE_VALUE") == b"NOT PRIVATE"
     assert not reader.has_tensor("ledger/mechanism_json/.ATTRIBUTES/VARIABLE_VALUE")
@@ -242,7 +242,7 @@ def test_refused_settings_bound_to_nothing_are_not_listed_as_unused():
 
 
 def test_the_statement_gives_the_seed_the_batches_used():
-    """The ledger's seed (a resumed checkpoint's), not the config's, is what sampled the batches."""
+    """The record's seed (a resumed checkpoint's), not the config's, is what sampled the batches."""
     import types  # pylint: disable=g-import-not-at-top
 
     import keras  # pylint: disable=g-import-not-at-top
@@ -257,8 +257,8 @@ def test_the_statement_gives_the_seed_the_batches_used():
         optimization=types.SimpleNamespace(accumulation_steps=1, ema_decay=None),
         runtime=types.SimpleNamespace(seed=0))
     dp_model = types.SimpleNamespace(optimizer=keras.optimizers.SGD(0.1))
-    ledger = types.SimpleNamespace(sampling_seed=tf.constant(5, tf.int64))
+    record = types.SimpleNamespace(sampling_seed=tf.constant(5, tf.int64))
     report = modes.NonPrivateMode().report(plan, config=config, dp_model=dp_model,
-                                               ledger=ledger, steps_done=3, workdir="w",
-                                               chief=True)
+                                           checkpoint_record=record, steps_done=3, workdir="w",
+                                           chief=True)
     assert report["hyperparameters"]["sampling_seed"] == 5

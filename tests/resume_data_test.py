@@ -17,7 +17,7 @@ import pytest
 from tfdp import data
 from tfdp.data import fashion_mnist
 from tfdp.data import fingerprint
-from tfdp.training import callbacks as callbacks_lib
+from tfdp.training import record_variables
 
 from tests.data.fashion_mnist_test import _write_source_dir
 
@@ -96,7 +96,7 @@ def test_a_checkpoint_without_a_data_record_is_not_resumed(stopped, dirs, run_sm
     # A checkpoint of a tfdp before the fingerprints: its data cannot be compared.
     workdir = tmp_path / "wd"
     shutil.copytree(stopped, workdir)
-    monkeypatch.setattr(callbacks_lib, "saved_data_fingerprint", lambda path: None)
+    monkeypatch.setattr(record_variables, "saved_data_fingerprint", lambda path: None)
     with pytest.raises(ValueError, match=r"does not record which data it was trained on"):
         run_smoke(workdir, ["fashion_mnist.gin"],
                   [*PARAMS, _data_dir(dirs['original']), "NUM_STEPS = 4"], mock=False)

@@ -8,7 +8,7 @@ batches ("auto"), checkpoints every 2 steps, EMA, augmult and op determinism
   (determinism);
 * C: paused after step 5 (of 6; checkpoints at steps 2 and 4), SIGKILLed,
   then restarted with the same command -> the same final step, epsilon,
-  privacy ledger, noise-generator state and weights as A;
+  privacy record, noise-generator state and weights as A;
 * D: secret seeds (no seed fixed), paused after step 1, before its first
   interval, SIGKILLed and restarted -> it resumes from the checkpoint written
   before step 1 with the same secret sampling seed and noise state.
@@ -166,7 +166,7 @@ def test_killed_run_resumes_to_the_uninterrupted_result(runs):
     assert ledger_c[key.format("steps")] == NUM_STEPS
     assert ledger_c[key.format("epsilon")] == pytest.approx(a["epsilon"], rel=1e-12)
     # Everything in the final checkpoint matches: model, EMA, optimizer, the
-    # privacy ledger and the noise generator's state (the resumed run continued
+    # privacy record and the noise generator's state (the resumed run continued
     # the same noise stream: steps 5-6 replayed with the same batches and the
     # same noise, nothing drawn twice for different data).
     assert ledger_a.keys() == ledger_c.keys()

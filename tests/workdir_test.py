@@ -290,7 +290,7 @@ def test_a_url_workdir_is_refused_rather_than_run_without_a_lock(run_smoke):
     # Before: Keras's raw "incompatible tensor with shape" once the optimizer restored.
     ("tfdp.training.build_optimizer.name = 'adam'", "name"),
     ("tfdp.OptimizationConfig.ema_decay = 0.9", "ema_decay"),
-    ("L2_CLIP_NORM = 0.5", None),  # the privacy ledger's own check names it
+    ("L2_CLIP_NORM = 0.5", None),  # the privacy record's own check names it
 ])
 def test_a_resume_that_would_change_training_is_refused_by_name(copy, run_smoke, param,
                                                                named):

@@ -49,7 +49,7 @@ def train_and_evaluate(workdir, *, model_fn=gin.REQUIRED, privacy="dp", audit=No
     until every setting has been checked, the plan made, the data loaded and
     any checkpoint in the workdir checked against this run's plan. Stages:
     `_start` (strategy, determinism), `mode.plan`, `_open_data`, `Run.open`
-    (lock, resume or refuse), `_build` (features, model, ledger),
+    (lock, resume or refuse), `_build` (features, model, checkpoint record),
     `Run.restore`, `_fit`, `_finish` (report, SavedModel, then FINISHED).
 
     Args:
@@ -105,7 +105,7 @@ def train_and_evaluate(workdir, *, model_fn=gin.REQUIRED, privacy="dp", audit=No
         if releases_first:
             mode.start(plan, workdir=run.workdir, chief=run.chief, resuming=resuming)
         built = _build(context=context, run=run, model_fn=model_fn, opened=opened)
-        manager, start_step = run.restore(built.dp_model, built.ledger)
+        manager, start_step = run.restore(built.dp_model, built.checkpoint_record)
         if not releases_first:
             mode.start(plan, workdir=run.workdir, chief=run.chief, resuming=resuming)
         if run.chief and built.features.unsaved is not None:  # checkpoint 0 exists now
@@ -166,8 +166,8 @@ class BuiltRun:
         cached by the chief once checkpoint 0 exists.
       dp_model: the compiled Keras model: a `tfdp.training.DPModel`, or the
         non-private model of `tfdp.modes.NonPrivateMode`.
-      ledger: the mode's step ledger (sampling seed, steps), checkpointed with
-        the model.
+      checkpoint_record: the mode's privacy record (sampling seed, steps,
+        `tfdp.training.record_variables`), checkpointed with the model.
       backbone: the pretrained backbone's provenance (dict), or None.
       image_shape: `(height, width, channels)` of the pixels (not features).
       test_examples: the test examples each evaluation reads (int).
@@ -180,7 +180,7 @@ class BuiltRun:
     extractor: object
     features: object
     dp_model: object
-    ledger: object
+    checkpoint_record: object
     backbone: object
     image_shape: tuple
     test_examples: int
@@ -207,7 +207,7 @@ def _open_data(*, config, mode):
 
 
 def _build(*, context, run, model_fn, opened):
-    """Features (frozen public extractors), the model and its DP (or plain) step, the ledger.
+    """Features (frozen public extractors), the model and its DP (or plain) step, its record.
 
     Args:
       context: the `RunContext`.
@@ -241,11 +241,11 @@ def _build(*, context, run, model_fn, opened):
         dp_model = context.mode.build_model(model, plan, config.optimization)
         dp_model.compile(optimizer=config.optimization.optimizer_fn(),
                          jit_compile=config.runtime.jit_compile)
-    ledger = context.mode.make_ledger(plan, strategy=strategy, config_text=gin.config_str(),
-                                    data=json.dumps(opened.fingerprints, sort_keys=True),
-                                    seed=config.runtime.seed)
+    checkpoint_record = context.mode.make_checkpoint_record(
+        plan, strategy=strategy, config_text=gin.config_str(),
+        data=json.dumps(opened.fingerprints, sort_keys=True), seed=config.runtime.seed)
     return BuiltRun(train=train, test=test, extractor=extractor, features=features,
-                    dp_model=dp_model, ledger=ledger, backbone=backbone,
+                    dp_model=dp_model, checkpoint_record=checkpoint_record, backbone=backbone,
                     image_shape=image_shape, test_examples=test_examples,
                     export_model=extractor.compose(model) if extractor else model)
 
@@ -265,7 +265,8 @@ def _fit(*, context, run, built, manager, start_step):
     augment_fn = aug.augment_fn()
     accumulation_steps = config.optimization.accumulation_steps
     train_ds = distribute.distribute_chunks(strategy, inputs.train_dataset(
-        built.train, plan, seed=int(built.ledger.sampling_seed.numpy()), start_step=start_step,
+        built.train, plan, seed=int(built.checkpoint_record.sampling_seed.numpy()),
+        start_step=start_step,
         augment_fn=augment_fn, augment_seed=[runtime.seed, 1], augmult=aug.augmult,
         static_batch_size=plan.truncation and plan.truncation.static_batch_size,
         num_replicas=strategy.num_replicas_in_sync, accumulation_steps=accumulation_steps,
@@ -275,7 +276,8 @@ def _fit(*, context, run, built, manager, start_step):
     try:
         fit_lib.fit(
             built.dp_model, plan, step_callback=mode.step_callback(plan),
-            metrics_fields=mode.metrics_fields(), manager=manager, ledger=built.ledger,
+            metrics_fields=mode.metrics_fields(), manager=manager,
+            checkpoint_record=built.checkpoint_record,
             train_ds=train_ds, eval_ds=eval_ds, out_dir=run.out_dir, start_step=start_step,
             checkpoint_every_steps=config.checkpoint_every_steps,
             eval_every_steps=evaluation.eval_every_steps,
@@ -317,7 +319,8 @@ def _finish(*, context, run, built):
         raise RuntimeError(
             f"Training stopped at step {steps_done}, not the planned {plan.num_steps}; "
             "no privacy report or export was written.")
-    report = mode.report(plan, config=config, dp_model=built.dp_model, ledger=built.ledger,
+    report = mode.report(plan, config=config, dp_model=built.dp_model,
+                         checkpoint_record=built.checkpoint_record,
                          steps_done=steps_done, workdir=run.workdir, chief=run.chief)
     if built.backbone is not None:  # outside this run's guarantee: the report says whence
         report["backbone"] = built.backbone

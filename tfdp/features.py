@@ -444,7 +444,7 @@ def read_feature_cache(workdir, extractor, splits, fingerprints, train_images):
     if not storage.exists(record_path):
         return None
     fix = (f"To compute the features again, delete {folder} (tfdp keeps nothing else there; "
-           "the run's checkpoints and privacy ledger stay, and the extractor is public, so "
+           "the run's checkpoints and privacy record stay, and the extractor is public, so "
            "this spends no privacy); or use a new workdir.")
     try:
         record = json.loads(storage.read_text(record_path))

@@ -7,7 +7,7 @@ five places where the modes differ are methods of the mode object.
 |-----------------|--------------------------------------------|------------------------------------------|
 | plan            | `DPMechanism` (`tfdp.planning.plan_private`) | `NonPrivatePlan`                       |
 | Keras model     | `DPModel`: clipping, noise once per batch  | `NonPrivateModel`: mean loss             |
-| ledger          | the mechanism and the secret seeds         | "NOT PRIVATE", the public seed           |
+| privacy record  | the mechanism and the secret seeds         | "NOT PRIVATE", the public seed           |
 | report          | `privacy_report.{json,md}` with epsilon    | `NOT_PRIVATE.{json,md}`, no epsilon      |
 | final message   | epsilon at delta                           | NOT PRIVATE                              |
 
@@ -36,6 +36,7 @@ from tfdp.dp import precision
 from tfdp.export import privacy_report
 from tfdp.training import callbacks as callbacks_lib
 from tfdp.training import distribute
+from tfdp.training import record_variables
 from tfdp.training.dp_model import DPModel
 from tfdp.training.non_private_model import NonPrivateModel
 
@@ -130,7 +131,7 @@ class PrivateMode:
 
     def check_resume(self, latest, plan):
         """`(steps, saved_config)` of checkpoint `latest`, refused if not of this mechanism."""
-        return callbacks_lib.check_privacy_ledger(
+        return record_variables.check_privacy_record(
             latest, plan, sampling_seed=self.privacy.sampling_seed,
             noise_seed=self.privacy.noise_seed)
 
@@ -140,11 +141,11 @@ class PrivateMode:
                        noise_seed=self.privacy.noise_seed, ema_decay=optimization.ema_decay,
                        clipping=self.privacy.clipping)
 
-    def make_ledger(self, plan, *, strategy, config_text, data, seed):
-        """The checkpoint's privacy ledger, with the secret sampling seed (drawn by the chief)."""
+    def make_checkpoint_record(self, plan, *, strategy, config_text, data, seed):
+        """The checkpoint's privacy record, with the secret sampling seed (drawn by the chief)."""
         del seed  # public; never the batches' seed of a private run
         chosen = self.privacy.sampling_seed
-        return callbacks_lib.make_privacy_ledger(
+        return record_variables.make_privacy_record(
             plan, noise_seed=self.privacy.noise_seed, config=config_text, data=data,
             sampling_seed=distribute.broadcast_from_chief(
                 strategy, seeds.secret_seed() if chosen is None else chosen))
@@ -157,13 +158,13 @@ class PrivateMode:
         """What every metrics.jsonl line of this mode also says."""
         return {"simulation": True} if self.privacy.simulation else {}
 
-    def report(self, plan, *, config, dp_model, ledger, steps_done, workdir, chief):
+    def report(self, plan, *, config, dp_model, checkpoint_record, steps_done, workdir, chief):
         """The privacy report (`tfdp.export.privacy_report.build_privacy_report`).
 
         A study run appends its mechanism to the study ledger first (the chief
         only: one entry per run), and the report states the study's epsilon.
         """
-        del ledger  # its seeds are secret: the report says only whether they were fixed
+        del checkpoint_record  # its seeds are secret: the report says only if they were fixed
         study = None
         if self.privacy.study_dir and chief:
             study = _record_in_study(self.privacy.study_dir, workdir, plan,
@@ -280,17 +281,17 @@ class NonPrivateMode:
         del plan, workdir, chief, resuming  # no study: plan() refuses study_dir without privacy
 
     def check_resume(self, latest, plan):
-        return callbacks_lib.check_non_private_ledger(latest, plan.num_steps)
+        return record_variables.check_non_private_record(latest, plan.num_steps)
 
     def build_model(self, model, plan, optimization):
         del plan  # nothing in a plain step depends on it
         return NonPrivateModel(model, accumulation_steps=optimization.accumulation_steps,
                                ema_decay=optimization.ema_decay)
 
-    def make_ledger(self, plan, *, strategy, config_text, data, seed):
+    def make_checkpoint_record(self, plan, *, strategy, config_text, data, seed):
         del strategy  # the seed is public and the same on every worker
-        return callbacks_lib.make_non_private_ledger(plan.num_steps, config=config_text,
-                                                     data=data, sampling_seed=seed)
+        return record_variables.make_non_private_record(plan.num_steps, config=config_text,
+                                                        data=data, sampling_seed=seed)
 
     def step_callback(self, plan):
         return callbacks_lib.StepCallback(plan.num_steps)
@@ -298,11 +299,12 @@ class NonPrivateMode:
     def metrics_fields(self):
         return {"privacy": NOT_PRIVATE}
 
-    def report(self, plan, *, config, dp_model, ledger, steps_done, workdir, chief):
+    def report(self, plan, *, config, dp_model, checkpoint_record, steps_done, workdir, chief):
         """The NOT_PRIVATE statement (`privacy_report.build_not_private_report`).
 
-        Its `sampling_seed` is the one the batches used: the ledger's (a
-        resumed checkpoint's ledger keeps the seed its first steps used).
+        Its `sampling_seed` is the one the batches used: the checkpoint
+        record's (a resumed checkpoint's record keeps the seed its first steps
+        used).
         """
         del workdir, chief
         report = privacy_report.build_not_private_report(
@@ -311,7 +313,7 @@ class NonPrivateMode:
             sampling=plan.sampling,
             unused_privacy_settings=_hyperparameters(**plan.unused_privacy_settings),
             hyperparameters=hyperparameters(config, dp_model) | {
-                "sampling_seed": int(ledger.sampling_seed.numpy())},
+                "sampling_seed": int(checkpoint_record.sampling_seed.numpy())},
             exported_parameters="ema" if config.optimization.ema_decay is not None else "last")
         if plan.truncation is not None:
             report["truncation"] = dataclasses.asdict(plan.truncation)

@@ -4,7 +4,7 @@ A private run's plan is its `tfdp.accounting.DPMechanism` (sigma calibrated,
 the target-epsilon cap, static-batch truncation); a non-private run's is a
 `NonPrivatePlan`: the same sampling facts (N, B, T, the sampler, the static
 batch), and no privacy fact at all. The sampler, the model's step, the
-checkpoint's ledger and the report read these values from the plan only.
+checkpoint's privacy record and the report read these values from the plan only.
 """
 
 import dataclasses

@@ -2,7 +2,7 @@
 
 A run restarted with the same command resumes from its checkpoint
 (`tfdp.workdir.resume_checkpoint`). The checkpoint holds the model, the
-optimizer (its learning rate, momentum, step) and the privacy ledger, and a
+optimizer (its learning rate, momentum, step) and the privacy record, and a
 restore puts them back whatever the new command says, so a new learning rate
 or optimizer given on resume would be printed but not used: the workdir's
 operative config and report would state a setting that did not train the
@@ -10,14 +10,14 @@ model. The rule is therefore:
 
 **A resume may change only settings that change neither the model nor what
 its metrics and report say** (`RESUMABLE`): the planned number of steps
-(only up; `NUM_STEPS`, with the privacy ledger's check), how often it
+(only up; `NUM_STEPS`, with the privacy record's check), how often it
 evaluates and checkpoints, the evaluation batch size, the progress display,
 where the data is read from, the strategy and devices, XLA, op determinism.
 **Every other setting that differs from the checkpoint's is refused, by
 name, before anything is built or written**: the optimizer and its learning
 rate, the model and its builder's arguments, augmentation, EMA, the data
 split, the evaluation set, seeds, ... The privacy mechanism itself is checked
-separately, field by field (`tfdp.training.callbacks.check_privacy_ledger`).
+separately, field by field (`tfdp.accounting.checkpoint_record.check_private`).
 
 Settings are compared as values, not as text (`tfdp.gin_bindings`): a
 learning rate set by a macro, a `--gin_param` or a file is the same setting,
@@ -89,7 +89,7 @@ def changed_settings(saved_config: str, current_config: str) -> List[Change]:
     """The settings whose values differ between two gin config texts.
 
     Args:
-      saved_config: the config the checkpoint was written under (the ledger's
+      saved_config: the config the checkpoint was written under (the privacy record's
         `config`, a `gin.config_str()`).
       current_config: this run's `gin.config_str()`.
 

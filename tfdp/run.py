@@ -7,7 +7,7 @@ workdir with no earlier output), and turns a failed write into a clear
 `WorkdirError`. `Run.restore` restores the checkpoint (or writes the first,
 with the secret seeds), and `Run.finish` writes the SavedModel, the report
 and, last, FINISHED. The mode (`tfdp.modes`) supplies what differs: the
-ledger check, the report's files, what FINISHED states.
+privacy record's check, the report's files, what FINISHED states.
 
 The trainer hands over the workdir path once; nothing else passes it on.
 """
@@ -27,10 +27,11 @@ from tfdp import data
 from tfdp import resume_rule
 from tfdp import storage
 from tfdp import workdir as workdir_lib
+from tfdp.accounting import checkpoint_record as checkpoint_record_lib
 from tfdp.data import fingerprint
 from tfdp.export import saved_model
-from tfdp.training import callbacks as callbacks_lib
 from tfdp.training import distribute
+from tfdp.training import record_variables
 
 EXPORT_DIR = "export"
 CHECKPOINT_DIR = workdir_lib.CHECKPOINT_DIR
@@ -90,11 +91,11 @@ class Run:
     def chief(self):
         return distribute.is_chief(self.strategy)
 
-    def restore(self, dp_model, ledger):
+    def restore(self, dp_model, checkpoint_record):
         """Restores `latest`, or saves checkpoint 0 with the fresh seeds: `(manager, start_step)`."""
         workdir_lib.check_held(self.out_dir)
         storage.makedirs(self.out_dir)
-        return _restore(dp_model, ledger, self.out_dir, self.latest)
+        return _restore(dp_model, checkpoint_record, self.out_dir, self.latest)
 
     def finish(self, report, dp_model, export_model, *, image_shape):
         """The SavedModel, the report and FINISHED (`_finish`); removes a worker's temp folder."""
@@ -114,7 +115,7 @@ def _check_workdir(workdir, mode, mechanism, splits, data_fingerprint):
     A workdir without a checkpoint to resume must hold no output of an
     earlier run (`tfdp.workdir.earlier_run_outputs`). A checkpoint (read in
     full: a corrupt one is named, `tfdp.workdir.resume_checkpoint`) must hold
-    this mechanism and no more steps than planned (`check_privacy_ledger`).
+    this mechanism and no more steps than planned (`check_privacy_record`).
     A finished run (all steps and FINISHED, `tfdp.workdir.finished`) is not
     redone: the same settings return its report untouched, once every file
     FINISHED vouches for is checked against the digests it recorded
@@ -129,10 +130,10 @@ def _check_workdir(workdir, mode, mechanism, splits, data_fingerprint):
     interval, devices, ...) may change, and are logged. A private run's
     checkpoint is never resumed by a non-private run (`mechanism` a
     `NonPrivatePlan`), nor the other way round (`mode.check_resume`:
-    `check_non_private_ledger`, `check_privacy_ledger`). Nor is it resumed, or its finished report
+    `check_non_private_record`, `check_privacy_record`). Nor is it resumed, or its finished report
     returned, on other data: the fingerprints of `splits` (`{"train": ...,
     "test": ...}`, the opened splits, whose `data_fingerprint` this run has
-    computed; `tfdp.data.fingerprint`) must equal the ones its ledger recorded.
+    computed; `tfdp.data.fingerprint`) must equal the ones its record holds.
 
     Returns:
       `(latest, report)`: the checkpoint to resume (or None), and the
@@ -152,7 +153,7 @@ def _check_workdir(workdir, mode, mechanism, splits, data_fingerprint):
         if found:
             workdir_lib.refuse_used_workdir(workdir, found)
         return None, None
-    # The mode's ledger check: another mechanism, the other mode, or an audit is refused.
+    # The mode's record check: another mechanism, the other mode, or an audit is refused.
     steps, saved_config = mode.check_resume(latest, mechanism)
     changes = resume_rule.changed_settings(saved_config, gin.config_str())
     refused = [change for change in changes if not change.resumable]
@@ -225,7 +226,7 @@ def _check_same_data(workdir, latest, steps, splits, data_fingerprint, *, resumi
     Raises:
       ValueError: naming each split whose fingerprint differs.
     """
-    saved = callbacks_lib.saved_data_fingerprint(latest)
+    saved = record_variables.saved_data_fingerprint(latest)
     if saved is None:
         if resuming:
             raise ValueError(
@@ -303,13 +304,14 @@ def _is_failed_write(error):
     return bool(_WRITE_OPS.search(message) or _IO_ERRORS.search(message))
 
 
-def _restore(dp_model, ledger, out_dir, latest):
+def _restore(dp_model, checkpoint_record, out_dir, latest):
     """Restores `latest`, or saves checkpoint 0 with the fresh seeds.
 
     Returns:
       `(manager, start_step)`.
     """
-    parts = {"model": dp_model, "optimizer": dp_model.optimizer, "ledger": ledger}
+    parts = {"model": dp_model, "optimizer": dp_model.optimizer,
+             checkpoint_record_lib.CHECKPOINT_NAME: checkpoint_record}
     if hasattr(dp_model, "noise_generator"):  # a NonPrivateModel has none
         parts["noise_generator"] = dp_model.noise_generator
     checkpoint = tf.train.Checkpoint(**parts)
@@ -321,19 +323,20 @@ def _restore(dp_model, ledger, out_dir, latest):
         checkpoint.restore(storage.tf_path(latest)).expect_partial()
         # The settings now in force (the resume rule let only harmless ones change): the
         # next checkpoints record them, for the next rerun's comparison.
-        ledger.config.assign(gin.config_str())
+        checkpoint_record.config.assign(gin.config_str())
         logging.info("Resumed from %s.", latest)
     start_step = int(dp_model.optimizer.iterations.numpy())
-    if int(ledger.steps.numpy()) != start_step:
+    recorded = int(checkpoint_record.steps.numpy())
+    if recorded != start_step:
         raise ValueError(
-            f"The checkpoint's privacy ledger records {int(ledger.steps.numpy())} steps but its "
+            f"The checkpoint's privacy record states {recorded} steps but its "
             f"optimizer has taken {start_step}; the checkpoint is inconsistent. Use a fresh "
             "workdir."
         )
     if not latest:
         # A restart before the first interval then continues the same sample
         # and noise streams instead of drawing new secret seeds.
-        callbacks_lib.save_checkpoint(manager, ledger, 0)
+        record_variables.save_checkpoint(manager, checkpoint_record, 0)
     return manager, start_step
 
 

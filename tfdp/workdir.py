@@ -452,8 +452,8 @@ def resume_checkpoint(checkpoint_dir):
     (`tfdp.data.train_batches`), so the replayed steps draw the same batches
     and the same noise as the first time. This is what happens after every
     kill between two checkpoints (tests/resume_test.py checks that the replay
-    ends with identical weights, ledger and noise state). The privacy ledger
-    in the checkpoint counts the steps of the one stream, and the report's
+    ends with identical weights, privacy record and noise state). The privacy
+    record in the checkpoint counts the steps of the one stream, and the report's
     epsilon covers them once.
 
     Args:

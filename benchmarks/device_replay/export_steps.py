@@ -3,7 +3,7 @@
 For each case writes OUT/NAME.hlo.pb (HloModuleProto) and OUT/NAME.npz holding the entry
 parameters in order (arg_0..), plus OUT/NAME.ref.npz with TF's own outputs on those inputs (a
 replay on CPU must reproduce them: that checks the parameter order). Ghost rules are traced
-with the GPU plan (precision.device_inputs() -> TF32: split products), unless NAME ends in
+with the GPU plan (device_arithmetic.device_inputs() -> TF32: split products), unless NAME ends in
 _f32plan (the plan a CPU uses: no split; the control that should under-count under TF32).
 
 Cases MODEL:B:KIND, MODEL in wrn (WRN-16-4, GroupNorm + WS, 32x32x3) or cnn (Tramer & Boneh's
@@ -31,6 +31,7 @@ import numpy as np, tensorflow as tf, keras
 from tfdp.accounting import DPMechanism
 from tfdp.models import build_tramer_cnn, build_wide_resnet
 from tfdp.training.dp_model import DPModel
+from tfdp.dp import device_arithmetic
 from tfdp.dp import precision
 from tensorflow.compiler.xla.service import hlo_pb2
 import fix_hlo  # next to this script
@@ -40,18 +41,18 @@ OUT = sys.argv[1]; CASES = [c for c in sys.argv[2:] if not c.startswith("--")]
 os.makedirs(OUT, exist_ok=True)
 MODELS = {"wrn": (lambda: build_wide_resnet(16, 4, 10, input_shape=(32, 32, 3)), (32, 32, 3)),
           "cnn": (lambda: build_tramer_cnn(10, input_shape=(28, 28, 1)), (28, 28, 1))}
-REAL_DEVICE_INPUTS = precision.device_inputs
+REAL_DEVICE_INPUTS = device_arithmetic.device_inputs
 
 
 def plan(kind):
     """The device the ghost rules plan for: TF32 (a GPU) by default, bf16 (a TPU) for *_bf16plan,
     this CPU's own (float32) for *_f32plan."""
     if kind.endswith("f32plan"):
-        precision.device_inputs = REAL_DEVICE_INPUTS
+        device_arithmetic.device_inputs = REAL_DEVICE_INPUTS
     elif kind.endswith("bf16plan"):
-        precision.device_inputs = lambda: precision.BF16
+        device_arithmetic.device_inputs = lambda: device_arithmetic.BF16
     else:
-        precision.device_inputs = lambda: precision.TF32
+        device_arithmetic.device_inputs = lambda: device_arithmetic.TF32
 
 
 def inputs(shape, b, kind, seed=0):
@@ -216,7 +217,7 @@ def main():
                 "f64": text.count("f64["), "hlo_bytes": len(proto), "export_s": round(time.time() - t0, 1),
                 "path": getattr(dp, "clipping_path", "plain") if kind != "plain" else "plain", "ref": meta_ref, "setbound_to_copy": n_setbound,
                 "args_folded_into_hlo": n_lead == 0, "batch": b,
-                "plan": precision.device_inputs().name, "kappa": kappa,
+                "plan": device_arithmetic.device_inputs().name, "kappa": kappa,
                 "tfdp": os.path.dirname(precision.__file__),
                 "traced_inputs": dp.traced_matmul_inputs if kind == "dp" else None,
                 "clip": float(dp.mechanism.l2_clip_norm) if kind != "plain" else None}

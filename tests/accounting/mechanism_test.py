@@ -46,8 +46,8 @@ def test_a_calibration_is_searched_once_per_mechanism_and_target(monkeypatch, ch
     # again for any other field or target: a stale sigma would be a wrong guarantee.
     monkeypatch.setattr(mechanism_lib, "_CALIBRATED", {})
     searched = []
-    solve = accounting.accountant.solve_noise_multiplier
-    monkeypatch.setattr(accounting.accountant, "solve_noise_multiplier",
+    solve = accounting.calibration.solve_noise_multiplier
+    monkeypatch.setattr(accounting.calibration, "solve_noise_multiplier",
                         lambda *args, **kwargs: searched.append(1) or solve(*args, **kwargs))
     first = _mechanism().calibrated(3.0)
     assert _mechanism().calibrated(3.0) == first and len(searched) == 1

@@ -35,18 +35,33 @@ def _precision_left_as_found():
     Without this, an xdist worker's later tests traced their steps with the TF32 plan
     (tests/training/device_arithmetic_test.py failed after this file).
     """
-    from tfdp.dp import precision  # pylint: disable=g-import-not-at-top
+    from tfdp.dp import device_arithmetic  # pylint: disable=g-import-not-at-top
     from tfdp.dp.ghost_norms import forms  # pylint: disable=g-import-not-at-top
 
-    saved = precision.device_inputs, forms.choose_form
+    saved = device_arithmetic.device_inputs, forms.choose_form
     yield
-    precision.device_inputs, forms.choose_form = saved
+    device_arithmetic.device_inputs, forms.choose_form = saved
 
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
     out_dir = tmp_path_factory.mktemp("xla_step_cost")
     return out_dir, xla_step_cost.export_case(CASE, str(out_dir), plan="tf32")
+
+
+def test_the_plan_reaches_the_rules():
+    # `set_plan` replaces the device where the rules read it: a replacement elsewhere would
+    # leave the TF32 and bf16 plans tracing this CPU's one-pass products.
+    from tfdp.dp import device_arithmetic  # pylint: disable=g-import-not-at-top
+    from tfdp.dp import precision  # pylint: disable=g-import-not-at-top
+
+    for plan in ("tf32", "bf16"):
+        xla_step_cost.set_plan(plan)
+        assert device_arithmetic.planned_inputs().name == plan and device_arithmetic.splits()
+        assert precision.clip_margin() == precision.CLIP_MARGINS[plan]
+        assert precision.contraction_chunk() == precision.SPLIT_CHUNK
+    xla_step_cost.set_plan("host")
+    assert device_arithmetic.device_inputs() == xla_step_cost.set_plan.real()
 
 
 def test_parse_case():

@@ -5,6 +5,7 @@ import pytest
 import tensorflow as tf
 
 from tfdp.dp import clipping
+from tfdp.dp import device_arithmetic
 from tfdp.dp import precision
 
 # Every example is clipped to C / (1 + kappa): 1e-5 on this host's float32 matmuls.
@@ -75,13 +76,13 @@ def test_clip_factors_edge_cases():
         [0.5, 0.25 / (1 + KAPPA)], rtol=1e-7)
 
 
-@pytest.mark.parametrize("device", [precision.FLOAT32, precision.TF32, precision.BF16],
-                         ids=lambda d: d.name)
+@pytest.mark.parametrize("device", [device_arithmetic.FLOAT32, device_arithmetic.TF32,
+                                    device_arithmetic.BF16], ids=lambda d: d.name)
 def test_the_clip_margin_follows_the_device_class(device):
     # Clipped to C / (1 + kappa), kappa by the device's matmul inputs, read when the
     # factors are traced; a norm of exactly C / (1 + kappa) is not scaled down.
     kappa = {"float32": 1e-5, "tf32": 1e-3, "bf16": 1e-2}[device.name]
-    with precision.emulate(device):
+    with device_arithmetic.emulate(device):
         assert precision.clip_margin() == kappa
         factors = clipping.clip_factors(tf.constant([4.0, 1.0 / (1 + kappa)], tf.float64), 1.0)
     np.testing.assert_allclose(factors, [0.25 / (1 + kappa), 1.0], rtol=1e-12)

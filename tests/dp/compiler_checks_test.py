@@ -27,6 +27,7 @@ from tfdp import accounting
 from tfdp import process_settings
 from tfdp.dp import compiler_checks
 from tfdp.dp import noise
+from tfdp.dp import device_arithmetic
 from tfdp.dp import precision
 from tfdp.training.dp_model import DPModel
 
@@ -121,22 +122,22 @@ def test_xla_without_fast_math_keeps_ieee_semantics():
 @pytest.mark.parametrize("variable", process_settings.ONEDNN_FPMATH_VARIABLES)
 def test_onednn_bf16_fpmath_plans_bf16(monkeypatch, variable):
     monkeypatch.setenv(variable, "BF16")
-    assert precision.device_inputs() == precision.BF16
+    assert device_arithmetic.device_inputs() == device_arithmetic.BF16
     card = precision.clip_margin_record(1.0)
     assert card["device_matmul_inputs"] == "bf16" and card["kappa"] == 1e-2
     monkeypatch.setenv(variable, "strict")  # oneDNN may have read BF16 already: kept
-    assert precision.device_inputs() == precision.BF16
+    assert device_arithmetic.device_inputs() == device_arithmetic.BF16
     process_settings._seen_since_import.pop(variable)  # as in a new process
-    assert precision.device_inputs() == precision.FLOAT32
+    assert device_arithmetic.device_inputs() == device_arithmetic.FLOAT32
 
 
 def test_onednn_mode_set_after_import_and_removed_is_still_planned_for(monkeypatch):
     # oneDNN keeps a mode it read; tfdp, reading os.environ only, forgot it once removed
     # and traced the step again for float32.
     monkeypatch.setenv("ONEDNN_DEFAULT_FPMATH_MODE", "BF16")
-    assert precision.device_inputs() == precision.BF16
+    assert device_arithmetic.device_inputs() == device_arithmetic.BF16
     monkeypatch.delenv("ONEDNN_DEFAULT_FPMATH_MODE")
-    assert precision.device_inputs() == precision.BF16
+    assert device_arithmetic.device_inputs() == device_arithmetic.BF16
     assert ("ONEDNN_DEFAULT_FPMATH_MODE", "earlier", "BF16") in (
         process_settings.onednn_fpmath_modes())
 
@@ -144,15 +145,16 @@ def test_onednn_mode_set_after_import_and_removed_is_still_planned_for(monkeypat
 @pytest.mark.parametrize("mode", ["F16", "any"])
 def test_onednn_float16_modes_are_refused(monkeypatch, mode):
     monkeypatch.setenv("DNNL_DEFAULT_FPMATH_MODE", mode)
-    with pytest.raises(precision.PrecisionRewrite, match=f"float16.*DNNL_DEFAULT_FPMATH_MODE={mode}"):
-        precision.refuse_precision_rewrites()
+    with pytest.raises(device_arithmetic.PrecisionRewrite,
+                       match=f"float16.*DNNL_DEFAULT_FPMATH_MODE={mode}"):
+        device_arithmetic.refuse_precision_rewrites()
 
 
 def test_a_cpu_matmul_seen_to_round_plans_for_its_precision(monkeypatch):
     assert compiler_checks.observe_cpu_matmul_bits() == 24  # this process: full float32
-    for bits, device in ((8, precision.BF16), (11, precision.TF32)):
+    for bits, device in ((8, device_arithmetic.BF16), (11, device_arithmetic.TF32)):
         monkeypatch.setattr(compiler_checks, "_matmul_bits", bits)
-        assert precision.device_inputs() == device
+        assert device_arithmetic.device_inputs() == device
 
 
 def test_a_flag_ends_at_a_nul_byte_as_in_xla():
@@ -164,8 +166,9 @@ def test_onednn_mode_removed_after_the_start_is_still_planned_for():
     out = _python("""
         import os
         del os.environ["ONEDNN_DEFAULT_FPMATH_MODE"]
+        from tfdp.dp import device_arithmetic
         from tfdp.dp import precision
-        print(precision.device_inputs().name, precision.clip_margin_record(1.0)["kappa"])
+        print(device_arithmetic.device_inputs().name, precision.clip_margin_record(1.0)["kappa"])
         """, ONEDNN_DEFAULT_FPMATH_MODE="BF16")
     assert out[-1] == "bf16 0.01"
 

@@ -1,6 +1,6 @@
 """A device's matmul precision on EVERY matmul and convolution a traced step runs.
 
-Not a test module. `tfdp.dp.precision.emulate` rounds only the inputs of
+Not a test module. `tfdp.dp.device_arithmetic.emulate` rounds only the inputs of
 `precision.einsum` and `precision.matmul`, the products the ghost rules
 themselves choose. A real TF32 GPU or a TPU rounds the inputs of every
 float32 matmul and convolution: the model's forward pass, its backward pass
@@ -30,7 +30,7 @@ from tensorflow.python.ops import gen_linalg_ops
 from tensorflow.python.ops import gen_math_ops
 from tensorflow.python.ops import gen_nn_ops
 
-from tfdp.dp import precision
+from tfdp.dp import device_arithmetic
 
 _OPS = {
     gen_math_ops: ("mat_mul", "batch_mat_mul", "batch_mat_mul_v2", "batch_mat_mul_v3"),
@@ -59,7 +59,8 @@ def _rounder(bits):
             _count["ops"] += 1
             # The value rounded, the gradient passed straight through: x + (r - x) is r
             # exactly (r - x is exact: r is within 2^-bits of x).
-            return tensor + tf.stop_gradient(precision._round_mantissa(tensor, bits) - tensor)
+            rounded = device_arithmetic.round_mantissa(tensor, bits)
+            return tensor + tf.stop_gradient(rounded - tensor)
         return value
 
     return round_one
@@ -75,16 +76,16 @@ def _wrap(original, round_one):
 
 
 @contextlib.contextmanager
-def every_matmul_rounded(device: precision.MatmulInputs, *, handled: bool = True):
+def every_matmul_rounded(device: device_arithmetic.MatmulInputs, *, handled: bool = True):
     """Inside, traced matmuls and convolutions round their float32 inputs as `device` does.
 
-    Also enters `precision.emulate(device, handled=handled)`: with `handled`
-    the rules plan for the device (`precision.device_inputs()` is `device`),
+    Also enters `device_arithmetic.emulate(device, handled=handled)`: with `handled`
+    the rules plan for the device (`device_arithmetic.device_inputs()` is `device`),
     without it they plan for float32 while every product rounds: the old
     float32 plan on that device. Trace the step inside.
 
     Args:
-      device: `precision.TF32` or `precision.BF16`.
+      device: `device_arithmetic.TF32` or `device_arithmetic.BF16`.
       handled: whether the rules see the emulated device.
     """
     round_one = _rounder(device.bits)
@@ -100,7 +101,7 @@ def every_matmul_rounded(device: precision.MatmulInputs, *, handled: bool = True
     try:
         for module, attribute, value in replaced:
             setattr(module, attribute, _wrap(value, round_one))
-        with precision.emulate(device, handled=handled):
+        with device_arithmetic.emulate(device, handled=handled):
             yield
     finally:
         for module, attribute, value in replaced:

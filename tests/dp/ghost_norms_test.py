@@ -10,6 +10,7 @@ from hypothesis import given, settings, strategies as st
 from tfdp.dp import ghost_norms
 from tfdp.dp.ghost_norms import conv as conv_norms
 from tfdp.dp.ghost_norms import forms
+from tfdp.dp import device_arithmetic
 from tfdp.dp import precision
 
 import os
@@ -463,13 +464,13 @@ def test_form_choice_follows_the_costs():
     assert not ghost_norms.grouped_conv_gradients()  # patches on a CPU
 
 
-@pytest.mark.parametrize("device", [precision.TF32, precision.BF16])
+@pytest.mark.parametrize("device", [device_arithmetic.TF32, device_arithmetic.BF16])
 def test_form_choice_counts_the_split_passes(device):
     # On a GPU or a TPU every Gram product is six passes: R = 4 (16k x 6 + 5 x 4 x 262k
     # = 5.3M > 8 x 262k) becomes direct, and every WRN-16-4 kernel but the dense head
     # is direct (XLA: 1.05x the plain step's flops instead of 3.4x: step_cost.md). A large
     # head on one row stays Gram: the direct form would hold 2M floats per example.
-    with precision.emulate(device):
+    with device_arithmetic.emulate(device):
         assert ghost_norms.choose_form(4, 512, 512) == ghost_norms.DIRECT
         assert ghost_norms.choose_form(1, 2048, 1000) == ghost_norms.GRAM
         assert ghost_norms.choose_form(1, 2048, 1000, True) == ghost_norms.DIRECT
@@ -480,14 +481,14 @@ def test_form_choice_counts_the_split_passes(device):
 
 @settings(max_examples=200, deadline=None, derandomize=True)
 @given(st.integers(1, 4096), st.integers(1, 5000), st.integers(1, 5000), st.booleans(),
-       st.sampled_from([precision.FLOAT32, precision.TF32]))
+       st.sampled_from([device_arithmetic.FLOAT32, device_arithmetic.TF32]))
 def test_the_gram_form_holds_less_and_costs_at_most_4x_more(rows, fan_in, fan_out,
                                                             standardized, device):
     # What the docstring promises, against the work the rules do, counted here
     # independently: a Gram pick never holds more per example than the direct form,
     # nor does more than 4x its extra work; a direct pick fails one of the two.
-    passes = 6 if device is precision.TF32 else 1
-    with precision.emulate(device):
+    passes = 6 if device is device_arithmetic.TF32 else 1
+    with device_arithmetic.emulate(device):
         form = ghost_norms.choose_form(rows, fan_in, fan_out, standardized)
     grams = passes * rows**2 * (fan_in + fan_out)
     sums = (passes - 1 + (passes if standardized else 0)) * rows * fan_in * fan_out
@@ -700,13 +701,13 @@ def test_embedding_norms_never_come_out_too_small(case, vocabulary):
 
 # -- At the precision a GPU or TPU really uses ------------------------------------
 #
-# `precision.emulate(device)` rounds the inputs of every matmul of the rules as a TPU
+# `device_arithmetic.emulate(device)` rounds the inputs of every matmul of the rules as a TPU
 # (one bf16 pass) or an Ampere GPU (TF32) does. With the rules told (`handled`, as
-# `precision.device_inputs()` tells them on such a device), what each example adds is
+# `device_arithmetic.device_inputs()` tells them on such a device), what each example adds is
 # never more than its computed norm; without (the rules planning for float32 products),
 # it is, on the cancelling rows.
 
-EMULATED = [precision.BF16, precision.TF32]
+EMULATED = [device_arithmetic.BF16, device_arithmetic.TF32]
 
 
 def _rule_results(a, g, views, form, seed):
@@ -763,14 +764,15 @@ def _worst_excess(results, batch):
     return worst
 
 
-@pytest.mark.parametrize("device", [pytest.param(precision.BF16, marks=pytest.mark.slow),
-                                    precision.TF32], ids=lambda d: d.name)  # TF32 by default
+@pytest.mark.parametrize("device", [  # TF32 by default
+    pytest.param(device_arithmetic.BF16, marks=pytest.mark.slow), device_arithmetic.TF32],
+    ids=lambda d: d.name)
 @settings(max_examples=30, deadline=None, derandomize=True)
 @given(case=_cancelling_rows())
 def test_no_rule_adds_more_than_its_norm_at_emulated_device_precision(device, case):
     a, g, views, form, seed = case
-    with precision.emulate(device):
-        assert precision.splits()
+    with device_arithmetic.emulate(device):
+        assert device_arithmetic.splits()
         worst = _worst_excess(list(_rule_results(a, g, views, form, seed)),
                               a.shape[0] // views)
     assert worst <= 1.0, worst
@@ -790,10 +792,10 @@ def test_without_the_precision_handling_the_emulated_device_breaks_the_bound(dev
         g = g + 1e-3 * rng.normal(size=(2, 6, 5))
         a, g = tf.constant(a, tf.float32), tf.constant(g, tf.float32)
         for form in (ghost_norms.DIRECT, ghost_norms.GRAM):
-            with precision.emulate(device, handled=False):
-                assert not precision.splits()
+            with device_arithmetic.emulate(device, handled=False):
+                assert not device_arithmetic.splits()
                 found = max(found, _worst_excess(list(_rule_results(a, g, 1, form, seed)), 2))
-            with precision.emulate(device):
+            with device_arithmetic.emulate(device):
                 assert _worst_excess(list(_rule_results(a, g, 1, form, seed)), 2) <= 1.0
     print(f"{device.name}: worst |added| / norm without the handling: {found}")
     assert found > 1 + 2.0**-(device.bits + 2), found
@@ -1015,7 +1017,7 @@ def test_recomputed_where_the_gradient_holds_more_than_what_it_reads():
         return forms._recompute_chunks(rows, tf.zeros([batch, size, size, filters]), 1)
 
     assert chunks(16, 128, 128) == 0  # float32 plan: patches, held
-    with precision.emulate(precision.TF32):
+    with device_arithmetic.emulate(device_arithmetic.TF32):
         assert ghost_norms.recomputed_gradients()
         assert chunks(32, 64, 64) == 0
         assert chunks(16, 128, 128) == 4 and chunks(8, 256, 256) == 4

@@ -8,6 +8,7 @@ import tensorflow as tf
 from hypothesis import given, settings, strategies as st
 
 from tfdp import process_settings
+from tfdp.dp import device_arithmetic
 from tfdp.dp import precision
 
 U = precision.UNIT_ROUNDOFF
@@ -22,28 +23,31 @@ def _exact_sum(x, axis=-1):
 
 
 def test_this_host_keeps_float32_matmul_inputs():
-    assert precision.device_inputs() == precision.FLOAT32
-    assert not precision.splits()
+    assert device_arithmetic.device_inputs() == device_arithmetic.FLOAT32
+    assert not device_arithmetic.splits()
 
 
 def test_onednn_lower_precision_modes_count_as_rounding(monkeypatch):
     # oneDNN's fpmath mode BF16 lets an AMX or AVX-512 BF16 CPU round matmul inputs.
     monkeypatch.setenv("ONEDNN_DEFAULT_FPMATH_MODE", "BF16")
-    assert precision.device_inputs() == precision.BF16
+    assert device_arithmetic.device_inputs() == device_arithmetic.BF16
     monkeypatch.setenv("ONEDNN_DEFAULT_FPMATH_MODE", "STRICT")
-    assert precision.device_inputs() == precision.BF16  # oneDNN may have read BF16: kept
+    # oneDNN may have read BF16: kept.
+    assert device_arithmetic.device_inputs() == device_arithmetic.BF16
     process_settings._seen_since_import.clear()  # a new process
-    assert precision.device_inputs() == precision.FLOAT32
+    assert device_arithmetic.device_inputs() == device_arithmetic.FLOAT32
 
 
 def test_emulation_says_what_the_rules_plan_for():
-    with precision.emulate(precision.BF16):
-        assert precision.device_inputs() == precision.BF16
-        assert precision.planned_inputs() == precision.BF16 and precision.splits()
-    with precision.emulate(precision.TF32, handled=False):
-        assert precision.device_inputs() == precision.TF32
-        assert precision.planned_inputs() == precision.FLOAT32 and not precision.splits()
-    assert precision.device_inputs() == precision.FLOAT32
+    with device_arithmetic.emulate(device_arithmetic.BF16):
+        assert device_arithmetic.device_inputs() == device_arithmetic.BF16
+        assert device_arithmetic.planned_inputs() == device_arithmetic.BF16
+        assert device_arithmetic.splits()
+    with device_arithmetic.emulate(device_arithmetic.TF32, handled=False):
+        assert device_arithmetic.device_inputs() == device_arithmetic.TF32
+        assert device_arithmetic.planned_inputs() == device_arithmetic.FLOAT32
+        assert not device_arithmetic.splits()
+    assert device_arithmetic.device_inputs() == device_arithmetic.FLOAT32
 
 
 @pytest.mark.parametrize("bits", [8, 11])
@@ -54,7 +58,7 @@ def test_emulated_rounding_is_round_to_nearest_even(bits):
                   2.0**-9 * (1 + step / 2 + 2.0**-22)], np.float32)
     # Ties go to the even neighbour (1, 1 + 2 step); above a tie, up; below, down.
     expected = [1.0, 1.0, 1 + 2 * step, 1 + step, -1.0, 2.0**-9 * (1 + step)]
-    rounded = precision._round_mantissa(tf.constant(x), bits).numpy()
+    rounded = device_arithmetic.round_mantissa(tf.constant(x), bits).numpy()
     np.testing.assert_array_equal(rounded, np.float32(expected))
     # Exactly representable with `bits` significant bits:
     mantissa, _ = np.frexp(rounded.astype(np.float64))
@@ -86,7 +90,7 @@ def _gram_error(x, computed):
     return np.max(np.abs(np.asarray(computed.numpy(), np.longdouble) - exact) / mass)
 
 
-@pytest.mark.parametrize("device", [precision.BF16, precision.TF32])
+@pytest.mark.parametrize("device", [device_arithmetic.BF16, device_arithmetic.TF32])
 def test_split_products_hold_their_bound_where_one_rounded_pass_does_not(device):
     # A Gram of 96-long rows near 255: one bf16 or TF32 pass is off by ~2^-bits of the
     # terms, far beyond the float32 bound; the six bf16-piece passes stay inside it. The
@@ -94,12 +98,12 @@ def test_split_products_hold_their_bound_where_one_rounded_pass_does_not(device)
     # their own seed: the shared RNG's draw made this test pass or fail by test order.
     rng = np.random.default_rng(34)
     x = tf.constant(255.06 + rng.normal(size=(3, 4, 96)) * 1e-3, tf.float32)
-    with precision.emulate(device):
+    with device_arithmetic.emulate(device):
         split = precision.einsum("brk,bsk->brs", x, x, exact=True)
         bound = precision.contraction_error(96)
     assert _gram_error(x, split) <= bound
     assert bound < 8e-5  # good to float32: 6 x 96 terms chained at most, plus 4 u
-    with precision.emulate(device, handled=False):
+    with device_arithmetic.emulate(device, handled=False):
         rounded = precision.einsum("brk,bsk->brs", x, x, exact=True)
         believed = precision.contraction_error(96)
     assert believed < 1e-5
@@ -114,7 +118,7 @@ def test_a_split_contraction_over_the_first_axis_folds_the_passes_into_it():
                       np.asarray(y.numpy(), np.longdouble))
     mass = np.einsum("brf,bro->fo", np.abs(np.asarray(x.numpy(), np.longdouble)),
                      np.abs(np.asarray(y.numpy(), np.longdouble)))
-    with precision.emulate(precision.BF16):
+    with device_arithmetic.emulate(device_arithmetic.BF16):
         computed = precision.einsum("brf,bro->fo", x, y, exact=True)
         bound = precision.contraction_error(15)
     assert np.max(np.abs(computed.numpy() - exact) / mass) <= bound
@@ -250,11 +254,11 @@ def test_sum_of_squares_bound_is_never_below_the_exact_sum():
     assert np.all(bound <= exact * (1 + 1e-5))
 
 
-@pytest.mark.parametrize("device", [None, precision.BF16])
+@pytest.mark.parametrize("device", [None, device_arithmetic.BF16])
 def test_weighted_sum_rounds_each_product_once(device):
     factors = tf.constant([0.0, 0.31, 0.0], tf.float32)
     held = tf.constant(RNG.normal(size=(3, 500)), tf.float32)
-    context = precision.emulate(device) if device else precision.emulate(precision.FLOAT32)
+    context = device_arithmetic.emulate(device or device_arithmetic.FLOAT32)
     with context:
         summed = precision.weighted_sum(factors, held).numpy()
     exact = float(np.float32(0.31)) * np.asarray(held.numpy()[1], np.float64)
@@ -265,7 +269,7 @@ def test_a_rounded_weighted_sum_would_add_more_than_the_norm():
     # What a TPU's bf16 pass would do to sum_i f_i h_i if the rules did not know.
     factors = tf.constant([0.0, 0.3, 0.0], tf.float32)
     held = tf.constant(RNG.normal(size=(3, 500)), tf.float32)
-    with precision.emulate(precision.BF16, handled=False):
+    with device_arithmetic.emulate(device_arithmetic.BF16, handled=False):
         summed = precision.weighted_sum(factors, held).numpy()
     exact = float(np.float32(0.3)) * np.asarray(held.numpy()[1], np.float64)
     assert np.max(np.abs(summed - exact) / np.abs(exact)) > 1e-3

@@ -124,10 +124,12 @@ def test_an_audit_gets_its_own_section_with_the_verdict_and_the_command(tmp_path
 @pytest.mark.parametrize("device", ["float32", "tf32", "bf16"])
 def test_the_card_states_the_norm_every_example_was_clipped_to(tmp_path, device):
     # Clipped to C / (1 + kappa), kappa by the device class; the noise stays at C.
+    from tfdp.dp import device_arithmetic  # the report itself imports no TensorFlow
     from tfdp.dp import precision  # the report itself imports no TensorFlow
 
-    emulated = {"float32": precision.FLOAT32, "tf32": precision.TF32, "bf16": precision.BF16}
-    with precision.emulate(emulated[device]):
+    emulated = {"float32": device_arithmetic.FLOAT32, "tf32": device_arithmetic.TF32,
+                "bf16": device_arithmetic.BF16}
+    with device_arithmetic.emulate(emulated[device]):
         margin = precision.clip_margin_record(2.0)
     report = privacy_report.build_privacy_report(
         _mechanism(l2_clip_norm=2.0), steps_completed=100, clip_margin=margin)

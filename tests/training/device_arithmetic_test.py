@@ -32,6 +32,7 @@ import tensorflow as tf
 from hypothesis import strategies as st
 
 from tfdp import accounting
+from tfdp.dp import device_arithmetic
 from tfdp.dp import precision
 from tfdp.training.dp_model import DPModel
 
@@ -207,7 +208,8 @@ def test_grappler_mixed_precision_is_refused_before_any_step(option, when,
     x, y = np.ones((2, 4), np.float32), np.array([0, 1])
     if when == "compile":
         tf.config.optimizer.set_experimental_options({option: True})
-    with pytest.raises(precision.PrecisionRewrite if when == "compile" else Exception) as err:
+    refused = device_arithmetic.PrecisionRewrite if when == "compile" else Exception
+    with pytest.raises(refused) as err:
         dp.compile(optimizer=keras.optimizers.SGD(1.0))
         if when == "call":
             dp.train_on_batch(x, y)  # traced without the option
@@ -234,7 +236,7 @@ def test_xla_fast_math_is_refused(monkeypatch, tmp_path, flags):
         path.write_text("--xla_cpu_enable_fast_math=true\n--xla_cpu_fast_math_honor_nans=false\n")
         flags = str(path)
     monkeypatch.setenv("XLA_FLAGS", flags)
-    with pytest.raises(precision.PrecisionRewrite, match="fast math"):
+    with pytest.raises(device_arithmetic.PrecisionRewrite, match="fast math"):
         _small_dp_model().compile(optimizer=keras.optimizers.SGD(1.0))
 
 
@@ -245,7 +247,7 @@ def test_xla_fast_math_is_refused(monkeypatch, tmp_path, flags):
                                    "--xla_dump_to=/tmp/x stop --xla_cpu_enable_fast_math"])
 def test_xla_flags_without_fast_math_are_accepted(monkeypatch, flags):
     monkeypatch.setenv("XLA_FLAGS", flags)
-    precision.refuse_precision_rewrites()
+    device_arithmetic.refuse_precision_rewrites()
 
 
 # -- §3: the plan follows the device ---------------------------------------------------
@@ -268,7 +270,7 @@ def test_a_precision_change_after_tracing_traces_the_step_again():
         assert dp._traced_plan.tensor_float_32 == (not tf32)
     finally:
         tf.config.experimental.enable_tensor_float_32_execution(tf32)
-    with precision.emulate(precision.TF32):
+    with device_arithmetic.emulate(device_arithmetic.TF32):
         dp.train_on_batch(x, y)
         assert dp._traced_plan.inputs == "tf32"
     dp.train_on_batch(x, y)  # and back
@@ -323,8 +325,8 @@ def _check_family_under_emulation(name, device):
     return old
 
 
-@pytest.mark.parametrize("device", [precision.TF32,
-                                    pytest.param(precision.BF16, marks=pytest.mark.slow)],
+@pytest.mark.parametrize("device", [device_arithmetic.TF32,
+                                    pytest.param(device_arithmetic.BF16, marks=pytest.mark.slow)],
                          ids=lambda d: d.name)  # the CNN at TF32 in the default suite
 @pytest.mark.parametrize("name", ["tramer_cnn",
                                   pytest.param("layer_norm", marks=pytest.mark.slow)])
@@ -337,7 +339,8 @@ def test_every_rounded_matmul_fails_the_float32_plan_and_holds_the_device_plan(n
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("device", [precision.TF32, precision.BF16], ids=lambda d: d.name)
+@pytest.mark.parametrize("device", [device_arithmetic.TF32, device_arithmetic.BF16],
+                         ids=lambda d: d.name)
 @pytest.mark.parametrize("name", sorted({**ghost_testing.FAMILIES,
                                          **ghost_testing.LOOP_FAMILIES}))
 def test_every_family_holds_with_every_matmul_rounded(name, device):
@@ -417,7 +420,7 @@ def _check_rescaled(case):
     if amp is not None:
         tf.config.optimizer.set_experimental_options({amp: True})
         try:
-            with pytest.raises(precision.PrecisionRewrite):
+            with pytest.raises(device_arithmetic.PrecisionRewrite):
                 one_hot_contributions(model, x, labels, clip)
         finally:
             tf.config.optimizer.set_experimental_options({amp: False})

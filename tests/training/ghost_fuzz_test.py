@@ -106,6 +106,7 @@ from hypothesis import strategies as st
 from tfdp import accounting
 from tfdp import models
 from tfdp.dp import clipping
+from tfdp.dp import device_arithmetic
 from tfdp.dp import precision
 from tfdp.training import ghost_clipping
 from tfdp.training.dp_model import DPModel
@@ -595,7 +596,7 @@ def check_contributions(builder, images, labels, mask, *, clip_ratio=None, l2_cl
                         emulated=False):
     """Runs the four assertions of the module docstring; returns the worst contribution / C.
 
-    With `emulated` (inside `precision.emulate`: the rules' matmul inputs rounded
+    With `emulated` (inside `device_arithmetic.emulate`: the rules' matmul inputs rounded
     as a TPU or GPU rounds them), the accuracy half of 2. and 3. (against the
     float64 gradient) is skipped: held products are then as far from it as
     the device's precision puts them, for the plain step as well. 1., 4. and
@@ -722,7 +723,7 @@ def test_fuzz_every_contribution_is_at_most_c_long(case):
 
 
 # The same fuzzer with every matmul of the rules at a TPU's (one bf16 pass) or an
-# Ampere GPU's (TF32) input precision, emulated on this CPU (`tfdp.dp.precision.emulate`).
+# Ampere GPU's (TF32) input precision, emulated on this CPU (`tfdp.dp.device_arithmetic.emulate`).
 # The slow profile's TF32 case whose device bound is 11x the gradient (C = 1e-12, the floor).
 _CANCELLING_CASE = (
     {"input_shape": (2, 2, 4), "head": "pool", "num_classes": 5, "frozen": [], "seed": 1,
@@ -735,22 +736,24 @@ _CANCELLING_CASE = (
     np.array([4], np.int32), np.array([1.0], np.float32), 0.01)
 
 
-@pytest.mark.parametrize("device", [pytest.param(precision.BF16, marks=pytest.mark.slow),
-                                    precision.TF32], ids=lambda d: d.name)  # TF32 by default
+@pytest.mark.parametrize("device", [  # TF32 by default
+    pytest.param(device_arithmetic.BF16, marks=pytest.mark.slow), device_arithmetic.TF32],
+    ids=lambda d: d.name)
 @hypothesis.settings(hypothesis.settings.get_profile("ghost-fuzz-emulated"))
 @hypothesis.given(case=cases())
 @hypothesis.example(case=_CANCELLING_CASE)
 def test_fuzz_every_contribution_is_at_most_c_at_emulated_device_precision(device, case):
-    with precision.emulate(device):
+    with device_arithmetic.emulate(device):
         _check_case(case, emulated=True)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("device", [precision.BF16, precision.TF32], ids=lambda d: d.name)
+@pytest.mark.parametrize("device", [device_arithmetic.BF16, device_arithmetic.TF32],
+                         ids=lambda d: d.name)
 @hypothesis.settings(hypothesis.settings.get_profile("ghost-fuzz-slow"))
 @hypothesis.given(case=cases())
 def test_fuzz_every_contribution_is_at_most_c_at_emulated_device_precision_long(device, case):
-    with precision.emulate(device):
+    with device_arithmetic.emulate(device):
         _check_case(case, emulated=True)
 
 
@@ -864,12 +867,13 @@ def test_ws_conv_and_group_norm_worst_of_576_images_contributes_at_most_c():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("device", [precision.BF16, precision.TF32], ids=lambda d: d.name)
+@pytest.mark.parametrize("device", [device_arithmetic.BF16, device_arithmetic.TF32],
+                         ids=lambda d: d.name)
 def test_the_white_image_reproduction_needs_the_precision_handling(device):
     # The conv reproduction with the rules' matmul inputs rounded as a TPU
     # or an Ampere GPU rounds them. Rules that plan for float32 products (handled=False)
     # let examples contribute more than C; with the handling (what
-    # `precision.device_inputs()` tells them there) none does.
+    # `device_arithmetic.device_inputs()` tells them there) none does.
     images = _one_entry_off((5, 5, 3), 255.0, 254.0)[::3]
     labels = np.arange(len(images)) % 10
     builder = ghost_testing.conv_group_norm(keras.layers.Conv2D, (5, 5, 3), strides=2,
@@ -881,7 +885,7 @@ def test_the_white_image_reproduction_needs_the_precision_handling(device):
         try:
             if not handled:
                 precision.CLIP_MARGINS.update({name: 0.0 for name in margins})
-            with precision.emulate(device, handled=handled):
+            with device_arithmetic.emulate(device, handled=handled):
                 contributions, path = dp_model_contributions(builder, images, labels,
                                                              l2_clip_norm=1e-6)
         finally:

@@ -1,19 +1,19 @@
 """Privacy accounting for DP-SGD: the run's mechanism, epsilon, calibration, TAN, ledger.
 
 `DPMechanism` holds every privacy fact of a run and builds its one DP event;
-the trainer, the checkpoint, the study ledger and the report all read it.
+the trainer, the checkpoint's privacy record (`checkpoint_record`), the study
+ledger (`ledger`) and the report all read it.
 
 Pure Python over `dp_accounting`; nothing in this package imports TensorFlow,
 so epsilon can be computed (e.g. by `tools/privacy.py`) without it.
 """
 
+from tfdp.accounting import calibration
+from tfdp.accounting import checkpoint_record
 from tfdp.accounting import ledger
 from tfdp.accounting import mechanism
 from tfdp.accounting import tan
 from tfdp.accounting.accountant import ACCOUNTANTS
-from tfdp.accounting.accountant import calibrate_batch_size
-from tfdp.accounting.accountant import calibrate_noise_multiplier
-from tfdp.accounting.accountant import calibrate_num_steps
 from tfdp.accounting.accountant import compute_epsilon
 from tfdp.accounting.accountant import data_normalization_dp_event
 from tfdp.accounting.accountant import dp_sgd_event
@@ -21,9 +21,12 @@ from tfdp.accounting.accountant import epsilon_of_event
 from tfdp.accounting.accountant import gaussian_composition_event
 from tfdp.accounting.accountant import PLD_VALUE_DISCRETIZATION_INTERVAL
 from tfdp.accounting.accountant import sampling_prob_from
-from tfdp.accounting.accountant import solve_noise_multiplier
-from tfdp.accounting.accountant import solve_num_steps
 from tfdp.accounting.accountant import validate_privacy_params
+from tfdp.accounting.calibration import calibrate_batch_size
+from tfdp.accounting.calibration import calibrate_noise_multiplier
+from tfdp.accounting.calibration import calibrate_num_steps
+from tfdp.accounting.calibration import solve_noise_multiplier
+from tfdp.accounting.calibration import solve_num_steps
 from tfdp.accounting.ledger import append_run
 from tfdp.accounting.ledger import read_runs
 from tfdp.accounting.ledger import run_event
@@ -55,6 +58,8 @@ __all__ = [
     "calibrate_batch_size",
     "calibrate_noise_multiplier",
     "calibrate_num_steps",
+    "calibration",
+    "checkpoint_record",
     "compute_epsilon",
     "dp_sgd_event",
     "epsilon_of_event",

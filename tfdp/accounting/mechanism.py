@@ -76,6 +76,7 @@ import warnings
 from typing import Any, Dict, List, Optional, Tuple
 
 from tfdp.accounting import accountant as accountant_lib
+from tfdp.accounting import calibration
 
 SAMPLING_SCHEMES = ("poisson", "shuffle")
 ADD_OR_REMOVE = "add-or-remove one example"
@@ -379,13 +380,14 @@ class DPMechanism:
 
     def calibrated(self, target_epsilon: float) -> "DPMechanism":
         """A copy whose noise_multiplier is the smallest with epsilon <= target."""
-        eta = accountant_lib._tan_eta_for(target_epsilon, self.delta)  # pylint: disable=protected-access
+        eta = calibration._tan_eta_for(  # pylint: disable=protected-access
+            target_epsilon, self.delta)
         guess = (self.sampling_prob * math.sqrt(self.num_steps / 2) / eta
                  if self.sampling == "poisson" else math.sqrt(self.participations() / 2) / eta)
         key = (repr(self), target_epsilon)  # every field, floats exactly
         sigma = _CALIBRATED.get(key)
         if sigma is None:
-            sigma = accountant_lib.solve_noise_multiplier(
+            sigma = calibration.solve_noise_multiplier(
                 lambda s: dataclasses.replace(self, noise_multiplier=s).dp_event(),
                 target_epsilon=target_epsilon, delta=self.delta, accountant=self.accountant,
                 guess=guess, context=self._context())
@@ -396,7 +398,7 @@ class DPMechanism:
 
     def capped(self, target_epsilon: float) -> "DPMechanism":
         """A copy whose num_steps is the largest (<= num_steps) within the target."""
-        steps = accountant_lib.solve_num_steps(
+        steps = calibration.solve_num_steps(
             lambda t: dataclasses.replace(self, num_steps=t).dp_event(),
             target_epsilon=target_epsilon, delta=self.delta, accountant=self.accountant,
             max_num_steps=self.num_steps, guess=self.num_steps, context=self._context())

@@ -1,13 +1,13 @@
 """What a resume checks about its data: a fingerprint of each split the run reads.
 
-A resumed run continues the checkpoint's privacy ledger, so it must train on
+A resumed run continues the checkpoint's privacy record, so it must train on
 the examples the checkpoint's steps were taken on: the accountant composes
 the steps of one mechanism on one dataset, and a resume that read another
 copy of it (a `data_dir` or `$TFDS_DATA_DIR` that points elsewhere, with
 other labels or images) would compose steps on two datasets under one ε,
 and report metrics of a test set the first steps never saw. The trainer
 records `split_fingerprint` of the training and test splits in the
-checkpoint's ledger, and refuses a resume whose fingerprints differ
+checkpoint's privacy record, and refuses a resume whose fingerprints differ
 (`differences` names what changed). Moving the same files elsewhere is no
 change.
 

@@ -166,7 +166,7 @@ def refuse_float16_fpmath() -> None:
     float16, whose exponent range (6e-5 to 65504) is not float32's: a piece
     of an exact product (`tfdp.dp.precision.einsum`) could flush to zero or
     overflow, and no bound of tfdp's covers that. `BF16` and `TF32` keep
-    float32's range and are planned for (`precision.device_inputs`).
+    float32's range and are planned for (`device_arithmetic.device_inputs`).
 
     Raises:
       PrecisionRewrite: naming the variable, where it was seen and the fix.

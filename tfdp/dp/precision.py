@@ -5,9 +5,10 @@ DP-SGD's guarantee needs every example's clipped contribution to have norm
 compute each example's norm from sums and matrix products that can cancel, so
 every sum and product whose rounding the norm must cover goes through this
 module, which states what it computes on each device, and a bound on how far
-that can be from the exact result. A test can then emulate a GPU's or a TPU's
-matmul precision on a CPU (`emulate`), and a reader can see here what each
-device computes.
+that can be from the exact result. Which device class the step runs on, its
+emulation on a CPU for tests (`emulate`) and the refusal of settings that
+would rewrite the step's arithmetic live in `tfdp.dp.device_arithmetic`; a
+reader can see here what each device computes.
 
 What a device does to a float32 matmul (and convolution) at TensorFlow's
 default settings, and what this module does about it:
@@ -90,16 +91,14 @@ largest entry is taken over the input region its patches read, so that
 entries no patch reads (an inf, a 1e30) cannot set the scale.
 """
 
-import contextlib
-import dataclasses
 import math
-from typing import Iterator, Optional
+from typing import Optional
 
 import numpy as np
 import tensorflow as tf
 
-from tfdp import process_settings
 from tfdp.dp import compiler_checks
+from tfdp.dp import device_arithmetic
 
 UNIT_ROUNDOFF = 2.0**-24  # float32's u: |fl(x) - x| <= u |x| (round to nearest)
 STAGE = 32  # at most this many terms per op of a staged sum (XLA's CPU tree reduction: 32 too)
@@ -119,96 +118,6 @@ def gamma(n: float) -> float:
         raise ValueError(f"gamma({n}) is not small: a sum of that many terms has no useful "
                          "float32 bound; stage it.")
     return n * UNIT_ROUNDOFF / (1.0 - n * UNIT_ROUNDOFF)
-
-
-# -- Devices: what a float32 matmul's inputs keep -------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class MatmulInputs:
-    """How a device rounds the float32 inputs of a matmul at default precision.
-
-    Attributes:
-      name: "float32", "tf32" or "bf16".
-      bits: significant bits kept (24, 11, 8): each input is rounded to
-        nearest, a relative change of at most `2^-bits`.
-    """
-
-    name: str
-    bits: int
-
-
-FLOAT32 = MatmulInputs("float32", 24)
-TF32 = MatmulInputs("tf32", 11)
-BF16 = MatmulInputs("bf16", 8)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Emulation:
-    device: MatmulInputs  # what the emulated device does to matmul inputs
-    handled: bool  # whether the rules are told (False: they plan for float32)
-
-
-_emulation: Optional[_Emulation] = None
-
-
-@contextlib.contextmanager
-def emulate(device: MatmulInputs, *, handled: bool = True) -> Iterator[None]:
-    """Emulates a device's matmul precision on any device, while the rules are traced.
-
-    Inside, every one-pass `einsum` rounds its inputs to `device.bits`
-    significant bits first, as the device would (the rules' own products;
-    `tests/dp/device_emulation.py` rounds every matmul and convolution of a
-    traced step, the model's included). With `handled`, the rules
-    know it (`planned_inputs()` is `device`) and split the products that
-    matter; with `handled=False` they plan for full float32 while the
-    emulated device rounds: the norms of the old rules on that device (a
-    test shows that the bound then fails). Read while a rule is traced (or
-    run eagerly): a `tf.function` traced outside keeps its precision.
-
-    Args:
-      device: `FLOAT32`, `TF32` or `BF16`.
-      handled: whether the rules see the emulated device.
-    """
-    global _emulation
-    previous, _emulation = _emulation, _Emulation(device, handled)
-    try:
-        yield
-    finally:
-        _emulation = previous
-
-
-def device_inputs() -> MatmulInputs:
-    """What the device that runs the step does to a float32 matmul's inputs.
-
-    `BF16` when a TPU is visible (or the current strategy is a TPUStrategy);
-    `TF32` when a GPU is visible and TF32 execution is enabled (TensorFlow's
-    default); `BF16` when oneDNN's fpmath mode allows lower precision under
-    any of its spellings (`ONEDNN_DEFAULT_FPMATH_MODE`, the legacy
-    `DNNL_DEFAULT_FPMATH_MODE`, `TF_SET_ONEDNN_FPMATH_MODE`), set when the
-    process started, when tfdp was imported or now
-    (`tfdp.process_settings.onednn_fpmath_modes`: oneDNN keeps a mode it has
-    read); `BF16` or `TF32` when a CPU matmul is seen to round its inputs
-    (`tfdp.dp.compiler_checks.observe_cpu_matmul_bits`: a mode set and
-    removed before tfdp looked); otherwise `FLOAT32`. Errs towards
-    rounding: a CPU step of a process that also sees a GPU is treated as
-    TF32, and a mode oneDNN may never have read as BF16 (splitting costs
-    time, never privacy).
-    """
-    if _emulation is not None:
-        return _emulation.device
-    strategy = tf.distribute.get_strategy()
-    if tf.config.list_logical_devices("TPU") or "TPU" in type(strategy).__name__:
-        return BF16
-    if tf.config.list_logical_devices("GPU") and (
-            tf.config.experimental.tensor_float_32_execution_enabled()):
-        return TF32
-    if process_settings.onednn_fpmath_modes():
-        return BF16
-    bits = compiler_checks.observe_cpu_matmul_bits()  # a mode oneDNN read before tfdp looked
-    if bits < FLOAT32.bits:
-        return BF16 if bits <= BF16.bits else TF32
-    return FLOAT32
 
 
 # -- The clip margin: error no op-by-op model covers -------------------------------------
@@ -232,7 +141,7 @@ CLIP_MARGINS = {"float32": 1e-5, "tf32": 1e-3, "bf16": 1e-2}
 
 def clip_margin(device: Optional[str] = None) -> float:
     """kappa for `device` (a `MatmulInputs` name), or for `device_inputs()`: `CLIP_MARGINS`."""
-    return CLIP_MARGINS[device or device_inputs().name]
+    return CLIP_MARGINS[device or device_arithmetic.device_inputs().name]
 
 
 def margined_clip_norm(l2_clip_norm: float) -> float:
@@ -256,7 +165,7 @@ def clip_margin_record(l2_clip_norm: float, device: Optional[str] = None) -> dic
       device: the `MatmulInputs` name the step was traced for
         (`tfdp.training.DPModel.traced_matmul_inputs`); None: `device_inputs()`.
     """
-    device = device or device_inputs().name
+    device = device or device_arithmetic.device_inputs().name
     kappa = clip_margin(device)
     return {"device_matmul_inputs": device, "kappa": kappa,
             "clipped_to": float(l2_clip_norm) / (1.0 + kappa),
@@ -266,109 +175,6 @@ def clip_margin_record(l2_clip_norm: float, device: Optional[str] = None) -> dic
                     "assumes')")}
 
 
-# -- What may not change after tracing ----------------------------------------------------
-
-_AMP_OPTIONS = ("auto_mixed_precision", "auto_mixed_precision_mkl",
-                "auto_mixed_precision_onednn_bfloat16", "auto_mixed_precision_cpu")
-PrecisionRewrite = compiler_checks.PrecisionRewrite
-
-
-def refuse_precision_rewrites() -> None:
-    """Raises if a setting would rewrite the traced step's arithmetic behind the rules.
-
-    Grappler's automatic mixed precision (`tf.config.optimizer.
-    set_experimental_options({"auto_mixed_precision...": True})`, including
-    Intel's `auto_mixed_precision_onednn_bfloat16` and the v1
-    `enable_mixed_precision_graph_rewrite`) rewrites the traced graph to
-    bf16/fp16 after the ghost rules have planned for float32, which no plan
-    can cover (1.003 C seen). XLA's fast math may reassociate the
-    error-free sums and hide non-finite norms: `tfdp.dp.compiler_checks.
-    refuse_fast_math` reads what XLA was told and observes what it compiles.
-    Keras mixed policies are refused by `tfdp.models.validate_float32`.
-
-    Raises:
-      PrecisionRewrite: naming the setting and how to turn it off
-        (`compiler_checks.FastMath` for XLA's fast math).
-    """
-    options = tf.config.optimizer.get_experimental_options()
-    on = [name for name in _AMP_OPTIONS if options.get(name)]
-    if on:
-        raise PrecisionRewrite(
-            f"Grappler's automatic mixed precision is on ({', '.join(on)}): it rewrites the "
-            "traced DP step to lower precision after its per-example norms were planned for "
-            "float32, so a clipped contribution could exceed l2_clip_norm. Turn it off "
-            f"before training: tf.config.optimizer.set_experimental_options("
-            f"{ {name: False for name in on} }). DP training runs in float32.")
-    compiler_checks.refuse_fast_math()
-    compiler_checks.refuse_float16_fpmath()
-
-
-@dataclasses.dataclass(frozen=True)
-class StepPlan:
-    """What a traced DP step planned for; a change after tracing needs a new trace.
-
-    Attributes:
-      inputs: `device_inputs().name` at trace time.
-      tensor_float_32: whether TF32 execution was enabled.
-      onednn_fpmath: the oneDNN fpmath modes seen (`process_settings.onednn_fpmath_modes`).
-
-    The strategy is the model's own (fixed); a TPU is seen by `device_inputs`.
-    """
-
-    inputs: str
-    tensor_float_32: bool
-    onednn_fpmath: tuple
-
-
-def step_plan() -> StepPlan:
-    """The `StepPlan` of a step traced now (cheap: read before every train-function call)."""
-    return StepPlan(device_inputs().name,
-                    bool(tf.config.experimental.tensor_float_32_execution_enabled()),
-                    tuple(process_settings.onednn_fpmath_modes()))
-
-
-def planned_inputs() -> MatmulInputs:
-    """The precision the rules plan for: `device_inputs()`, unless `emulate(handled=False)`."""
-    if _emulation is not None and not _emulation.handled:
-        return FLOAT32
-    return device_inputs()
-
-
-def splits() -> bool:
-    """Whether `einsum(..., exact=True)` splits its operands (a device that rounds them)."""
-    return planned_inputs().bits < FLOAT32.bits
-
-
-def _round_mantissa(t: tf.Tensor, bits: int) -> tf.Tensor:
-    """`t` rounded to nearest (ties to even) to `bits` significant bits, as float32."""
-    if bits >= 24:
-        return t
-    if bits == 8:
-        return tf.cast(tf.cast(t, tf.bfloat16), tf.float32)  # TensorFlow rounds to nearest even
-    drop = 24 - bits
-    ints = tf.bitcast(t, tf.int32)
-    odd = tf.bitwise.bitwise_and(tf.bitwise.right_shift(ints, drop), 1)
-    ints = tf.bitwise.bitwise_and(ints + ((1 << (drop - 1)) - 1) + odd, ~((1 << drop) - 1))
-    return tf.bitcast(ints, tf.float32)
-
-
-def _device_rounded(t: tf.Tensor) -> tf.Tensor:
-    """What the (emulated) device multiplies for the float32 input `t`."""
-    if _emulation is None:
-        return t  # the real device rounds by itself
-    return _round_mantissa(t, _emulation.device.bits)
-
-
-def device_rounded(t: tf.Tensor) -> tf.Tensor:
-    """What the device multiplies for the float32 matmul or convolution input `t`.
-
-    `t` itself on a real device (which rounds by itself); inside `emulate`,
-    `t` rounded to the emulated device's significant bits. For one-pass
-    products outside `einsum` and `matmul` (a grouped convolution).
-    """
-    return _device_rounded(t)
-
-
 def bf16_pieces(t: tf.Tensor):
     """`(t1, t2, t3)`, float32 tensors exactly representable in bfloat16, `t ~ t1 + t2 + t3`.
 
@@ -376,10 +182,10 @@ def bf16_pieces(t: tf.Tensor):
     rounded to nearest: `|t - t1 - t2 - t3| <= 2^-24 |t|` (each remainder is
     exact in float32 and at most 2^-8 of the previous one).
     """
-    t1 = _round_mantissa(t, 8)
+    t1 = device_arithmetic.round_mantissa(t, 8)
     r1 = t - t1
-    t2 = _round_mantissa(r1, 8)
-    t3 = _round_mantissa(r1 - t2, 8)
+    t2 = device_arithmetic.round_mantissa(r1, 8)
+    t3 = device_arithmetic.round_mantissa(r1 - t2, 8)
     return t1, t2, t3
 
 
@@ -410,8 +216,9 @@ def einsum(equation: str, a: tf.Tensor, b: tf.Tensor, *, exact: bool) -> tf.Tens
     Returns:
       float32, the einsum's shape.
     """
-    if not (exact and splits()):
-        return tf.einsum(equation, _device_rounded(a), _device_rounded(b))
+    if not (exact and device_arithmetic.splits()):
+        return tf.einsum(equation, device_arithmetic.device_rounded(a),
+                         device_arithmetic.device_rounded(b))
     inputs, output = equation.replace(" ", "").split("->")
     left, right = inputs.split(",")
     if left[0] != right[0]:
@@ -421,7 +228,8 @@ def einsum(equation: str, a: tf.Tensor, b: tf.Tensor, *, exact: bool) -> tf.Tens
     b1, b2, b3 = bf16_pieces(b)
     stacked_a = tf.concat([a1, a1, a2, a1, a2, a3], axis=0)
     stacked_b = tf.concat([b1, b2, b1, b3, b2, b1], axis=0)
-    result = tf.einsum(equation, _device_rounded(stacked_a), _device_rounded(stacked_b))
+    result = tf.einsum(equation, device_arithmetic.device_rounded(stacked_a),
+                       device_arithmetic.device_rounded(stacked_b))
     if left[0] not in output:  # contracted: the passes' sum is part of the contraction
         return result
     axis = output.index(left[0])
@@ -439,7 +247,8 @@ def matmul(a: tf.Tensor, b: tf.Tensor, *, transpose_a: bool = False) -> tf.Tenso
     exact=False)` without an einsum's transposes. Same batch shape on both
     sides (see `einsum`).
     """
-    return tf.matmul(_device_rounded(a), _device_rounded(b), transpose_a=transpose_a)
+    return tf.matmul(device_arithmetic.device_rounded(a), device_arithmetic.device_rounded(b),
+                     transpose_a=transpose_a)
 
 
 def contraction_error(length: int, *, exact: bool = True) -> float:
@@ -452,10 +261,10 @@ def contraction_error(length: int, *, exact: bool = True) -> float:
     rounding (about 2 * 2^-bits per product) is included. Keep `length` small
     by chunking long contractions (`chunked_contraction_error`).
     """
-    if exact and splits():
+    if exact and device_arithmetic.splits():
         return _SPLIT_ERROR + _SPLIT_MASS * gamma(6 * length + 6)
-    bits = FLOAT32.bits if exact else planned_inputs().bits
-    product = (1.0 + 2.0**-bits)**2 - 1.0 if bits < FLOAT32.bits else 0.0
+    bits = device_arithmetic.FLOAT32.bits if exact else device_arithmetic.planned_inputs().bits
+    product = (1.0 + 2.0**-bits)**2 - 1.0 if bits < device_arithmetic.FLOAT32.bits else 0.0
     return product + (1.0 + product) * gamma(length + 1)
 
 
@@ -464,7 +273,7 @@ def contraction_chunk() -> int:
 
     A split contraction may chain six times its length (`contraction_error`).
     """
-    return SPLIT_CHUNK if splits() else CHUNK
+    return SPLIT_CHUNK if device_arithmetic.splits() else CHUNK
 
 
 def chunked_contraction_error(chunk: int, chunks: int) -> float:
@@ -686,8 +495,9 @@ def weighted_sum(factors: tf.Tensor, held: tf.Tensor) -> tf.Tensor:
       held: float32 `[batch, ...]`, finite.
     """
     factors = tf.cast(factors, held.dtype)
-    if planned_inputs().bits >= FLOAT32.bits:
-        return tf.tensordot(_device_rounded(factors), _device_rounded(held), 1)
+    if device_arithmetic.planned_inputs().bits >= device_arithmetic.FLOAT32.bits:
+        return tf.tensordot(device_arithmetic.device_rounded(factors),
+                            device_arithmetic.device_rounded(held), 1)
     return tf.reduce_sum(held * tf.reshape(factors, [-1] + [1] * (held.shape.rank - 1)), 0)
 
 

@@ -12,6 +12,7 @@ from absl import logging
 from tfdp import accounting
 from tfdp import storage
 from tfdp import workdir as workdir_lib
+from tfdp.training import record_variables
 
 
 class WorkdirHeld(keras.callbacks.Callback):
@@ -257,8 +258,9 @@ class CheckpointCallback(keras.callbacks.Callback):
     An epoch is one checkpoint interval (`train_and_evaluate` makes every
     evaluation and the last step an epoch end too); the checkpoint number is
     the optimizer step, so a restarted run resumes from the last saved step.
-    Before saving, the privacy ledger (see `make_privacy_ledger`) is set to the
-    step and its epsilon, so the checkpoint states what it has spent.
+    Before saving, the checkpoint's privacy record
+    (`tfdp.training.record_variables.make_privacy_record`) is set to the step
+    and its epsilon, so the checkpoint states what it has spent.
 
     Under `multi_worker_mirrored` every worker must call this (saving may run
     collectives); non-chief workers give a manager writing to a temporary
@@ -266,238 +268,19 @@ class CheckpointCallback(keras.callbacks.Callback):
 
     Args:
       manager: the `tf.train.CheckpointManager` of the run.
-      ledger: the `make_privacy_ledger` module held by the checkpoint.
+      record: the privacy record module held by the checkpoint
+        (`record_variables.make_privacy_record` or `make_non_private_record`).
     """
 
-    def __init__(self, manager: tf.train.CheckpointManager, ledger):
+    def __init__(self, manager: tf.train.CheckpointManager, record):
         super().__init__()
         self.manager = manager
-        self.ledger = ledger
+        self.record = record
 
     def on_epoch_end(self, epoch, logs=None):
         workdir_lib.check_held(storage.parent(self.manager.directory))
-        save_checkpoint(self.manager, self.ledger, int(self.model.optimizer.iterations.numpy()))
-
-
-def save_checkpoint(manager, ledger, step):
-    """Sets the ledger to `step` and its epsilon, then saves checkpoint number `step`.
-
-    A non-private run's ledger (`make_non_private_ledger`) has no epsilon.
-    """
-    ledger.steps.assign(step)
-    if ledger.mechanism is not None:
-        ledger.epsilon.assign(ledger.mechanism.epsilon(step))
-    manager.save(checkpoint_number=step)
-
-
-def make_privacy_ledger(mechanism: accounting.DPMechanism, *, sampling_seed: int,
-                        noise_seed=None, config: str = "", data: str = "") -> tf.Module:
-    """Variables that put the run's privacy ledger and secret seeds into every checkpoint.
-
-    The module holds:
-    * `mechanism_json` (string): `mechanism.to_dict()` as JSON, the whole
-      mechanism the checkpoint's steps were taken under;
-    * `steps` (int64) and `epsilon` (float64), set before each save (read
-      them with `tf.train.load_checkpoint(path).get_tensor(
-      "ledger/epsilon/.ATTRIBUTES/VARIABLE_VALUE")`);
-    * `sampling_seed` (int64) and `noise_seed` (int64, -1 when drawn from
-      OS entropy): the secret seeds. The checkpoint is the ONLY place they
-      are written (`tfdp.dp.seeds`); the noise generator's state is saved
-      with the DPModel;
-    * `config` (string): the run's gin bindings (`gin.config_str()`), so a
-      rerun can say which settings changed;
-    * `data` (string): JSON of the fingerprints of the splits the run reads
-      (`tfdp.data.fingerprint`), so a resume trains on the same data
-      (`saved_data_fingerprint`).
-
-    `check_privacy_ledger` compares a restored ledger with the new run.
-    Create it outside any strategy scope (plain host variables). The
-    mechanism itself stays a Python attribute (`ledger.mechanism`).
-
-    Args:
-      mechanism: the run's `DPMechanism`.
-      sampling_seed: the run's sampling seed (secret, or fixed by the user).
-      noise_seed: the user's fixed noise seed, or None.
-      config: the run's gin bindings.
-      data: the run's data fingerprints, as JSON.
-
-    Returns:
-      A `tf.Module` to add to the `tf.train.Checkpoint`.
-    """
-    ledger = tf.Module(name="privacy_ledger")
-    ledger.mechanism = mechanism
-    with tf.device("/CPU:0"):
-        ledger.mechanism_json = tf.Variable(
-            json.dumps(mechanism.to_dict(), sort_keys=True), trainable=False,
-            name="mechanism_json")
-        ledger.steps = tf.Variable(0, dtype=tf.int64, trainable=False, name="steps")
-        ledger.epsilon = tf.Variable(0.0, dtype=tf.float64, trainable=False, name="epsilon")
-        ledger.sampling_seed = tf.Variable(int(sampling_seed), dtype=tf.int64, trainable=False,
-                                           name="sampling_seed")
-        ledger.noise_seed = tf.Variable(-1 if noise_seed is None else int(noise_seed),
-                                        dtype=tf.int64, trainable=False, name="noise_seed")
-        ledger.config = tf.Variable(config, trainable=False, name="config")
-        ledger.data = tf.Variable(data, trainable=False, name="data")
-    return ledger
-
-
-_LEDGER_KEY = "ledger/{}/.ATTRIBUTES/VARIABLE_VALUE"
-NOT_PRIVATE = "NOT PRIVATE"
-
-
-def make_non_private_ledger(num_steps: int, *, sampling_seed: int,
-                            config: str = "", data: str = "") -> tf.Module:
-    """The checkpoint's ledger of a NON-PRIVATE run (`privacy=None`): no mechanism, no epsilon.
-
-    It takes the privacy ledger's place in the checkpoint (under the same
-    name, `ledger`), with `privacy` = "NOT PRIVATE" as its mark, so that a
-    private run never resumes a non-private checkpoint, nor the other way
-    round (`check_privacy_ledger`, `check_non_private_ledger`). It holds
-    `privacy` (string), `steps` (int64, set before each save), the run's
-    `sampling_seed` (int64: the batches of step t are a function of (seed,
-    t), so a resumed run continues the same stream; not a secret here),
-    `config` (the gin bindings) and `data` (the data fingerprints, as in
-    `make_privacy_ledger`). `ledger.mechanism` is None.
-
-    Args:
-      num_steps: the planned optimizer updates (kept as `ledger.num_steps`).
-      sampling_seed: the seed of the batches.
-      config: the run's gin bindings.
-      data: the run's data fingerprints, as JSON.
-
-    Returns:
-      A `tf.Module` to add to the `tf.train.Checkpoint` as `ledger`.
-    """
-    ledger = tf.Module(name="non_private_ledger")
-    ledger.mechanism = None
-    ledger.num_steps = int(num_steps)
-    with tf.device("/CPU:0"):
-        ledger.privacy = tf.Variable(NOT_PRIVATE, trainable=False, name="privacy")
-        ledger.steps = tf.Variable(0, dtype=tf.int64, trainable=False, name="steps")
-        ledger.sampling_seed = tf.Variable(int(sampling_seed), dtype=tf.int64, trainable=False,
-                                           name="sampling_seed")
-        ledger.config = tf.Variable(config, trainable=False, name="config")
-        ledger.data = tf.Variable(data, trainable=False, name="data")
-    return ledger
-
-
-def saved_data_fingerprint(checkpoint_path: str):
-    """The data fingerprints a checkpoint's ledger recorded (a dict), or None if it has none.
-
-    None for a checkpoint that records no data fingerprints,
-    or one whose record is not readable JSON.
-    """
-    reader = storage.checkpoint_reader(checkpoint_path)
-    key = _LEDGER_KEY.format("data")
-    if not reader.has_tensor(key):
-        return None
-    try:
-        saved = json.loads(reader.get_tensor(key).decode())
-    except ValueError:
-        return None
-    return saved if isinstance(saved, dict) and saved else None
-
-
-def _is_non_private(reader):
-    key = _LEDGER_KEY.format("privacy")
-    return reader.has_tensor(key) and reader.get_tensor(key).decode() == NOT_PRIVATE
-
-
-def check_non_private_ledger(checkpoint_path: str, num_steps: int):  # -> (steps, config)
-    """Refuses to resume a PRIVATE run's checkpoint without privacy, or too many steps.
-
-    Args:
-      checkpoint_path: the workdir's latest checkpoint.
-      num_steps: the non-private run's planned updates.
-
-    Returns:
-      `(steps, config)`: the steps the checkpoint holds and its gin bindings.
-
-    Raises:
-      ValueError: the checkpoint is a private run's (or an unknown one's), or
-        it holds more steps than planned.
-    """
-    reader = storage.checkpoint_reader(checkpoint_path)
-    if not _is_non_private(reader):
-        private = reader.has_tensor(_LEDGER_KEY.format("mechanism_json"))
-        raise ValueError(
-            f"The checkpoint {checkpoint_path} is of a "
-            f"{'PRIVATE (DP-SGD) run' if private else 'run that recorded no privacy mode'}; "
-            "this run has privacy=None (NOT PRIVATE). Resuming it without privacy would "
-            "continue private iterates with non-private steps, and neither the privacy "
-            "report nor the NOT PRIVATE statement would describe the model. Nothing was "
-            "changed. Use a new workdir for the non-private run, or drop privacy=None to "
-            "resume the private one.")
-    steps = int(reader.get_tensor(_LEDGER_KEY.format("steps")))
-    if steps > num_steps:
-        raise ValueError(
-            f"This workdir already holds {steps} steps, more than the {num_steps} planned "
-            f"now (NUM_STEPS). Nothing was changed. Plan at least {steps} steps to resume it, "
-            "or use a new workdir.")
-    return steps, reader.get_tensor(_LEDGER_KEY.format("config")).decode()
-
-
-def check_privacy_ledger(checkpoint_path: str, mechanism: accounting.DPMechanism, *,
-                         sampling_seed=None, noise_seed=None):  # -> (steps, config)
-    """Refuses to resume a checkpoint that was written under another mechanism.
-
-    Reads the checkpoint's ledger (`make_privacy_ledger`) from the file, so it
-    runs before anything is built, written or released. Resuming under a
-    different mechanism (another sigma, q, C, delta, sensitivity, sampling
-    scheme, truncation cap, data normalization or accountant) would compose
-    two mechanisms under one epsilon, or silently change the run's epsilon
-    series; fixing a seed that differs from the checkpoint's would be
-    silently ignored; a plan with fewer steps than the checkpoint holds
-    cannot be met.
-
-    Args:
-      checkpoint_path: the workdir's latest checkpoint.
-      mechanism: the new run's `DPMechanism`.
-      sampling_seed, noise_seed: the seeds the user fixed now, or None.
-
-    Returns:
-      `(steps, config)`: the steps the checkpoint holds and the gin bindings
-      it was written under.
-
-    Raises:
-      ValueError: on any mismatch; the message names every differing field
-        (never a secret seed's value) and says what to do.
-    """
-    reader = storage.checkpoint_reader(checkpoint_path)
-    if _is_non_private(reader):
-        raise ValueError(
-            f"The checkpoint {checkpoint_path} is of a NON-PRIVATE run (privacy=None): its "
-            "steps had no clipping and no noise. Resuming it with DP-SGD would train a model "
-            "whose earlier steps no privacy report covers. Nothing was changed. Use a new "
-            "workdir for the private run (to fine-tune privately from it, load it as a "
-            "pretrained backbone), or set tfdp.train_and_evaluate.privacy = None to resume "
-            "the non-private one.")
-    if not reader.has_tensor(_LEDGER_KEY.format("mechanism_json")):
-        raise ValueError(
-            f"The checkpoint {checkpoint_path} was written by an older tfdp that did not "
-            "record the whole privacy mechanism, so resuming it cannot be checked. Use a new "
-            "workdir.")
-    saved = accounting.DPMechanism.from_dict(
-        json.loads(reader.get_tensor(_LEDGER_KEY.format("mechanism_json"))))
-    problems = [f"  {line} (checkpoint vs this run)" for line in saved.differences(mechanism)]
-    for name, fixed in (("sampling_seed", sampling_seed), ("noise_seed", noise_seed)):
-        if fixed is not None and int(reader.get_tensor(_LEDGER_KEY.format(name))) != int(fixed):
-            problems.append(f"  {name}: this run fixes another value than the checkpoint's")
-    if problems:
-        raise ValueError(
-            "The checkpoint in the workdir was written under another privacy mechanism:\n"
-            + "\n".join(problems)
-            + "\nResuming would mix two mechanisms under one epsilon. Restore the original "
-            "settings, or use a new workdir."
-        )
-    steps = int(reader.get_tensor(_LEDGER_KEY.format("steps")))
-    if steps > mechanism.num_steps:
-        raise ValueError(
-            f"This workdir already holds {steps} steps, more than the {mechanism.num_steps} "
-            "planned now (NUM_STEPS, or the TARGET_EPSILON cap). Nothing was changed. Plan at "
-            f"least {steps} steps to resume it, or use a new workdir.")
-    config = reader.get_tensor(_LEDGER_KEY.format("config")).decode()
-    return steps, config
+        record_variables.save_checkpoint(self.manager, self.record,
+                                         int(self.model.optimizer.iterations.numpy()))
 
 
 def ran_validation(logs):

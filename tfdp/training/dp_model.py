@@ -10,9 +10,9 @@ from absl import logging
 from tfdp import accounting
 from tfdp import models
 from tfdp.dp import clipping
+from tfdp.dp import device_arithmetic
 from tfdp.dp import seeds
 from tfdp.dp import noise
-from tfdp.dp import precision
 from tfdp.training import chunked
 from tfdp.training import clip_paths
 from tfdp.training import ema
@@ -192,7 +192,8 @@ class DPModel(chunked.ChunkedTraining, ema.EMAParameters, keras.Model):
         self._ghost = None  # the GhostClipping chosen in compile(), or None
         self._loop = False  # per-example gradients one example at a time (`clip_paths.checked`)
         self._mixing_checked = False  # models.refuse_example_mixing has passed (`compile`)
-        self._traced_plan = None  # precision.step_plan() of the traced step (`_chunk_contribution`)
+        # device_arithmetic.step_plan() of the traced step (`_chunk_contribution`)
+        self._traced_plan = None
         self.mechanism = mechanism
         self.accumulation_steps = int(accumulation_steps)
         self.ema_decay = None if ema_decay is None else float(ema_decay)
@@ -293,7 +294,7 @@ class DPModel(chunked.ChunkedTraining, ema.EMAParameters, keras.Model):
 
         Raises:
           ValueError: if `loss` or `metrics` is given.
-          tfdp.dp.precision.PrecisionRewrite: (a ValueError) if grappler's
+          tfdp.dp.device_arithmetic.PrecisionRewrite: (a ValueError) if grappler's
             automatic mixed precision or XLA's fast math is on: either would
             rewrite the traced step's arithmetic behind its per-example norms.
         """
@@ -304,7 +305,7 @@ class DPModel(chunked.ChunkedTraining, ema.EMAParameters, keras.Model):
                     "to sparse categorical cross-entropy on logits."
                 )
         # Before anything is traced: settings that would rewrite the step's float32 arithmetic.
-        precision.refuse_precision_rewrites()
+        device_arithmetic.refuse_precision_rewrites()
         super().compile(optimizer=optimizer, **kwargs)
         # Build the optimizer (and the EMA) now, outside any tf.function.
         self.optimizer.build(self.trainable_variables)
@@ -471,12 +472,12 @@ class DPModel(chunked.ChunkedTraining, ema.EMAParameters, keras.Model):
         """Keras' train function, checked before every call for what its trace planned.
 
         The ghost rules plan their arithmetic for the device at trace time
-        (`tfdp.dp.precision.step_plan`: matmul inputs, TF32 execution, oneDNN's
+        (`tfdp.dp.device_arithmetic.step_plan`: matmul inputs, TF32 execution, oneDNN's
         fpmath mode) and the clip margin with it. A change after tracing
         (`tf.config.experimental.enable_tensor_float_32_execution(True)` on a
         GPU) would leave a float32 plan running on a rounding device (issue
         34), so the next call traces the step anew; a setting that would
-        rewrite the step's precision (`precision.refuse_precision_rewrites`)
+        rewrite the step's precision (`device_arithmetic.refuse_precision_rewrites`)
         is refused before the step runs. A step the user traces in a
         `tf.function` of their own (`clip_and_accumulate`, `train_step`) gets
         the refusal at trace time only: trace it again after such a change.
@@ -490,9 +491,9 @@ class DPModel(chunked.ChunkedTraining, ema.EMAParameters, keras.Model):
         def train_function(*args, **kwargs):
             if self._stopped:  # a non-finite state was seen: this model trains no further
                 raise noise.NonFiniteRelease(self._stopped)
-            precision.refuse_precision_rewrites()
+            device_arithmetic.refuse_precision_rewrites()
             models.validate_float32(self)  # a layer's dtype policy changed since compile
-            now = precision.step_plan()
+            now = device_arithmetic.step_plan()
             if self._traced_plan is not None and now != self._traced_plan:
                 logging.warning("The DP step was traced for %s and would now run on %s: "
                                 "tracing it again for this device.", self._traced_plan, now)
@@ -548,8 +549,8 @@ class DPModel(chunked.ChunkedTraining, ema.EMAParameters, keras.Model):
     def _chunk_contribution(self, images, labels, mask, ids=None):
         """What one chunk adds to the accumulators: clipped sums (or microbatch sums)."""
         # Trace time: the precision the rules plan for is fixed now (`make_train_function`).
-        precision.refuse_precision_rewrites()
-        self._traced_plan = precision.step_plan()
+        device_arithmetic.refuse_precision_rewrites()
+        self._traced_plan = device_arithmetic.step_plan()
         tensors = (images, labels, mask) if ids is None else (images, labels, mask, ids)
         if images.shape[0] is None:
             # At least two rows (zero, mask 0: they add nothing): tf.vectorized_map over a

@@ -17,7 +17,8 @@ METRICS_FILE = "metrics.jsonl"
 OPERATIVE_CONFIG = "operative_config.gin"
 
 
-def fit(dp_model, plan, *, step_callback, metrics_fields, manager, ledger, train_ds, eval_ds,
+def fit(dp_model, plan, *, step_callback, metrics_fields, manager, checkpoint_record, train_ds,
+        eval_ds,
         out_dir, start_step, checkpoint_every_steps, eval_every_steps, augtest, progress_bar,
         test_examples):
     """Trains `dp_model` from `start_step` to `plan.num_steps`, evaluating every eval_every_steps.
@@ -28,7 +29,8 @@ def fit(dp_model, plan, *, step_callback, metrics_fields, manager, ledger, train
       step_callback: the mode's callback that puts the step (and epsilon) into
         each epoch's logs (`tfdp.modes`); it goes before the loggers.
       metrics_fields: what every metrics.jsonl line also says (the mode's).
-      manager, ledger: the checkpoint manager and the ledger it saves.
+      manager, checkpoint_record: the checkpoint manager and the privacy record it saves
+        (`tfdp.training.record_variables`).
       train_ds, eval_ds: the distributed training chunks and the test batches.
       out_dir: where metrics.jsonl, operative_config.gin and tensorboard/ go.
       start_step: the restored optimizer step.
@@ -48,7 +50,7 @@ def fit(dp_model, plan, *, step_callback, metrics_fields, manager, ledger, train
                                                                out_dir))),
         step_callback,
         callbacks_lib.ProgressLog(plan, bar=progress_bar),
-        callbacks_lib.CheckpointCallback(manager, ledger),
+        callbacks_lib.CheckpointCallback(manager, checkpoint_record),
         callbacks_lib.MetricsJsonl(os.path.join(out_dir, METRICS_FILE),
                                    extra={"test_examples": test_examples, **metrics_fields}),
         callbacks_lib.OperativeConfigSaver(os.path.join(out_dir, OPERATIVE_CONFIG)),

@@ -14,6 +14,7 @@ for convolutions' ghost norms. A weight-standardized kernel:
 import numpy as np
 import tensorflow as tf
 
+from tfdp.dp import device_arithmetic
 from tfdp.dp import precision
 from tfdp.dp.ghost_norms import dense
 from tfdp.dp.ghost_norms import forms
@@ -186,12 +187,14 @@ def conv2d_example_gradients(inputs: tf.Tensor, output_grads: tf.Tensor, *, kern
     for view in range(num_views):
         a = inputs[view::num_views] if num_views > 1 else inputs
         g = output_grads[view::num_views] if num_views > 1 else output_grads
-        kernel = precision.device_rounded(tf.transpose(g, [1, 2, 0, 3]))  # [oh, ow, batch, O]
+        # [oh, ow, batch, O]
+        kernel = device_arithmetic.device_rounded(tf.transpose(g, [1, 2, 0, 3]))
         out = {}
         for r in phases_h:
             for t in phases_w:
                 phase = a[:, r::s, t::s] if s > 1 else a
-                lhs = precision.device_rounded(tf.transpose(phase, [3, 1, 2, 0]))  # [C, H, W, n]
+                # [C, H, W, n]
+                lhs = device_arithmetic.device_rounded(tf.transpose(phase, [3, 1, 2, 0]))
                 # Offset (y, x) reads input (p s + y d): the input strided by d.
                 out[r, t] = tf.nn.depthwise_conv2d(lhs, kernel, strides=[1, dh, dh, 1],
                                                    padding="VALID")  # [C, ka_r, kb_t, n O]

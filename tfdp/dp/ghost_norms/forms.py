@@ -22,6 +22,7 @@ import tensorflow as tf
 
 from tfdp.dp import clipping
 from tfdp.dp import compiler_checks
+from tfdp.dp import device_arithmetic
 from tfdp.dp import precision
 from tfdp.dp.ghost_norms.rows import Rows, _one_block_at_a_time, _static_size, example_rows
 
@@ -34,7 +35,7 @@ def choose_form(rows: Optional[int], fan_in: int, fan_out: int,
     """`GRAM` where it holds less per example and costs at most 4x the direct form's extra work.
 
     Per example, with R rows, F = fan_in, O = fan_out and P the passes of an
-    exact product on the planned device (6 where `precision.splits()`: a GPU's
+    exact product on the planned device (6 where `device_arithmetic.splits()`: a GPU's
     TF32 or a TPU's bf16 matmuls; else 1):
 
     | form   | held until the clip factors are known | work beyond the plain step's kernel gradient |
@@ -63,7 +64,7 @@ def choose_form(rows: Optional[int], fan_in: int, fan_out: int,
     """
     if rows is None:
         return DIRECT
-    passes = 6 if precision.splits() else 1
+    passes = 6 if device_arithmetic.splits() else 1
     kernel = rows * fan_in * fan_out
     held_direct, held_gram = fan_in * fan_out, rows * (fan_in + fan_out)
     extra_direct = 2 * fan_in * fan_out
@@ -154,7 +155,7 @@ def _summer(blocks, squares, finish=None):
 
     def weighted_sum(factors):
         factors = tf.cast(factors, blocks[0].dtype)
-        if precision.splits():
+        if device_arithmetic.splits():
             # Elementwise products either way there (`precision.weighted_sum`): one
             # multiply_no_nan pass, no cond, whose two branches XLA computes both (a select:
             # 2.1 of WRN-16-4's 7.8 GB at B = 32).
@@ -203,7 +204,7 @@ GROUPED_CONV_GRADIENTS: Optional[bool] = None
 def grouped_conv_gradients() -> bool:
     """Whether direct-form conv kernels use `conv.conv2d_example_gradients` (trace time).
 
-    `GROUPED_CONV_GRADIENTS` if set, else `precision.splits()`: on a GPU or a
+    `GROUPED_CONV_GRADIENTS` if set, else `device_arithmetic.splits()`: on a GPU or a
     TPU (whose matmuls round their inputs), where a grouped convolution is the
     device's own kernel and patches cost memory and bandwidth; not on a CPU,
     where TensorFlow's and XLA's grouped convolutions are 1.3-24x slower than
@@ -211,7 +212,7 @@ def grouped_conv_gradients() -> bool:
     """
     if GROUPED_CONV_GRADIENTS is not None:
         return GROUPED_CONV_GRADIENTS
-    return precision.splits()
+    return device_arithmetic.splits()
 
 
 # Where a direct-form conv kernel on the grouped route is RECOMPUTED instead of held:
