@@ -5,7 +5,6 @@ import inspect
 import keras
 import numpy as np
 import tensorflow as tf
-from absl import logging
 
 from tfdp import accounting
 from tfdp import models
@@ -16,39 +15,10 @@ from tfdp.dp import precision
 from tfdp.training import chunked
 from tfdp.training import clip_paths
 from tfdp.training import ema
-from tfdp.training import ghost_clipping
+from tfdp.training import release_guard
+from tfdp.training.example_weights import refuse_example_weights
 
 from tfdp.dp.clipping import CLIPPING_PATHS
-
-
-def refuse_example_weights(class_weight, sample_weight, *, where):
-    """Raises if per-example loss weights are given: they scale the sensitivity.
-
-    DP-SGD clips each example's gradient to C; a weight w on its loss
-    multiplies that gradient AFTER nothing clips it (Keras applies sample
-    weights to the loss), so the example moves the sum by up to w C while
-    the privacy report claims C (How to DP-fy ML, Ponomareva et al. 2023,
-    Sec. 5.2: sensitivity). `class_weight={1: 50}` would let one example
-    contribute 50 C. For imbalanced classes, resample the public class
-    frequencies into the model's bias, or weight classes inside a
-    per-example loss that is clipped afterwards (tfdp offers neither yet).
-
-    Args:
-      class_weight, sample_weight: what the caller passed (None: nothing).
-      where: the function named in the message.
-
-    Raises:
-      ValueError: if either is not None.
-    """
-    for name, value in (("class_weight", class_weight), ("sample_weight", sample_weight)):
-        if value is not None:
-            raise ValueError(
-                f"{where} does not take {name}: weighting an example's loss scales its "
-                "gradient after clipping, so one example could move the update by more than "
-                "l2_clip_norm and the reported epsilon would not hold. Remove it; for "
-                "imbalanced classes, resample the data or set the classifier's bias from "
-                "public class frequencies. (A third element of each batch is read only as "
-                "a 0/1 padding mask.)")
 
 
 class DPModel(chunked.ChunkedTraining, ema.EMAParameters, keras.Model):
@@ -202,7 +172,7 @@ class DPModel(chunked.ChunkedTraining, ema.EMAParameters, keras.Model):
         self._withheld = chunked._Untracked(tf.Variable(
             0, dtype=tf.int32, trainable=False, name="withheld_updates",
             aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA))
-        self._release_check = None  # `_refuse_withheld`'s check, made on first use
+        self._release_check = None  # `release_guard.refuse_withheld`'s check, made on first use
         self._stopped = None  # NonFiniteRelease's message, once the model's state was not finite
         self.loss_tracker = keras.metrics.Mean(name="loss")
         self.accuracy_tracker = keras.metrics.Mean(name="accuracy")
@@ -316,47 +286,10 @@ class DPModel(chunked.ChunkedTraining, ema.EMAParameters, keras.Model):
         if models.input_example_shape(self.model) is not None:
             models.refuse_example_mixing(self.model)
             self._mixing_checked = True
-        self._ghost = self._plan_clipping()
+        self._ghost = clip_paths.plan_clipping(self)
         self._loop = False
         self._build_ema()
-
-    def _plan_clipping(self):
-        """The GhostClipping that `clipping` asks for, or None for the vectorized path."""
-        if self.clipping == "vectorized":
-            return None
-        if self.mechanism.num_microbatches:
-            # Microbatches clip means of per-example gradients, which ghost norms do not give.
-            (logging.warning if self.clipping == "ghost" else logging.info)(
-                "Microbatches (num_microbatches=%d) clip gradient means, not per-example "
-                "gradients: clipping=%r uses the vectorized path.",
-                self.mechanism.num_microbatches, self.clipping)
-            return None
-        custom = (models.user_defined_gradients(self.model)
-                  if models.input_example_shape(self.model) is not None else [])
-        if custom:
-            # Ghost norms take each row's output gradient as its example's own; a user's
-            # backward pass may trade gradient between rows unseen by the mixing probe.
-            logging.warning(
-                "Ghost clipping is not possible: the model has user-defined gradients (%s), "
-                "which may mix examples in the backward pass where no probe can see it; every "
-                "variable keeps tf.vectorized_map per-example gradients (each example's "
-                "backward pass runs alone).", ", ".join(custom[:3]))
-            return None
-        try:
-            ghost = ghost_clipping.GhostClipping(self.model, self.trainable_variables)
-        except ghost_clipping.UnsupportedModel as error:
-            logging.warning("Ghost clipping is not possible (%s); every variable keeps "
-                            "tf.vectorized_map per-example gradients.", error)
-            return None
-        if self.clipping == "auto" and ghost.fallback_variables:
-            logging.warning(
-                "clipping='auto': layers without a ghost-norm rule (%s), so the whole model "
-                "uses tf.vectorized_map per-example gradients; clipping='ghost' would keep "
-                "them only for those layers.",
-                "; ".join(f"{name}: {why}" for name, why in ghost.uncovered_layers))
-            return None
-        ghost_clipping.log_plan(ghost)
-        return ghost
+        self._make_accumulators()  # before any trace: `train_step` accumulates in them
 
     @property
     def clipping_path(self):
@@ -413,8 +346,17 @@ class DPModel(chunked.ChunkedTraining, ema.EMAParameters, keras.Model):
         return images, labels, mask
 
     def train_step(self, data):
+        """One update from a logical batch, by the chunked train function's own accumulation.
+
+        The batch is cut into `accumulation_steps` chunks; the accumulators
+        are zeroed, each chunk's `_contribution` is added in order, and the
+        update is made from their sum (`_update_from_accumulators`): the
+        calls the chunked train function makes for chunk elements
+        (`tfdp.training.chunked`), in this replica's context.
+        """
         images, labels, mask = self._unpack(data)
-        return self._apply_update(*self.clip_and_accumulate(images, labels, mask))
+        self._accumulate_batch((images, labels, _binary(mask)))
+        return self._update_from_accumulators()
 
     def _apply_update(self, summed, stats):
         """Noise once, divide by B, apply, EMA, metrics: the step after accumulation.
@@ -451,12 +393,8 @@ class DPModel(chunked.ChunkedTraining, ema.EMAParameters, keras.Model):
           the logical batch. `stats` are the metric sums (loss, correct,
           pre-clip norms, clipped units, examples, clipped units count).
         """
-        mask = _binary(mask)
-        tensors = (images, labels, mask)
-        if self.mechanism.num_microbatches:
-            tensors += (self.draw_microbatch_ids(mask),)
-        total = self._accumulate(self._chunk_contribution, tensors, self._zero_contribution())
-        return self._finish_accumulation(total)
+        self._accumulate_batch((images, labels, _binary(mask)))
+        return self._finish_accumulation(self._accumulated())
 
     def _zero_contribution(self):
         """Zeros shaped like one chunk's contribution (`_chunk_contribution`)."""
@@ -468,82 +406,17 @@ class DPModel(chunked.ChunkedTraining, ema.EMAParameters, keras.Model):
                 tuple(tf.zeros([]) for _ in range(6)))
 
     def make_train_function(self, force=False):
-        """Keras' train function, checked before every call for what its trace planned.
+        """Keras' train function (or the chunked one), checked around every call.
 
-        The ghost rules plan their arithmetic for the device at trace time
-        (`tfdp.dp.precision.step_plan`: matmul inputs, TF32 execution, oneDNN's
-        fpmath mode) and the clip margin with it. A change after tracing
-        (`tf.config.experimental.enable_tensor_float_32_execution(True)` on a
-        GPU) would leave a float32 plan running on a rounding device (issue
-        34), so the next call traces the step anew; a setting that would
-        rewrite the step's precision (`precision.refuse_precision_rewrites`)
-        is refused before the step runs. A step the user traces in a
-        `tf.function` of their own (`clip_and_accumulate`, `train_step`) gets
-        the refusal at trace time only: trace it again after such a change.
+        The checks (`tfdp.training.release_guard.guarded`): a changed device
+        plan traces the step again, precision rewrites are refused before the
+        step, a withheld non-finite update stops training after it.
         """
         if self.train_function is not None and not force:
             return self.train_function
         super().make_train_function(force=force)
-        traced = self.train_function
-        self._release_check = None  # the variables as they are now (trainability may change)
-
-        def train_function(*args, **kwargs):
-            if self._stopped:  # a non-finite state was seen: this model trains no further
-                raise noise.NonFiniteRelease(self._stopped)
-            precision.refuse_precision_rewrites()
-            models.validate_float32(self)  # a layer's dtype policy changed since compile
-            now = precision.step_plan()
-            if self._traced_plan is not None and now != self._traced_plan:
-                logging.warning("The DP step was traced for %s and would now run on %s: "
-                                "tracing it again for this device.", self._traced_plan, now)
-                self._traced_plan = None
-                self.train_function = None
-                return self.make_train_function()(*args, **kwargs)
-            logs = traced(*args, **kwargs)
-            self._refuse_withheld()
-            return logs
-
-        self.train_function = train_function
-        return train_function
-
-    def _refuse_withheld(self):
-        """Raises `noise.NonFiniteRelease` once the model's state is not finite.
-
-        Checked after every call of the train function, before Keras' callbacks
-        (checkpoints, evaluation, logs) read the model, by TensorFlow's own
-        kernels outside XLA (`noise.count_non_finite` on the bits): a
-        compiler that drops IEEE semantics inside the step can fold the
-        step's own test (`noise.finite_release`), not this one. The model's
-        float state (trainable variables, their EMA, the optimizer's slots)
-        is then set to zero, so that no non-finite state is saved or
-        exported from this process. Covers every call of the train function
-        (`fit`, `train_on_batch`, the CLI's chunked steps); a step the user
-        runs in a function of their own (`train_step`) has the refusals only.
-        """
-        if self._release_check is None:
-            variables = list(self.trainable_variables) + list(self.ema_variables or [])
-            withheld = self._withheld.value
-            self._release_check = chunked._Untracked(tf.function(
-                lambda: tf.cast(withheld, tf.float32) + noise.count_non_finite(variables),
-                jit_compile=False))
-        if float(self._release_check.value()) == 0.0:
-            return
-        self._withheld.value.assign(1)  # every later step withholds its update too
-        state = (list(self.trainable_variables) + list(self.ema_variables or [])
-                 + list(self.optimizer.variables))
-        for variable in state:
-            if variable.dtype in ("float32", tf.float32, "float64", tf.float64):
-                variable.assign(tf.zeros_like(variable))
-        self._stopped = (
-            "A DP step computed a noisy update with an inf or NaN entry. It is not released: "
-            "this model trains no further, and its float state is set to zero so "
-            "that nothing non-finite is saved (a non-finite release would show that some "
-            "example's contribution escaped its clip). Every example's contribution is "
-            "finite by construction unless the compiler dropped IEEE float semantics: look "
-            "for fast-math flags in XLA_FLAGS and TF_XLA_FLAGS (in the environment the "
-            "process started with too), then resume from the last checkpoint in a new "
-            "process.")
-        raise noise.NonFiniteRelease(self._stopped)
+        self.train_function = release_guard.guarded(self, self.train_function)
+        return self.train_function
 
     def _chunk_contribution(self, images, labels, mask, ids=None):
         """What one chunk adds to the accumulators: clipped sums (or microbatch sums)."""
@@ -557,8 +430,8 @@ class DPModel(chunked.ChunkedTraining, ema.EMAParameters, keras.Model):
             # models (TensorFlow 2.21, oneDNN off: "Input to reshape is a tensor with 8
             # values, but the requested shape has 2"; found by the DP-model fuzzer), while
             # a known length of 1, or any length of 2 or more, runs. Every path comes here:
-            # chunks of `_accumulate` and elements of chunked input alike.
-            tensors = tuple(_pad_rows(tensors, 1, min_rows=2))
+            # chunks of a logical batch and elements of chunked input alike.
+            tensors = tuple(chunked.pad_rows(tensors, 1, min_rows=2))
         return clip_paths.checked(self, self._chunk_contribution_on_path, tensors)
 
     def _chunk_contribution_on_path(self, images, labels, mask, ids=None):
@@ -580,30 +453,6 @@ class DPModel(chunked.ChunkedTraining, ema.EMAParameters, keras.Model):
         if not self.mechanism.num_microbatches:
             return total
         return self._clip_microbatches(*total)
-
-    def _accumulate(self, chunk_fn, tensors, initial):
-        """Sums `chunk_fn(*chunk)` over `accumulation_steps` consecutive chunks.
-
-        The batch is padded with zero rows (mask 0, contributing nothing) to
-        a positive multiple of `accumulation_steps`, so that every chunk has
-        the same shape and at least one row (an empty Poisson batch or chunk
-        would otherwise break the vectorized conv gradients;
-        `_chunk_contribution` gives a chunk of unknown size a second), then cut with a
-        `reshape`: chunk i is row i. A static batch that already splits
-        evenly is not padded, so its chunks keep one static shape, as XLA and
-        TPUs need.
-        """
-        a = self.accumulation_steps
-        tensors = _pad_rows(tensors, a)
-        if a == 1:
-            return tf.nest.map_structure(tf.add, initial, chunk_fn(*tensors))
-        split = [tf.reshape(t, [a, -1, *_dims(t)[1:]]) for t in tensors]
-
-        def body(i, total):
-            return i + 1, tf.nest.map_structure(tf.add, total, chunk_fn(*[t[i] for t in split]))
-
-        _, total = tf.while_loop(lambda i, _: i < a, body, (tf.constant(0), initial))
-        return total
 
     def _clipped_chunk(self, images, labels, mask):
         """Clipped gradient sum of one chunk (per-example clipping) and its metric sums."""
@@ -698,30 +547,6 @@ def _hits(logits, labels):
     """float32 [batch]: 1 where the arg-max logit is the label."""
     predicted = tf.argmax(logits, -1, output_type=tf.int32)
     return tf.cast(tf.equal(predicted, tf.cast(labels, tf.int32)), tf.float32)
-
-
-def _pad_rows(tensors, multiple, min_rows=1):
-    """Pads `[batch, ...]` tensors with zero rows to a multiple of `multiple`, >= `min_rows` each.
-
-    Every chunk (`batch / multiple` rows) gets at least `min_rows` rows. A no-op
-    when the static batch size already is a positive multiple with chunks of
-    at least `min_rows`.
-    """
-    static = tensors[0].shape[0]
-    if static is not None and static >= min_rows * multiple and static % multiple == 0:
-        return tensors
-    size = tf.shape(tensors[0])[0]
-    pad = tf.maximum(min_rows, (size + multiple - 1) // multiple) * multiple - size
-    # tf.pad with a tensor amount forgets every static dimension; keep the inner ones.
-    return [tf.ensure_shape(
-        tf.pad(t, tf.concat([[[0, pad]], tf.zeros([t.shape.rank - 1, 2], tf.int32)], 0)),
-        [None, *t.shape[1:]]) for t in tensors]
-
-
-def _dims(t):
-    """The shape of `t` as a list: static dimensions as ints, others as tensors."""
-    dynamic = tf.shape(t)
-    return [d if d is not None else dynamic[k] for k, d in enumerate(t.shape)]
 
 
 def _expand(vector, like):
