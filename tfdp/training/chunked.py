@@ -207,3 +207,20 @@ class _Untracked:
 
     def __init__(self, value):
         self.value = value
+
+
+def hits(logits, labels):
+    """float32 [batch]: 1 where the arg-max logit is the label."""
+    predicted = tf.argmax(logits, -1, output_type=tf.int32)
+    return tf.cast(tf.equal(predicted, tf.cast(labels, tf.int32)), tf.float32)
+
+
+def expand(vector, like):
+    """`vector` [n] reshaped to broadcast against `like` [n, ...]."""
+    return tf.reshape(vector, [-1] + [1] * (like.shape.rank - 1))
+
+
+def masked(values, mask):
+    """`values` [n, ...] with padding rows (mask 0) set to 0: a padding row's NaN or inf
+    (a loss, a norm, a gradient) adds nothing, where `values * mask` would add NaN."""
+    return tf.where(expand(mask, values) > 0, values, tf.zeros_like(values))
