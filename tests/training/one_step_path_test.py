@@ -146,3 +146,28 @@ def test_train_step_on_a_logical_batch_equals_the_chunked_path_bit_for_bit(
     assert int(dp.optimizer.iterations.numpy()) == 1
     for got, want in zip(model.trainable_variables, whole):
         np.testing.assert_array_equal(got.numpy(), want)
+
+
+def test_steps_per_execution_and_train_on_batch_run_the_same_accumulation():
+    # Keras runs train_step in a loop of 2 steps per call (steps_per_execution=2), or once
+    # per train_on_batch: the accumulators are zeroed per step, so every update is the same.
+    rng = np.random.default_rng(2)
+    x = rng.normal(size=(2, B, 6)).astype(np.float32)
+    y = rng.integers(0, 3, (2, B)).astype(np.int32)
+    batches = tf.data.Dataset.from_tensor_slices((x, y))
+    model, dp = _dp_model(3, None)
+    dp.fit(batches, epochs=1, steps_per_epoch=2, verbose=0)
+    want = [v.numpy() for v in model.trainable_variables]
+
+    model, dp = _dp_model(3, None)
+    dp.compile(optimizer=keras.optimizers.SGD(1.0), steps_per_execution=2)
+    dp.fit(batches, epochs=1, steps_per_epoch=2, verbose=0)
+    assert int(dp.optimizer.iterations.numpy()) == 2
+    for got, expected in zip(model.trainable_variables, want):
+        np.testing.assert_array_equal(got.numpy(), expected)
+
+    model, dp = _dp_model(3, None)
+    for step in range(2):
+        dp.train_on_batch(x[step], y[step])
+    for got, expected in zip(model.trainable_variables, want):
+        np.testing.assert_array_equal(got.numpy(), expected)
