@@ -111,8 +111,15 @@ class ChunkedTraining:
         zeroed and each chunk is added with `_accumulate_chunk`, in order, as
         the chunked train function adds its chunk elements. Each chunk's
         accumulation is traced once as a function of its own, called once per
-        chunk: calls that touch the accumulators run one after another, so only
-        one chunk's per-example gradients are in memory (virtual batching).
+        chunk: the calls touch the same variables, so automatic control
+        dependencies run them one after another and, outside XLA, only one
+        chunk's per-example gradients are in memory (virtual batching). Under
+        `jit_compile` the unrolled calls are one XLA program whose schedule
+        XLA chooses; the chunked train function compiles each chunk alone.
+
+        Args:
+          tensors: `(images [batch, ...], labels int [batch], mask float32
+            [batch] of 0 and 1)`.
         """
         self._make_accumulators()
         self._zero_accumulators()
