@@ -156,10 +156,11 @@ class DPModel(chunked.ChunkedTraining, ema.EMAParameters, keras.Model):
         return self.model(inputs, training=training)
 
     def fit(self, x=None, *args, **kwargs):
-        """`keras.Model.fit` on a `tf.data.Dataset` of logical batches (see the class doc).
+        """`keras.Model.fit` on a `ChunkedInput` or a `tf.data.Dataset` of logical batches.
 
         Raises:
-          ValueError: if `x` is not a (distributed) `tf.data.Dataset`, or if
+          ValueError: if `x` is neither a `ChunkedInput` (of this model's
+            accumulation_steps) nor a (distributed) `tf.data.Dataset`, or if
             `class_weight` or `sample_weight` is given (`refuse_example_weights`).
         """
         bound = inspect.signature(keras.Model.fit).bind(self, x, *args, **kwargs).arguments
