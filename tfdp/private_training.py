@@ -37,6 +37,7 @@ import tensorflow as tf
 
 from tfdp import configs
 from tfdp import data
+from tfdp import inputs
 from tfdp import models
 from tfdp import planning
 from tfdp.dp import seeds
@@ -44,6 +45,7 @@ from tfdp.dp import precision
 from tfdp.export import privacy_report
 from tfdp.export import saved_model
 from tfdp.training import callbacks as callbacks_lib
+from tfdp.training import distribute
 from tfdp.training.dp_model import DPModel, refuse_example_weights
 
 # A tf.data.Dataset of unknown cardinality (e.g. after `filter`) is read into memory up to
@@ -79,7 +81,9 @@ class PrivateTraining:
         Every example joins each step's batch independently with probability
         q = batch_size / N (the sampling the accountant assumes), with a
         secret seed drawn once per `PrivateTraining`; calling `fit` again
-        continues the same stream after the steps already taken.
+        continues the same stream after the steps already taken. The batches
+        are read and trained as `python -m tfdp.main` does: in accumulation
+        chunks, one update per logical batch.
 
         Args:
           verbose: log progress (steps of the total, loss, exact epsilon).
@@ -87,13 +91,18 @@ class PrivateTraining:
         remaining = self.mechanism.num_steps - self.steps
         if remaining <= 0:
             return None
-        batches = data.train_batches(
-            self.source, sampling="poisson", batch_size=self.mechanism.batch_size,
-            num_steps=self.mechanism.num_steps, seed=self._sampling_seed,
-            start_step=self.steps)
+        # The trainer's own input and step (`python -m tfdp.main`): each logical batch's
+        # accumulation chunks (`tfdp.inputs.train_dataset`, no augmentation), dealt to the
+        # model's replicas (`distribute.distribute_chunks`), one update per batch.
+        strategy, steps = self.model.distribute_strategy, self.model.accumulation_steps
+        chunks = distribute.distribute_chunks(strategy, inputs.train_dataset(
+            self.source, self.mechanism, seed=self._sampling_seed, start_step=self.steps,
+            augment_fn=None, augment_seed=None, augmult=1,
+            num_replicas=strategy.num_replicas_in_sync, accumulation_steps=steps),
+            accumulation_steps=steps)
         progress = [callbacks_lib.ProgressLog(self.mechanism)] if verbose else []
         return self.model.fit(
-            batches, epochs=1, steps_per_epoch=remaining, verbose=0,
+            chunks, epochs=1, steps_per_epoch=remaining, verbose=0,
             callbacks=[callbacks_lib.PrivacyCallback(self.mechanism), *progress])
 
     def evaluate(self, test_data, *, batch_size=1000):

@@ -296,8 +296,8 @@ def test_a_batch_of_unknown_size_is_padded_to_whole_chunks_of_min_rows(size, mul
     # DPModel gives every chunk of unknown size two rows (`_chunk_contribution`):
     # tf.vectorized_map over an unknown loop length that turns out to be 1 reshapes wrongly
     # in attention models (oneDNN off; found by the DP-model fuzzer).
-    from tfdp.training import dp_model  # pylint: disable=g-import-not-at-top
-    pad = tf.function(lambda x, m: dp_model._pad_rows((x, m), multiple, min_rows),
+    from tfdp.training import chunked  # pylint: disable=g-import-not-at-top
+    pad = tf.function(lambda x, m: chunked.pad_rows((x, m), multiple, min_rows),
                       input_signature=[tf.TensorSpec([None, 3]), tf.TensorSpec([None])])
     x, m = pad(tf.ones([size, 3]), tf.ones([size]))
     assert x.shape == (padded, 3) and m.shape == (padded,)
@@ -306,10 +306,10 @@ def test_a_batch_of_unknown_size_is_padded_to_whole_chunks_of_min_rows(size, mul
 
 
 def test_a_static_batch_that_splits_evenly_is_not_padded():
-    from tfdp.training import dp_model  # pylint: disable=g-import-not-at-top
+    from tfdp.training import chunked  # pylint: disable=g-import-not-at-top
     x = tf.ones([1, 3])  # static 1: vectorized_map over a known length of 1 runs
-    assert dp_model._pad_rows((x,), 1)[0] is x
-    assert dp_model._pad_rows((x,), 1, min_rows=2)[0].shape == (2, 3)
+    assert chunked.pad_rows((x,), 1)[0] is x
+    assert chunked.pad_rows((x,), 1, min_rows=2)[0].shape == (2, 3)
 
 
 class _FixedIds(_Noiseless):

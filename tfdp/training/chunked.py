@@ -17,6 +17,11 @@ A model using it defines three hooks, all in replica context:
   - `_update_from_total(total)`: the update of the logical batch from the
     summed contributions (DPModel: noise once, divide by B, apply, EMA,
     metrics), returning the logs dict.
+
+A logical batch fed whole (DPModel's `train_step`) takes the same path:
+`_accumulate_batch` cuts it into `accumulation_steps` chunks (`split_chunks`)
+and runs the same zero, then `_accumulate_chunk` per chunk in order, then
+`_update_from_accumulators`, in replica context.
 """
 
 import tensorflow as tf
@@ -98,16 +103,44 @@ class ChunkedTraining:
         self.train_function = one_update
         return one_update
 
+    def _accumulate_batch(self, tensors):
+        """Replica context: this replica's accumulators hold the sum of `tensors`' chunks.
+
+        `tensors` (images, labels, mask), each `[batch, ...]`, are cut into
+        `accumulation_steps` chunks (`split_chunks`); the accumulators are
+        zeroed and each chunk is added with `_accumulate_chunk`, in order, as
+        the chunked train function adds its chunk elements. Each chunk's
+        accumulation is traced once as a function of its own, called once per
+        chunk: the calls touch the same variables, so automatic control
+        dependencies run them one after another and, outside XLA, only one
+        chunk's per-example gradients are in memory (virtual batching). Under
+        `jit_compile` the unrolled calls are one XLA program whose schedule
+        XLA chooses; the chunked train function compiles each chunk alone.
+
+        Args:
+          tensors: `(images [batch, ...], labels int [batch], mask float32
+            [batch] of 0 and 1)`.
+        """
+        self._make_accumulators()
+        self._zero_accumulators()
+        accumulate = self._accumulate_chunk
+        if not tf.executing_eagerly():
+            accumulate = tf.function(accumulate, reduce_retracing=True)
+        for chunk in split_chunks(tensors, self.accumulation_steps):
+            accumulate(chunk)
+
     def _make_accumulators(self):
-        """Replica-local zeros shaped like `_zero_contribution()`, made once."""
-        if self._accumulators is not None:
+        """Replica-local zeros shaped like `_zero_contribution()`, made once per shape."""
+        zeros = tf.nest.flatten(self._zero_contribution())
+        if self._accumulators is not None and [v.shape for v in self._accumulators.value] == [
+                z.shape for z in zeros]:
             return
-        with self.distribute_strategy.scope():
+        with tf.init_scope(), self.distribute_strategy.scope():
             variables = [
                 tf.Variable(z, trainable=False, name=f"accumulator_{i}",
                             synchronization=tf.VariableSynchronization.ON_READ,
                             aggregation=tf.VariableAggregation.SUM)
-                for i, z in enumerate(tf.nest.flatten(self._zero_contribution()))]
+                for i, z in enumerate(zeros)]
         # A plain tuple in a plain object: no Keras or checkpoint tracking.
         self._accumulators = _Untracked(tuple(variables))
 
@@ -121,10 +154,59 @@ class ChunkedTraining:
         for v, c in zip(self._accumulators.value, tf.nest.flatten(contribution)):
             v.assign_add(c)
 
+    def _accumulated(self):
+        """Replica context: the accumulators' sum, structured as `_zero_contribution()`."""
+        flat = [tf.identity(v) for v in self._accumulators.value]
+        return tf.nest.pack_sequence_as(self._zero_contribution(), flat)
+
     def _update_from_accumulators(self):
         """Replica context: the update of the logical batch accumulated so far."""
-        flat = [tf.identity(v) for v in self._accumulators.value]
-        return self._update_from_total(tf.nest.pack_sequence_as(self._zero_contribution(), flat))
+        return self._update_from_total(self._accumulated())
+
+
+def split_chunks(tensors, accumulation_steps):
+    """`tensors` `[batch, ...]` cut into `accumulation_steps` chunks of equal size, in order.
+
+    The batch is padded with zero rows (mask 0, contributing nothing) to a
+    positive multiple of `accumulation_steps` (`pad_rows`), so that every
+    chunk has the same shape and at least one row, then cut with a
+    `reshape`: chunk i is rows `[i n, (i + 1) n)`, as `tfdp.data.train_chunks`
+    cuts a replica's slice. A static batch that already splits evenly is not
+    padded, so its chunks keep one static shape, as XLA and TPUs need.
+
+    Returns:
+      A list of `accumulation_steps` tuples, each `tensors`' chunk i.
+    """
+    a = int(accumulation_steps)
+    tensors = pad_rows(tuple(tensors), a)
+    if a == 1:
+        return [tuple(tensors)]
+    split = [tf.reshape(t, [a, -1, *dims(t)[1:]]) for t in tensors]
+    return [tuple(t[i] for t in split) for i in range(a)]
+
+
+def pad_rows(tensors, multiple, min_rows=1):
+    """Pads `[batch, ...]` tensors with zero rows to a multiple of `multiple`, >= `min_rows` each.
+
+    Every chunk (`batch / multiple` rows) gets at least `min_rows` rows. A no-op
+    when the static batch size already is a positive multiple with chunks of
+    at least `min_rows`.
+    """
+    static = tensors[0].shape[0]
+    if static is not None and static >= min_rows * multiple and static % multiple == 0:
+        return tensors
+    size = tf.shape(tensors[0])[0]
+    pad = tf.maximum(min_rows, (size + multiple - 1) // multiple) * multiple - size
+    # tf.pad with a tensor amount forgets every static dimension; keep the inner ones.
+    return [tf.ensure_shape(
+        tf.pad(t, tf.concat([[[0, pad]], tf.zeros([t.shape.rank - 1, 2], tf.int32)], 0)),
+        [None, *t.shape[1:]]) for t in tensors]
+
+
+def dims(t):
+    """The shape of `t` as a list: static dimensions as ints, others as tensors."""
+    dynamic = tf.shape(t)
+    return [d if d is not None else dynamic[k] for k, d in enumerate(t.shape)]
 
 
 class _Untracked:
@@ -132,3 +214,20 @@ class _Untracked:
 
     def __init__(self, value):
         self.value = value
+
+
+def hits(logits, labels):
+    """float32 [batch]: 1 where the arg-max logit is the label."""
+    predicted = tf.argmax(logits, -1, output_type=tf.int32)
+    return tf.cast(tf.equal(predicted, tf.cast(labels, tf.int32)), tf.float32)
+
+
+def expand(vector, like):
+    """`vector` [n] reshaped to broadcast against `like` [n, ...]."""
+    return tf.reshape(vector, [-1] + [1] * (like.shape.rank - 1))
+
+
+def masked(values, mask):
+    """`values` [n, ...] with padding rows (mask 0) set to 0: a padding row's NaN or inf
+    (a loss, a norm, a gradient) adds nothing, where `values * mask` would add NaN."""
+    return tf.where(expand(mask, values) > 0, values, tf.zeros_like(values))

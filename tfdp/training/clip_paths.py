@@ -1,7 +1,8 @@
 """The path a chunk's per-example clipping takes, and where it leaves the fast one.
 
 DPModel computes a chunk's clipped contributions on the ghost or vectorized
-path. Two conditions send examples elsewhere:
+path, chosen at `compile` (`plan_clipping`). Two conditions send examples
+elsewhere:
   - `checked`: with oneDNN on, a graph holding a batch matmul that
     TensorFlow 2.21's oneDNN kernel computes wrongly runs one example at a
     time instead (`tfdp.graph_checks.BROADCAST_MATMUL_BUG`);
@@ -20,6 +21,62 @@ from tfdp import host
 from tfdp import models
 from tfdp.dp import clipping
 from tfdp.dp import compiler_checks
+from tfdp.training import ghost_clipping
+
+
+def plan_clipping(dp_model):
+    """The `GhostClipping` that `dp_model.clipping` asks for, or None for the vectorized path.
+
+    "vectorized" is always None. "ghost" and "auto" are None too where ghost
+    norms cannot give the clipped sum: microbatches (they clip gradient
+    means), user-defined gradients (`tfdp.models.user_defined_gradients`: a
+    backward pass may trade gradient between rows), or a model
+    `GhostClipping` cannot take. "auto" is also None where some trainable
+    layer has no ghost-norm rule; "ghost" keeps the vectorized path for
+    those layers' variables only. Each fallback is logged.
+
+    Args:
+      dp_model: a `tfdp.training.DPModel` being compiled.
+
+    Returns:
+      A `tfdp.training.GhostClipping` over `dp_model.trainable_variables`, or None.
+    """
+    mechanism, choice = dp_model.mechanism, dp_model.clipping
+    if choice == "vectorized":
+        return None
+    if mechanism.num_microbatches:
+        # Microbatches clip means of per-example gradients, which ghost norms do not give.
+        (logging.warning if choice == "ghost" else logging.info)(
+            "Microbatches (num_microbatches=%d) clip gradient means, not per-example "
+            "gradients: clipping=%r uses the vectorized path.",
+            mechanism.num_microbatches, choice)
+        return None
+    custom = (models.user_defined_gradients(dp_model.model)
+              if models.input_example_shape(dp_model.model) is not None else [])
+    if custom:
+        # Ghost norms take each row's output gradient as its example's own; a user's
+        # backward pass may trade gradient between rows unseen by the mixing probe.
+        logging.warning(
+            "Ghost clipping is not possible: the model has user-defined gradients (%s), "
+            "which may mix examples in the backward pass where no probe can see it; every "
+            "variable keeps tf.vectorized_map per-example gradients (each example's "
+            "backward pass runs alone).", ", ".join(custom[:3]))
+        return None
+    try:
+        ghost = ghost_clipping.GhostClipping(dp_model.model, dp_model.trainable_variables)
+    except ghost_clipping.UnsupportedModel as error:
+        logging.warning("Ghost clipping is not possible (%s); every variable keeps "
+                        "tf.vectorized_map per-example gradients.", error)
+        return None
+    if choice == "auto" and ghost.fallback_variables:
+        logging.warning(
+            "clipping='auto': layers without a ghost-norm rule (%s), so the whole model "
+            "uses tf.vectorized_map per-example gradients; clipping='ghost' would keep "
+            "them only for those layers.",
+            "; ".join(f"{name}: {why}" for name, why in ghost.uncovered_layers))
+        return None
+    ghost_clipping.log_plan(ghost)
+    return ghost
 
 
 def checked(dp_model, contribution_fn, tensors):

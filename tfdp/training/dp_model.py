@@ -5,7 +5,6 @@ import inspect
 import keras
 import numpy as np
 import tensorflow as tf
-from absl import logging
 
 from tfdp import accounting
 from tfdp import models
@@ -16,121 +15,57 @@ from tfdp.dp import noise
 from tfdp.training import chunked
 from tfdp.training import clip_paths
 from tfdp.training import ema
-from tfdp.training import ghost_clipping
+from tfdp.training import release_guard
+from tfdp.training import microbatches
+from tfdp.training.chunked import hits, masked
+from tfdp.training import example_weights
+from tfdp.training.example_weights import refuse_example_weights
 
 from tfdp.dp.clipping import CLIPPING_PATHS
-
-
-def refuse_example_weights(class_weight, sample_weight, *, where):
-    """Raises if per-example loss weights are given: they scale the sensitivity.
-
-    DP-SGD clips each example's gradient to C; a weight w on its loss
-    multiplies that gradient AFTER nothing clips it (Keras applies sample
-    weights to the loss), so the example moves the sum by up to w C while
-    the privacy report claims C (How to DP-fy ML, Ponomareva et al. 2023,
-    Sec. 5.2: sensitivity). `class_weight={1: 50}` would let one example
-    contribute 50 C. For imbalanced classes, resample the public class
-    frequencies into the model's bias, or weight classes inside a
-    per-example loss that is clipped afterwards (tfdp offers neither yet).
-
-    Args:
-      class_weight, sample_weight: what the caller passed (None: nothing).
-      where: the function named in the message.
-
-    Raises:
-      ValueError: if either is not None.
-    """
-    for name, value in (("class_weight", class_weight), ("sample_weight", sample_weight)):
-        if value is not None:
-            raise ValueError(
-                f"{where} does not take {name}: weighting an example's loss scales its "
-                "gradient after clipping, so one example could move the update by more than "
-                "l2_clip_norm and the reported epsilon would not hold. Remove it; for "
-                "imbalanced classes, resample the data or set the classifier's bias from "
-                "public class frequencies. (A third element of each batch is read only as "
-                "a 0/1 padding mask.)")
 
 
 class DPModel(chunked.ChunkedTraining, ema.EMAParameters, keras.Model):
     """Wraps a Keras classifier and trains it with DP-SGD.
 
     Every privacy fact comes from one `tfdp.accounting.DPMechanism`: the clip
-    norm, the noise std (`mechanism.noise_stddev()`, noise_multiplier times
-    the sensitivity) and the divisor (`mechanism.update_divisor`); nothing
-    here recomputes them.
+    norm C, the noise std (`mechanism.noise_stddev()`) and the divisor
+    (`mechanism.update_divisor`); nothing here recomputes them. One call of
+    the train function is one LOGICAL batch and one optimizer update, made in
+    three named steps (as Opacus' `DPOptimizer.pre_step`), each overridable:
 
-    `train_step` follows the step order of Keras 3's own TensorFlow trainer
-    (`keras/src/backend/tensorflow/trainer.py`): unpack, gradients,
-    `optimizer.apply_gradients`, metrics. The gradient is made in three named
-    steps (as Opacus' `DPOptimizer.pre_step`), each overridable:
-
-    1. `clip_and_accumulate`: each example's gradient is clipped to global
-       L2 norm <= C (and divided by C with `normalize_update`, eq. (3)) and
-       the clipped gradients are summed. With augmentation multiplicity the
-       loss of one example is the mean over its K views, so its gradient is
-       the mean of the K view gradients (De et al. 2022, eq. (4)). Two paths
-       give the same sum (`clipping`):
-       - "ghost" (`tfdp.training.GhostClipping`): per-example NORMS from each
-         layer's activations and output gradients, then one batched
-         backward pass weighted by the clip factors; the per-example
-         gradients of conv and dense kernels are never built. A layer
-         without a rule keeps the vectorized path for its variables.
-       - "vectorized": per-example gradients with `tf.vectorized_map`
-         (`tfdp.dp.clipping`); TensorFlow runs conv kernel gradients in it
-         as a sequential loop of batch-1 ops.
-       "auto" takes "ghost" when every trainable layer has a rule, else
-       "vectorized". Microbatches always clip per-example gradient MEANS
-       on the vectorized path, and so does a model with a user-defined
-       gradient (`tfdp.models.user_defined_gradients`: its backward pass
-       may trade gradient between the rows that ghost norms keep apart),
-       whatever `clipping` asks. One call of `train_step` is one LOGICAL
-       batch and one optimizer update. With `accumulation_steps` = a > 1
-       (virtual batching) the batch is cut into a chunks processed one after
-       another in a `tf.while_loop`, so only one chunk's per-example
-       gradients are in memory (De et al. 2022, App. A.1, Algorithm 1).
+    1. `clip_and_accumulate`: each example's gradient (the mean over its K
+       views, De et al. 2022, eq. (4)) is clipped to global L2 norm <= C
+       (divided by C with `normalize_update`, eq. (3)), and the clipped
+       gradients are summed over `accumulation_steps` chunks processed one
+       after another (virtual batching, De et al. 2022, App. A.1, Algorithm
+       1). With microbatches (M), each microbatch's gradient MEAN is clipped
+       instead, after accumulating over all chunks and replicas (sensitivity
+       2C). `clipping` chooses how ("ghost" norms, Li et al. 2022; or
+       `tf.vectorized_map` per-example gradients; `tfdp.training.clip_paths`).
     2. `add_noise`: Gaussian noise of std `mechanism.noise_stddev()` ONCE per
-       logical batch, after accumulation.
+       logical batch, after accumulation (`noise_stddev / sqrt(R)` on each of
+       R replicas, whose SUM Keras all-reduces).
     3. `scale_update`: divide by `mechanism.update_divisor`, the expected
-       logical batch size B (public, never the realized size), or the number
-       of microbatches M.
+       logical batch size B (public, never the realized size), or M.
 
-    No update sits inside a conditional, which keeps the step valid under
-    every tf.distribute strategy.
+    Both inputs run the same accumulation (`tfdp.training.chunked`): a
+    `tfdp.training.distribute.ChunkedInput` (what the trainer and
+    `tfdp.make_private` feed: one element per accumulation chunk, a chunks per
+    update), or a `tf.data.Dataset` of whole logical batches, which
+    `train_step` cuts into the same chunks. Why each step is exact, and the
+    EMA: docs/design/dp_step.md.
 
-    Replicas: each replica adds an independent draw of std
-    `noise_stddev / sqrt(R)` to its share, so the SUM that Keras all-reduces
-    has std exactly `noise_stddev`; the generator's state is checkpointed, so
-    a resumed run never redraws used noise. Microbatches
-    (`mechanism.num_microbatches` = M): each example joins microbatch
-    j ~ Uniform{0..M-1} (`draw_microbatch_ids`); each microbatch's mean is
-    clipped after accumulating over all chunks and replicas (sensitivity
-    2C). EMA: `e <- d e + (1 - d) w`, `d = min(ema_decay, (1 + t) / (10 + t))`
-    (De et al. 2022, App. C.3). Why each is exact: docs/design/dp_step.md,
-    "Replicas, microbatches and the EMA".
-
-    Inputs to `fit`: a `tf.data.Dataset` (or a distributed one) of logical
-    batches drawn with the sampler the mechanism assumes (Poisson:
-    `tfdp.data.train_batches`; `tfdp.make_private` wires it). Arrays are
-    refused: `fit(x, y, batch_size=100)` would train on fixed-size shuffled
-    batches, which the accountant's epsilon does not cover. Each element is
-    `(images, labels)` or `(images, labels, mask)` where
-    `images` is float32 or uint8 `[batch, height, width, channels]` (one view) or
-    `[batch, augmult, height, width, channels]` (K views), `labels` is int
-    `[batch]` and `mask` float32 `[batch]` is 1 for real examples and 0 for
-    padding (padding contributes exactly nothing). `batch` may vary from step to
-    step (Poisson sampling). The mask is never a weight: per-example loss
-    weights (Keras' `class_weight`, `sample_weight`) would scale an example's
-    sensitivity, so `fit` and `train_on_batch` refuse them, `train_step`
-    asserts that the mask is 0/1, and the clipped sum reads it as `mask > 0`
-    whatever it holds.
-
-    Chunked input (what the trainer feeds): `fit` also takes a
-    `tfdp.training.distribute.ChunkedInput`, whose elements are single
-    accumulation chunks (`tfdp.data.train_chunks`: each host reads only its
-    replicas' chunks). One Keras step then pulls `accumulation_steps` chunks
-    per replica into replica-local accumulators and makes one update
-    (`make_train_function`); the update equals that of the same logical
-    batch fed whole (tests/training/chunked_input_test.py).
+    Inputs to `fit`: a `ChunkedInput` or a (distributed) `tf.data.Dataset`
+    of batches drawn with the sampler the mechanism assumes (Poisson:
+    `tfdp.data.train_batches`); arrays are refused (fixed-size shuffled
+    batches are not what the accountant covers). Each element is `(images,
+    labels)` or `(images, labels, mask)`: `images` float32 or uint8 `[batch,
+    height, width, channels]` (one view) or `[batch, augmult, height, width,
+    channels]` (K views), `labels` int `[batch]`, `mask` float32 `[batch]`,
+    1 for real examples and 0 for padding (which contributes exactly
+    nothing); `batch` may vary from step to step. The mask is never a
+    weight: `fit` and `train_on_batch` refuse `class_weight` and
+    `sample_weight`, and the step asserts that the mask is 0/1.
 
     Metrics: `loss`, `accuracy` (on the mean logits of the views), `grad_norm`
     (mean pre-clip norm of the clipped units: examples, or microbatches) and
@@ -146,7 +81,8 @@ class DPModel(chunked.ChunkedTraining, ema.EMAParameters, keras.Model):
         sequentially to bound memory.
       noise_seed: None (default: secret, from OS entropy), or an int to
         reproduce a run. Not returned by `get_config` (a secret).
-      ema_decay: None (no EMA) or the asymptotic EMA decay in [0, 1).
+      ema_decay: None (no EMA) or the asymptotic EMA decay in [0, 1)
+        (De et al. 2022, App. C.3).
       clipping: "auto" (default), "ghost" or "vectorized": how the clipped
         sum of per-example gradients is computed (step 1 above). The sum,
         and so the mechanism, is the same; only speed and memory differ.
@@ -163,17 +99,8 @@ class DPModel(chunked.ChunkedTraining, ema.EMAParameters, keras.Model):
       ghost clipping: Li et al. 2022, Sec. 4; Bu et al. 2022.
     """
 
-    def __init__(
-        self,
-        model,
-        mechanism,
-        *,
-        accumulation_steps=1,
-        noise_seed=None,
-        ema_decay=None,
-        clipping="auto",
-        **kwargs,
-    ):
+    def __init__(self, model, mechanism, *, accumulation_steps=1, noise_seed=None,
+                 ema_decay=None, clipping="auto", **kwargs):
         super().__init__(**kwargs)
         models.validate_float32(self)  # its own policy: compile would add loss scaling
         if not isinstance(mechanism, accounting.DPMechanism):
@@ -203,15 +130,14 @@ class DPModel(chunked.ChunkedTraining, ema.EMAParameters, keras.Model):
         self._withheld = chunked._Untracked(tf.Variable(
             0, dtype=tf.int32, trainable=False, name="withheld_updates",
             aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA))
-        self._release_check = None  # `_refuse_withheld`'s check, made on first use
+        self._release_check = None  # `release_guard.refuse_withheld`'s check, made on first use
         self._stopped = None  # NonFiniteRelease's message, once the model's state was not finite
         self.loss_tracker = keras.metrics.Mean(name="loss")
         self.accuracy_tracker = keras.metrics.Mean(name="accuracy")
         self.grad_norm_tracker = keras.metrics.Mean(name="grad_norm")
         self.clipped_tracker = keras.metrics.Mean(name="clipped_fraction")
-        self._loss_fn = keras.losses.SparseCategoricalCrossentropy(
-            from_logits=True, reduction=None
-        )
+        self._loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True,
+                                                                    reduction=None)
         inputs = getattr(model, "inputs", None)
         self._input_rank = len(inputs[0].shape) if inputs else 4  # incl. the batch axis
         # The wrapped model is built, so this wrapper is too. Otherwise Keras'
@@ -222,22 +148,20 @@ class DPModel(chunked.ChunkedTraining, ema.EMAParameters, keras.Model):
     def get_config(self):
         # noise_seed is left out on purpose: a seed written into a saved
         # config would make the noise public.
-        return {
-            "model": keras.saving.serialize_keras_object(self.model),
-            "mechanism": self.mechanism.to_dict(),
-            "accumulation_steps": self.accumulation_steps,
-            "ema_decay": self.ema_decay,
-            "clipping": self.clipping,
-        }
+        return {"model": keras.saving.serialize_keras_object(self.model),
+                "mechanism": self.mechanism.to_dict(),
+                "accumulation_steps": self.accumulation_steps,
+                "ema_decay": self.ema_decay, "clipping": self.clipping}
 
     def call(self, inputs, training=False):
         return self.model(inputs, training=training)
 
     def fit(self, x=None, *args, **kwargs):
-        """`keras.Model.fit` on a `tf.data.Dataset` of logical batches (see the class doc).
+        """`keras.Model.fit` on a `ChunkedInput` or a `tf.data.Dataset` of logical batches.
 
         Raises:
-          ValueError: if `x` is not a (distributed) `tf.data.Dataset`, or if
+          ValueError: if `x` is neither a `ChunkedInput` (of this model's
+            accumulation_steps) nor a (distributed) `tf.data.Dataset`, or if
             `class_weight` or `sample_weight` is given (`refuse_example_weights`).
         """
         bound = inspect.signature(keras.Model.fit).bind(self, x, *args, **kwargs).arguments
@@ -255,19 +179,6 @@ class DPModel(chunked.ChunkedTraining, ema.EMAParameters, keras.Model):
         # only warn that it is ignored for a Dataset.
         kwargs.setdefault("shuffle", False)
         return super().fit(x, *args, **kwargs)
-
-    # -- Chunked input (`tfdp.training.chunked.ChunkedTraining`) -------------
-
-    def _contribution(self, data):
-        """Replica context: one chunk element's clipped sums (or microbatch sums)."""
-        images, labels, mask = self._unpack(data)
-        mask = _binary(mask)
-        ids = self.draw_microbatch_ids(mask) if self.mechanism.num_microbatches else None
-        return self._chunk_contribution(images, labels, mask, ids)
-
-    def _update_from_total(self, total):
-        """Replica context: noise once, divide by B, apply, EMA, metrics."""
-        return self._apply_update(*self._finish_accumulation(total))
 
     def train_on_batch(self, x, y=None, sample_weight=None, class_weight=None,
                        return_dict=False):
@@ -302,8 +213,7 @@ class DPModel(chunked.ChunkedTraining, ema.EMAParameters, keras.Model):
             if kwargs.get(key) is not None:
                 raise ValueError(
                     f"DPModel.compile does not take {key!r}: the per-example loss is fixed "
-                    "to sparse categorical cross-entropy on logits."
-                )
+                    "to sparse categorical cross-entropy on logits.")
         # Before anything is traced: settings that would rewrite the step's float32 arithmetic.
         device_arithmetic.refuse_precision_rewrites()
         super().compile(optimizer=optimizer, **kwargs)
@@ -317,47 +227,23 @@ class DPModel(chunked.ChunkedTraining, ema.EMAParameters, keras.Model):
         if models.input_example_shape(self.model) is not None:
             models.refuse_example_mixing(self.model)
             self._mixing_checked = True
-        self._ghost = self._plan_clipping()
+        self._ghost = clip_paths.plan_clipping(self)
         self._loop = False
         self._build_ema()
+        self._make_accumulators()  # before any trace: `train_step` accumulates in them
 
-    def _plan_clipping(self):
-        """The GhostClipping that `clipping` asks for, or None for the vectorized path."""
-        if self.clipping == "vectorized":
-            return None
-        if self.mechanism.num_microbatches:
-            # Microbatches clip means of per-example gradients, which ghost norms do not give.
-            (logging.warning if self.clipping == "ghost" else logging.info)(
-                "Microbatches (num_microbatches=%d) clip gradient means, not per-example "
-                "gradients: clipping=%r uses the vectorized path.",
-                self.mechanism.num_microbatches, self.clipping)
-            return None
-        custom = (models.user_defined_gradients(self.model)
-                  if models.input_example_shape(self.model) is not None else [])
-        if custom:
-            # Ghost norms take each row's output gradient as its example's own; a user's
-            # backward pass may trade gradient between rows unseen by the mixing probe.
-            logging.warning(
-                "Ghost clipping is not possible: the model has user-defined gradients (%s), "
-                "which may mix examples in the backward pass where no probe can see it; every "
-                "variable keeps tf.vectorized_map per-example gradients (each example's "
-                "backward pass runs alone).", ", ".join(custom[:3]))
-            return None
-        try:
-            ghost = ghost_clipping.GhostClipping(self.model, self.trainable_variables)
-        except ghost_clipping.UnsupportedModel as error:
-            logging.warning("Ghost clipping is not possible (%s); every variable keeps "
-                            "tf.vectorized_map per-example gradients.", error)
-            return None
-        if self.clipping == "auto" and ghost.fallback_variables:
-            logging.warning(
-                "clipping='auto': layers without a ghost-norm rule (%s), so the whole model "
-                "uses tf.vectorized_map per-example gradients; clipping='ghost' would keep "
-                "them only for those layers.",
-                "; ".join(f"{name}: {why}" for name, why in ghost.uncovered_layers))
-            return None
-        ghost_clipping.log_plan(ghost)
-        return ghost
+    def make_train_function(self, force=False):
+        """Keras' train function (or the chunked one), checked around every call.
+
+        The checks (`tfdp.training.release_guard.guarded`): a changed device
+        plan traces the step again, precision rewrites are refused before the
+        step, a withheld non-finite update stops training after it.
+        """
+        if self.train_function is not None and not force:
+            return self.train_function
+        super().make_train_function(force=force)
+        self.train_function = release_guard.guarded(self, self.train_function)
+        return self.train_function
 
     @property
     def clipping_path(self):
@@ -377,6 +263,94 @@ class DPModel(chunked.ChunkedTraining, ema.EMAParameters, keras.Model):
         """The device's matmul inputs ("float32", "tf32", "bf16") the step was last traced
         for, None before the first trace: what its norms and clip margin planned for."""
         return None if self._traced_plan is None else self._traced_plan.inputs
+
+    # -- The step: clip -> accumulate -> noise -> scale, on the chunked path ----
+
+    def train_step(self, data):
+        """One update from a logical batch, by the chunked train function's own accumulation.
+
+        The batch is cut into `accumulation_steps` chunks; the accumulators
+        are zeroed, each chunk's `_contribution` is added in order, and the
+        update is made from their sum (`_update_from_accumulators`): the
+        calls the chunked train function makes for chunk elements
+        (`tfdp.training.chunked`), in this replica's context.
+        """
+        images, labels, mask = example_weights.unpack(data)
+        self._accumulate_batch((images, labels, example_weights.binary(mask)))
+        return self._update_from_accumulators()
+
+    # -- Step 1: clip each example, and sum over chunks ---------------------
+
+    def clip_and_accumulate(self, images, labels, mask):
+        """This replica's share of the logical batch's clipped gradient sum.
+
+        Args:
+          images: `[batch, ...]` this replica's slice (one view or K views).
+          labels: int `[batch]`.
+          mask: float32 `[batch]`, 0 on padding; any value > 0 counts as 1 (a
+            mask, never a weight).
+
+        Returns:
+          `(summed, stats)`: `summed[i]` float32 of `trainable_variables[i]`'s
+          shape; over all replicas the SUM of `summed` is the clipped sum of
+          the logical batch. `stats` are the metric sums (loss, correct,
+          pre-clip norms, clipped units, examples, clipped units count).
+        """
+        self._accumulate_batch((images, labels, example_weights.binary(mask)))
+        return self._finish_accumulation(self._accumulated())
+
+    def _contribution(self, data):
+        """Replica context: one chunk element's clipped sums (or microbatch sums)."""
+        images, labels, mask = example_weights.unpack(data)
+        mask = example_weights.binary(mask)
+        ids = self.draw_microbatch_ids(mask) if self.mechanism.num_microbatches else None
+        return self._chunk_contribution(images, labels, mask, ids)
+
+    def _chunk_contribution(self, images, labels, mask, ids=None):
+        """What one chunk adds to the accumulators: clipped sums (or microbatch sums)."""
+        # Trace time: the precision the rules plan for is fixed now (`make_train_function`).
+        device_arithmetic.refuse_precision_rewrites()
+        self._traced_plan = device_arithmetic.step_plan()
+        tensors = (images, labels, mask) if ids is None else (images, labels, mask, ids)
+        if images.shape[0] is None:
+            # At least two rows (zero, mask 0: they add nothing): tf.vectorized_map over a
+            # loop of unknown length that turns out to be 1 reshapes wrongly in attention
+            # models (TensorFlow 2.21, oneDNN off: "Input to reshape is a tensor with 8
+            # values, but the requested shape has 2"; found by the DP-model fuzzer), while
+            # a known length of 1, or any length of 2 or more, runs. Every path comes here:
+            # chunks of a logical batch and elements of chunked input alike.
+            tensors = tuple(chunked.pad_rows(tensors, 1, min_rows=2))
+        return clip_paths.checked(self, self._chunk_contribution_on_path, tensors)
+
+    def _chunk_contribution_on_path(self, images, labels, mask, ids=None):
+        """`_chunk_contribution` on the current path, unchecked."""
+        if not self.mechanism.num_microbatches:
+            return self._clipped_chunk(images, labels, mask)
+        return microbatches.chunk_sums(self, images, labels, mask, ids)
+
+    def _clipped_chunk(self, images, labels, mask):
+        """Clipped gradient sum of one chunk (per-example clipping) and its metric sums."""
+        if self._ghost is not None and not self._loop:
+            ghost = self._ghost.clipped_sum(
+                images, labels, mask, l2_clip_norm=self.mechanism.l2_clip_norm,
+                normalize=self.mechanism.normalize_update, loss_fn=self._loss_fn,
+                example_loss_fn=self._example_loss)
+            summed, norms, clipped, losses, logits = clip_paths.alone_where_not_finite(
+                ghost, images, labels, mask, variables=self.trainable_variables,
+                example_loss=self._example_loss, l2_clip_norm=self.mechanism.l2_clip_norm,
+                normalize=self.mechanism.normalize_update)
+        else:
+            grads, (losses, logits) = clipping.per_example_gradients(
+                self._example_loss, self.trainable_variables, (images, labels),
+                method=self._per_example_method)
+            summed, norms, clipped = clipping.clipped_sum(
+                grads, self.mechanism.l2_clip_norm, normalize=self.mechanism.normalize_update,
+                mask=mask)
+        stats = (tf.reduce_sum(masked(losses, mask)),
+                 tf.reduce_sum(masked(hits(logits, labels), mask)),
+                 tf.reduce_sum(masked(norms, mask)), tf.reduce_sum(clipped),
+                 tf.reduce_sum(mask), tf.reduce_sum(mask))
+        return summed, stats
 
     def _example_loss(self, example, beside_zeros=False):
         """Loss of one example: the mean over its views (De et al. 2022, eq. (4)).
@@ -399,23 +373,41 @@ class DPModel(chunked.ChunkedTraining, ema.EMAParameters, keras.Model):
         loss = tf.reduce_mean(self._loss_fn(labels, logits))
         return loss, (loss, tf.reduce_mean(logits, axis=0))
 
-    def _unpack(self, data):
-        """`(images, labels, mask float32)` of a batch or chunk; checks that the mask is 0/1."""
-        images, labels, mask = keras.utils.unpack_x_y_sample_weight(data)
-        if mask is None:
-            mask = tf.ones(tf.shape(labels)[:1], tf.float32)
-        mask = tf.cast(mask, tf.float32)
-        # Tell a user who passed weights (the sum uses the mask as 0/1 whatever this says).
-        tf.debugging.assert_equal(
-            mask * (1.0 - mask), tf.zeros_like(mask),
-            message="The third element of a training batch is the padding mask and must be 0 "
-                    "or 1: per-example weights scale the sensitivity (DPModel refuses "
-                    "class_weight and sample_weight).")
-        return images, labels, mask
+    @property
+    def _per_example_method(self):
+        return "loop" if self._loop else "vectorized"
 
-    def train_step(self, data):
-        images, labels, mask = self._unpack(data)
-        return self._apply_update(*self.clip_and_accumulate(images, labels, mask))
+    def draw_microbatch_ids(self, mask):
+        """Each example's microbatch: i.i.d. Uniform{0..M-1}, int32 `[batch]`.
+
+        Drawn from the (secret) noise generator, independent of the data and
+        of the positions (see the class docstring).
+        """
+        return self.noise_generator.uniform(
+            tf.shape(mask), 0, self.mechanism.num_microbatches, dtype=tf.int32)
+
+    # -- The accumulators (`tfdp.training.chunked.ChunkedTraining`'s hooks) -----
+
+    def _zero_contribution(self):
+        """Zeros shaped like one chunk's contribution (`_chunk_contribution`)."""
+        if self.mechanism.num_microbatches:
+            m = self.mechanism.num_microbatches
+            return ([tf.zeros([m, *v.shape]) for v in self.trainable_variables], tf.zeros([m]),
+                    tuple(tf.zeros([]) for _ in range(3)))
+        return ([tf.zeros(v.shape) for v in self.trainable_variables],
+                tuple(tf.zeros([]) for _ in range(6)))
+
+    def _finish_accumulation(self, total):
+        """`(summed, stats)` from the accumulated contributions of all chunks."""
+        if not self.mechanism.num_microbatches:
+            return total
+        return microbatches.clipped_means(self, *total)
+
+    def _update_from_total(self, total):
+        """Replica context: noise once, divide by B, apply, EMA, metrics."""
+        return self._apply_update(*self._finish_accumulation(total))
+
+    # -- Steps 2 and 3: noise once per logical batch, divide by the public size --
 
     def _apply_update(self, summed, stats):
         """Noise once, divide by B, apply, EMA, metrics: the step after accumulation.
@@ -435,240 +427,6 @@ class DPModel(chunked.ChunkedTraining, ema.EMAParameters, keras.Model):
         self.clipped_tracker.update_state(_safe_mean(clipped_count, units), sample_weight=units)
         return {m.name: m.result() for m in self.metrics}
 
-    # -- Step 1: clip and accumulate ----------------------------------------
-
-    def clip_and_accumulate(self, images, labels, mask):
-        """This replica's share of the logical batch's clipped gradient sum.
-
-        Args:
-          images: `[batch, ...]` this replica's slice (one view or K views).
-          labels: int `[batch]`.
-          mask: float32 `[batch]`, 0 on padding; any value > 0 counts as 1 (a
-            mask, never a weight).
-
-        Returns:
-          `(summed, stats)`: `summed[i]` float32 of `trainable_variables[i]`'s
-          shape; over all replicas the SUM of `summed` is the clipped sum of
-          the logical batch. `stats` are the metric sums (loss, correct,
-          pre-clip norms, clipped units, examples, clipped units count).
-        """
-        mask = _binary(mask)
-        tensors = (images, labels, mask)
-        if self.mechanism.num_microbatches:
-            tensors += (self.draw_microbatch_ids(mask),)
-        total = self._accumulate(self._chunk_contribution, tensors, self._zero_contribution())
-        return self._finish_accumulation(total)
-
-    def _zero_contribution(self):
-        """Zeros shaped like one chunk's contribution (`_chunk_contribution`)."""
-        if self.mechanism.num_microbatches:
-            m = self.mechanism.num_microbatches
-            return ([tf.zeros([m, *v.shape]) for v in self.trainable_variables], tf.zeros([m]),
-                    tuple(tf.zeros([]) for _ in range(3)))
-        return ([tf.zeros(v.shape) for v in self.trainable_variables],
-                tuple(tf.zeros([]) for _ in range(6)))
-
-    def make_train_function(self, force=False):
-        """Keras' train function, checked before every call for what its trace planned.
-
-        The ghost rules plan their arithmetic for the device at trace time
-        (`tfdp.dp.device_arithmetic.step_plan`: matmul inputs, TF32 execution, oneDNN's
-        fpmath mode) and the clip margin with it. A change after tracing
-        (`tf.config.experimental.enable_tensor_float_32_execution(True)` on a
-        GPU) would leave a float32 plan running on a rounding device (issue
-        34), so the next call traces the step anew; a setting that would
-        rewrite the step's precision (`device_arithmetic.refuse_precision_rewrites`)
-        is refused before the step runs. A step the user traces in a
-        `tf.function` of their own (`clip_and_accumulate`, `train_step`) gets
-        the refusal at trace time only: trace it again after such a change.
-        """
-        if self.train_function is not None and not force:
-            return self.train_function
-        super().make_train_function(force=force)
-        traced = self.train_function
-        self._release_check = None  # the variables as they are now (trainability may change)
-
-        def train_function(*args, **kwargs):
-            if self._stopped:  # a non-finite state was seen: this model trains no further
-                raise noise.NonFiniteRelease(self._stopped)
-            device_arithmetic.refuse_precision_rewrites()
-            models.validate_float32(self)  # a layer's dtype policy changed since compile
-            now = device_arithmetic.step_plan()
-            if self._traced_plan is not None and now != self._traced_plan:
-                logging.warning("The DP step was traced for %s and would now run on %s: "
-                                "tracing it again for this device.", self._traced_plan, now)
-                self._traced_plan = None
-                self.train_function = None
-                return self.make_train_function()(*args, **kwargs)
-            logs = traced(*args, **kwargs)
-            self._refuse_withheld()
-            return logs
-
-        self.train_function = train_function
-        return train_function
-
-    def _refuse_withheld(self):
-        """Raises `noise.NonFiniteRelease` once the model's state is not finite.
-
-        Checked after every call of the train function, before Keras' callbacks
-        (checkpoints, evaluation, logs) read the model, by TensorFlow's own
-        kernels outside XLA (`noise.count_non_finite` on the bits): a
-        compiler that drops IEEE semantics inside the step can fold the
-        step's own test (`noise.finite_release`), not this one. The model's
-        float state (trainable variables, their EMA, the optimizer's slots)
-        is then set to zero, so that no non-finite state is saved or
-        exported from this process. Covers every call of the train function
-        (`fit`, `train_on_batch`, the CLI's chunked steps); a step the user
-        runs in a function of their own (`train_step`) has the refusals only.
-        """
-        if self._release_check is None:
-            variables = list(self.trainable_variables) + list(self.ema_variables or [])
-            withheld = self._withheld.value
-            self._release_check = chunked._Untracked(tf.function(
-                lambda: tf.cast(withheld, tf.float32) + noise.count_non_finite(variables),
-                jit_compile=False))
-        if float(self._release_check.value()) == 0.0:
-            return
-        self._withheld.value.assign(1)  # every later step withholds its update too
-        state = (list(self.trainable_variables) + list(self.ema_variables or [])
-                 + list(self.optimizer.variables))
-        for variable in state:
-            if variable.dtype in ("float32", tf.float32, "float64", tf.float64):
-                variable.assign(tf.zeros_like(variable))
-        self._stopped = (
-            "A DP step computed a noisy update with an inf or NaN entry. It is not released: "
-            "this model trains no further, and its float state is set to zero so "
-            "that nothing non-finite is saved (a non-finite release would show that some "
-            "example's contribution escaped its clip). Every example's contribution is "
-            "finite by construction unless the compiler dropped IEEE float semantics: look "
-            "for fast-math flags in XLA_FLAGS and TF_XLA_FLAGS (in the environment the "
-            "process started with too), then resume from the last checkpoint in a new "
-            "process.")
-        raise noise.NonFiniteRelease(self._stopped)
-
-    def _chunk_contribution(self, images, labels, mask, ids=None):
-        """What one chunk adds to the accumulators: clipped sums (or microbatch sums)."""
-        # Trace time: the precision the rules plan for is fixed now (`make_train_function`).
-        device_arithmetic.refuse_precision_rewrites()
-        self._traced_plan = device_arithmetic.step_plan()
-        tensors = (images, labels, mask) if ids is None else (images, labels, mask, ids)
-        if images.shape[0] is None:
-            # At least two rows (zero, mask 0: they add nothing): tf.vectorized_map over a
-            # loop of unknown length that turns out to be 1 reshapes wrongly in attention
-            # models (TensorFlow 2.21, oneDNN off: "Input to reshape is a tensor with 8
-            # values, but the requested shape has 2"; found by the DP-model fuzzer), while
-            # a known length of 1, or any length of 2 or more, runs. Every path comes here:
-            # chunks of `_accumulate` and elements of chunked input alike.
-            tensors = tuple(_pad_rows(tensors, 1, min_rows=2))
-        return clip_paths.checked(self, self._chunk_contribution_on_path, tensors)
-
-    def _chunk_contribution_on_path(self, images, labels, mask, ids=None):
-        """`_chunk_contribution` on the current path, unchecked."""
-        if not self.mechanism.num_microbatches:
-            return self._clipped_chunk(images, labels, mask)
-        grads, (losses, logits) = clipping.per_example_gradients(
-            self._example_loss, self.trainable_variables, (images, labels),
-            method=self._per_example_method)
-        m = self.mechanism.num_microbatches
-        sums = [tf.math.unsorted_segment_sum(_masked(g, mask), ids, m) for g in grads]
-        counts = tf.math.unsorted_segment_sum(mask, ids, m)
-        stats = (tf.reduce_sum(_masked(losses, mask)),
-                 tf.reduce_sum(_masked(_hits(logits, labels), mask)), tf.reduce_sum(mask))
-        return sums, counts, stats
-
-    def _finish_accumulation(self, total):
-        """`(summed, stats)` from the accumulated contributions of all chunks."""
-        if not self.mechanism.num_microbatches:
-            return total
-        return self._clip_microbatches(*total)
-
-    def _accumulate(self, chunk_fn, tensors, initial):
-        """Sums `chunk_fn(*chunk)` over `accumulation_steps` consecutive chunks.
-
-        The batch is padded with zero rows (mask 0, contributing nothing) to
-        a positive multiple of `accumulation_steps`, so that every chunk has
-        the same shape and at least one row (an empty Poisson batch or chunk
-        would otherwise break the vectorized conv gradients;
-        `_chunk_contribution` gives a chunk of unknown size a second), then cut with a
-        `reshape`: chunk i is row i. A static batch that already splits
-        evenly is not padded, so its chunks keep one static shape, as XLA and
-        TPUs need.
-        """
-        a = self.accumulation_steps
-        tensors = _pad_rows(tensors, a)
-        if a == 1:
-            return tf.nest.map_structure(tf.add, initial, chunk_fn(*tensors))
-        split = [tf.reshape(t, [a, -1, *_dims(t)[1:]]) for t in tensors]
-
-        def body(i, total):
-            return i + 1, tf.nest.map_structure(tf.add, total, chunk_fn(*[t[i] for t in split]))
-
-        _, total = tf.while_loop(lambda i, _: i < a, body, (tf.constant(0), initial))
-        return total
-
-    def _clipped_chunk(self, images, labels, mask):
-        """Clipped gradient sum of one chunk (per-example clipping) and its metric sums."""
-        if self._ghost is not None and not self._loop:
-            ghost = self._ghost.clipped_sum(
-                images, labels, mask, l2_clip_norm=self.mechanism.l2_clip_norm,
-                normalize=self.mechanism.normalize_update, loss_fn=self._loss_fn,
-                example_loss_fn=self._example_loss)
-            summed, norms, clipped, losses, logits = clip_paths.alone_where_not_finite(
-                ghost, images, labels, mask, variables=self.trainable_variables,
-                example_loss=self._example_loss, l2_clip_norm=self.mechanism.l2_clip_norm,
-                normalize=self.mechanism.normalize_update)
-        else:
-            grads, (losses, logits) = clipping.per_example_gradients(
-                self._example_loss, self.trainable_variables, (images, labels),
-                method=self._per_example_method)
-            summed, norms, clipped = clipping.clipped_sum(
-                grads, self.mechanism.l2_clip_norm, normalize=self.mechanism.normalize_update,
-                mask=mask,
-            )
-        stats = (
-            tf.reduce_sum(_masked(losses, mask)),
-            tf.reduce_sum(_masked(_hits(logits, labels), mask)),
-            tf.reduce_sum(_masked(norms, mask)),
-            tf.reduce_sum(clipped),
-            tf.reduce_sum(mask),
-            tf.reduce_sum(mask),
-        )
-        return summed, stats
-
-    @property
-    def _per_example_method(self):
-        return "loop" if self._loop else "vectorized"
-
-    def draw_microbatch_ids(self, mask):
-        """Each example's microbatch: i.i.d. Uniform{0..M-1}, int32 `[batch]`.
-
-        Drawn from the (secret) noise generator, independent of the data and
-        of the positions (see the class docstring).
-        """
-        return self.noise_generator.uniform(
-            tf.shape(mask), 0, self.mechanism.num_microbatches, dtype=tf.int32)
-
-    def _clip_microbatches(self, sums, counts, metric_sums):
-        """Clipped sum of microbatch means, microbatches global over chunks and replicas."""
-        loss_sum, correct, examples = metric_sums
-        num_replicas = self.distribute_strategy.num_replicas_in_sync
-        if num_replicas > 1:  # microbatches span replicas: sum them before clipping
-            sums, counts = tf.distribute.get_replica_context().all_reduce(
-                tf.distribute.ReduceOp.SUM, (sums, counts))
-        means = [s / _expand(tf.maximum(counts, 1.0), s) for s in sums]
-        units = tf.cast(counts > 0, tf.float32)
-        summed, norms, clipped = clipping.clipped_sum(
-            means, self.mechanism.l2_clip_norm, normalize=self.mechanism.normalize_update,
-            mask=units,
-        )
-        # Every replica now holds the whole clipped sum; Keras SUMs the replicas.
-        summed = [s / num_replicas for s in summed]
-        stats = (loss_sum, correct, tf.reduce_sum(norms * units), tf.reduce_sum(clipped),
-                 examples, tf.reduce_sum(units))
-        return summed, stats
-
-    # -- Steps 2 and 3: noise once per logical batch, divide by the public size --
-
     def add_noise(self, summed):
         """Adds this replica's share of the logical batch's noise (std split over R)."""
         stddev = noise.noise_stddev_per_replica(
@@ -683,58 +441,8 @@ class DPModel(chunked.ChunkedTraining, ema.EMAParameters, keras.Model):
         images, labels, mask = keras.utils.unpack_x_y_sample_weight(data)
         logits = self.model(tf.cast(images, tf.float32), training=False)
         self.loss_tracker.update_state(self._loss_fn(labels, logits), sample_weight=mask)
-        self.accuracy_tracker.update_state(_hits(logits, labels), sample_weight=mask)
-        return {
-            "loss": self.loss_tracker.result(),
-            "accuracy": self.accuracy_tracker.result(),
-        }
-
-
-def _binary(mask):
-    """0/1 float32 by construction: a mask is never a weight (`refuse_example_weights`)."""
-    return tf.cast(tf.cast(mask, tf.float32) > 0, tf.float32)
-
-
-def _hits(logits, labels):
-    """float32 [batch]: 1 where the arg-max logit is the label."""
-    predicted = tf.argmax(logits, -1, output_type=tf.int32)
-    return tf.cast(tf.equal(predicted, tf.cast(labels, tf.int32)), tf.float32)
-
-
-def _pad_rows(tensors, multiple, min_rows=1):
-    """Pads `[batch, ...]` tensors with zero rows to a multiple of `multiple`, >= `min_rows` each.
-
-    Every chunk (`batch / multiple` rows) gets at least `min_rows` rows. A no-op
-    when the static batch size already is a positive multiple with chunks of
-    at least `min_rows`.
-    """
-    static = tensors[0].shape[0]
-    if static is not None and static >= min_rows * multiple and static % multiple == 0:
-        return tensors
-    size = tf.shape(tensors[0])[0]
-    pad = tf.maximum(min_rows, (size + multiple - 1) // multiple) * multiple - size
-    # tf.pad with a tensor amount forgets every static dimension; keep the inner ones.
-    return [tf.ensure_shape(
-        tf.pad(t, tf.concat([[[0, pad]], tf.zeros([t.shape.rank - 1, 2], tf.int32)], 0)),
-        [None, *t.shape[1:]]) for t in tensors]
-
-
-def _dims(t):
-    """The shape of `t` as a list: static dimensions as ints, others as tensors."""
-    dynamic = tf.shape(t)
-    return [d if d is not None else dynamic[k] for k, d in enumerate(t.shape)]
-
-
-def _expand(vector, like):
-    """`vector` [n] reshaped to broadcast against `like` [n, ...]."""
-    return tf.reshape(vector, [-1] + [1] * (like.shape.rank - 1))
-
-
-def _masked(values, mask):
-    """`values` [n, ...] with padding rows (mask 0) set to 0: a padding row's NaN or inf
-    (a loss, a norm, a gradient) adds nothing, where `values * mask` would add NaN."""
-    return tf.where(_expand(mask, values) > 0, values, tf.zeros_like(values))
-
+        self.accuracy_tracker.update_state(hits(logits, labels), sample_weight=mask)
+        return {"loss": self.loss_tracker.result(), "accuracy": self.accuracy_tracker.result()}
 
 def _safe_mean(total, count):
     return tf.math.divide_no_nan(total, count)

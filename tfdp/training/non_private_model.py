@@ -6,7 +6,8 @@ import tensorflow as tf
 from tfdp import models
 from tfdp.training import chunked
 from tfdp.training import ema
-from tfdp.training.dp_model import _dims, _hits, _pad_rows, _safe_mean
+from tfdp.training.chunked import dims as _dims, hits as _hits, pad_rows as _pad_rows
+from tfdp.training.dp_model import _safe_mean
 
 
 class NonPrivateModel(chunked.ChunkedTraining, ema.EMAParameters, keras.Model):
