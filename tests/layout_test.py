@@ -87,3 +87,42 @@ def test_pure_leaves_import_no_tensorflow_and_no_part_of_tfdp():
     for leaf in PURE_LEAVES:
         for imported in _imported_names(os.path.join(ROOT, leaf + ".py")):
             assert not imported.startswith(("tensorflow", "keras", "tfdp")), (leaf, imported)
+
+
+def _cycles(edges):
+    """The strongly connected groups of more than one part (Tarjan's algorithm)."""
+    graph = {}
+    for source, target in edges:
+        graph.setdefault(source, set()).add(target)
+        graph.setdefault(target, set())
+    index, low, stack, on_stack, cycles = {}, {}, [], set(), []
+
+    def visit(part):
+        index[part] = low[part] = len(index)
+        stack.append(part)
+        on_stack.add(part)
+        for other in graph[part]:
+            if other not in index:
+                visit(other)
+                low[part] = min(low[part], low[other])
+            elif other in on_stack:
+                low[part] = min(low[part], index[other])
+        if low[part] == index[part]:
+            group = set()
+            while not group or part not in group:
+                group.add(stack.pop())
+            on_stack.difference_update(group)
+            if len(group) > 1:
+                cycles.append(sorted(group))
+
+    for part in sorted(graph):
+        if part not in index:
+            visit(part)
+    return cycles
+
+
+def test_no_import_cycle_between_parts():
+    edges = {(s, t) for s, t in _imports() if "__init__" not in (s, t)}
+    assert not _cycles(edges), _cycles(edges)
+    # The check finds a cycle where there is one.
+    assert _cycles(edges | {("accounting", "training")}) != []
