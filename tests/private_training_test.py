@@ -377,3 +377,32 @@ def test_doctests_pass():
 
     failed, attempted = doctest.testmod(private_training, verbose=False)
     assert attempted and not failed
+
+
+class _Opened(Exception):
+    """Raised by a stand-in TFDSSource once it has seen what it was asked to open."""
+
+
+def test_evaluate_on_a_dataset_name_reads_its_test_split_from_the_training_data_dir(
+        trained, monkeypatch):
+    opened = []
+
+    def source(name, split, *, data_dir=None, **kwargs):
+        opened.append((name, split, data_dir))
+        raise _Opened
+
+    monkeypatch.setattr(private_training.data, "TFDSSource", source)
+    monkeypatch.setattr(trained.source, "data_dir", "/data/tfds", raising=False)
+    for kwargs in ({}, {"split": "validation", "data_dir": "/other"}):
+        with pytest.raises(_Opened):
+            trained.evaluate("fashion_mnist", **kwargs)
+    assert opened == [("fashion_mnist", "test", "/data/tfds"),
+                      ("fashion_mnist", "validation", "/other")]
+
+
+def test_a_data_dir_with_arrays_is_refused_not_ignored(trained):
+    with pytest.raises(ValueError, match=r"data_dir='/data/tfds' is read only for a prepared "
+                                         r"TFDS dataset given by name, but the data is tuple"):
+        tfdp.make_private(_model(), (IMAGES, LABELS), config(data_dir="/data/tfds"))
+    with pytest.raises(ValueError, match=r"data_dir='/x' is read only .* data is tuple"):
+        trained.evaluate((IMAGES, LABELS), data_dir="/x")

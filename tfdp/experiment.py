@@ -31,7 +31,7 @@ from tfdp.data import fingerprint
 from tfdp.run import Run
 from tfdp.training import distribute
 from tfdp.training import fit as fit_lib
-from tfdp.training import optimizers  # noqa: F401  (registers build_optimizer)
+from tfdp.training import optimizers  # also registers build_optimizer with gin
 
 
 @gin.configurable(module="tfdp", denylist=["workdir", "audit"])
@@ -86,6 +86,8 @@ def train_and_evaluate(workdir, *, model_fn=gin.REQUIRED, privacy="dp", audit=No
     mode = modes.make_mode(config.privacy, audit)
     strategy = _start(config.runtime)
     plan = mode.plan(config, strategy)
+    optimizers.refuse_step_miscounting(config.optimization.optimizer_fn(),
+                                       where="tfdp.OptimizationConfig.optimizer_fn")
     context = RunContext(config=config, mode=mode, plan=plan, strategy=strategy)
     keras.utils.set_random_seed(config.runtime.seed)
     opened = _open_data(config=config, mode=mode)

@@ -45,6 +45,7 @@ from tfdp.dp import precision
 from tfdp.export import privacy_report
 from tfdp.export import saved_model
 from tfdp.training import callbacks as callbacks_lib
+from tfdp.training import optimizers
 from tfdp.training import distribute
 from tfdp.training.dp_model import DPModel, refuse_example_weights
 
@@ -105,14 +106,27 @@ class PrivateTraining:
             chunks, epochs=1, steps_per_epoch=remaining, verbose=0,
             callbacks=[callbacks_lib.PrivacyCallback(self.mechanism), *progress])
 
-    def evaluate(self, test_data, *, batch_size=1000):
+    def evaluate(self, test_data, *, batch_size=1000, split="test", data_dir=None):
         """`{"loss": ..., "accuracy": ...}` on data in any form `make_private` takes.
+
+        Args:
+          test_data: `(images, labels)` arrays, a `tf.data.Dataset` of
+            `(image, label)` pairs, or a prepared TFDS dataset's name.
+          batch_size: examples per evaluation batch.
+          split: the split of a TFDS dataset named by `test_data` ("test"
+            by default; never the training split unless asked for).
+          data_dir: the TFDS data_dir of a named dataset (None: the one
+            `make_private` read its training data from, else TFDS's default).
 
         Raises:
           ValueError: data `make_private` would refuse: images of another
-            shape than the model takes, labels outside its logits, ...
+            shape than the model takes, labels outside its logits, ...; a
+            `data_dir` with data that is not a dataset's name.
         """
-        source = _source(test_data, num_classes=self.source.num_classes)
+        if data_dir is None and isinstance(test_data, str):
+            data_dir = getattr(self.source, "data_dir", None)
+        source = _source(test_data, num_classes=self.source.num_classes, data_dir=data_dir,
+                         split=split)
         _check_input_shape(self.model.model, source)
         result = self.model.evaluate(data.eval_batches(source, batch_size=batch_size),
                                      verbose=0, return_dict=True)
@@ -343,6 +357,7 @@ def _build_optimizer(optimizer_fn):
         raise ValueError(
             f"optimizer_fn() returned {type(optimizer).__name__}, not a "
             "keras.optimizers.Optimizer: e.g. optimizer_fn=lambda: keras.optimizers.SGD(0.5).")
+    optimizers.refuse_step_miscounting(optimizer, where="make_private")
     return optimizer
 
 
@@ -373,10 +388,20 @@ def _output_width(model):
     return int(shape[-1])
 
 
-def _source(train_data, *, num_classes, data_dir=None):
-    """A source read by index, from arrays, a tf.data dataset or a TFDS name."""
+def _source(train_data, *, num_classes, data_dir=None, split="train"):
+    """A source read by index, from arrays, a tf.data dataset or a TFDS name.
+
+    Raises:
+      ValueError: as `make_private` says; also a `data_dir` given with data
+        that is not a dataset's name (it would be read nowhere).
+    """
+    if not isinstance(train_data, str) and data_dir is not None:
+        raise ValueError(
+            f"data_dir={data_dir!r} is read only for a prepared TFDS dataset given by name, "
+            f"but the data is {type(train_data).__name__}: drop data_dir, or pass the "
+            "dataset's name.")
     if isinstance(train_data, str):
-        source = data.TFDSSource(train_data, "train", data_dir=data_dir)
+        source = data.TFDSSource(train_data, split, data_dir=data_dir)
         if source.num_classes != num_classes:
             raise ValueError(
                 f"The model returns {num_classes} logits, but {train_data!r} has "

@@ -15,6 +15,9 @@ raises; another noise seed gives another update
 (`test_another_noise_seed_gives_another_update`).
 """
 
+import dataclasses
+from unittest import mock
+
 import keras
 import numpy as np
 import pytest
@@ -170,3 +173,56 @@ def test_steps_per_execution_and_train_on_batch_run_the_same_accumulation():
         dp.train_on_batch(x[step], y[step])
     for got, expected in zip(model.trainable_variables, want):
         np.testing.assert_array_equal(got.numpy(), expected)
+
+
+def test_train_on_batch_after_a_fit_on_chunked_input_takes_a_whole_batch():
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(B, 6)).astype(np.float32)
+    y = rng.integers(0, 3, B).astype(np.int32)
+    model, dp = _dp_model(3, None)
+    dp.fit(tf.data.Dataset.from_tensors((x, y)), epochs=1, steps_per_epoch=1, verbose=0)
+    dp.train_on_batch(x, y)
+    want = [v.numpy() for v in model.trainable_variables]
+
+    model, dp = _dp_model(3, None)
+    chunks = tf.data.Dataset.from_tensor_slices((x.reshape(3, B // 3, 6), y.reshape(3, -1)))
+    dp.fit(distribute.ChunkedInput(chunks, 3), epochs=1, steps_per_epoch=1, verbose=0)
+    dp.train_on_batch(x, y)  # the chunked train function would take an iterator of chunks
+    assert int(dp.optimizer.iterations.numpy()) == 2
+    for got, expected in zip(model.trainable_variables, want):
+        np.testing.assert_array_equal(got.numpy(), expected)
+
+
+@pytest.mark.parametrize("where", ["DPModel.compile", "make_private",
+                                   "tfdp.OptimizationConfig.optimizer_fn"])
+def test_an_optimizer_that_counts_several_releases_as_one_iteration_is_refused(
+        where, tmp_path):
+    # Keras' gradient_accumulation_steps=2 counts one iteration per 2 updates, while each
+    # update is one noisy release: epsilon, the plan's end and the sampler's resume step
+    # all read optimizer.iterations.
+    def optimizer_fn():
+        return keras.optimizers.SGD(0.1, gradient_accumulation_steps=2)
+
+    message = rf"{where}: the optimizer has gradient_accumulation_steps=2"
+    if where == "DPModel.compile":
+        model, dp = _dp_model(1, None)
+        with pytest.raises(ValueError, match=message):
+            dp.compile(optimizer=optimizer_fn())
+    elif where == "make_private":
+        privacy, optimization = _settings(1)
+        with pytest.raises(ValueError, match=message):
+            tfdp.make_private(_model(), _images_and_labels(), configs.PrivateTrainingConfig(
+                privacy=privacy, optimization=dataclasses.replace(
+                    optimization, optimizer_fn=optimizer_fn)))
+    else:
+        from tfdp import experiment  # pylint: disable=g-import-not-at-top
+
+        privacy, optimization = _settings(1)
+        with mock.patch.object(configs.RunConfig, "from_gin", return_value=configs.RunConfig(
+                data=configs.DataConfig(dataset="arrays", num_examples=N),
+                augmentation=configs.AugmentationConfig(), privacy=privacy,
+                optimization=dataclasses.replace(optimization, optimizer_fn=optimizer_fn),
+                evaluation=configs.EvaluationConfig(), runtime=configs.RuntimeConfig())):
+            with pytest.raises(ValueError, match=message):
+                experiment.train_and_evaluate(str(tmp_path / "workdir"), model_fn=None)
+        assert not (tmp_path / "workdir").exists()  # refused before the workdir

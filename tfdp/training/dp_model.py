@@ -15,6 +15,7 @@ from tfdp.dp import noise
 from tfdp.training import chunked
 from tfdp.training import clip_paths
 from tfdp.training import ema
+from tfdp.training import optimizers
 from tfdp.training import release_guard
 from tfdp.training import microbatches
 from tfdp.training.chunked import hits, masked
@@ -194,6 +195,7 @@ class DPModel(chunked.ChunkedTraining, ema.EMAParameters, keras.Model):
         refuse_example_weights(class_weight, None, where="DPModel.train_on_batch")
         if sample_weight is not None and not np.all(np.isin(np.asarray(sample_weight), (0, 1))):
             refuse_example_weights(None, sample_weight, where="DPModel.train_on_batch")
+        self._chunked_fit_input(x)  # after a fit on chunked input: the whole-batch function
         return super().train_on_batch(x, y, sample_weight=sample_weight,
                                       return_dict=return_dict)
 
@@ -204,7 +206,9 @@ class DPModel(chunked.ChunkedTraining, ema.EMAParameters, keras.Model):
         accuracy); passing `loss` or `metrics` raises.
 
         Raises:
-          ValueError: if `loss` or `metrics` is given.
+          ValueError: if `loss` or `metrics` is given, or an optimizer with
+            `gradient_accumulation_steps` (`optimizers.refuse_step_miscounting`:
+            each update is one release, which `optimizer.iterations` counts).
           tfdp.dp.device_arithmetic.PrecisionRewrite: (a ValueError) if grappler's
             automatic mixed precision or XLA's fast math is on: either would
             rewrite the traced step's arithmetic behind its per-example norms.
@@ -216,6 +220,8 @@ class DPModel(chunked.ChunkedTraining, ema.EMAParameters, keras.Model):
                     "to sparse categorical cross-entropy on logits.")
         # Before anything is traced: settings that would rewrite the step's float32 arithmetic.
         device_arithmetic.refuse_precision_rewrites()
+        optimizer = keras.optimizers.get(optimizer)
+        optimizers.refuse_step_miscounting(optimizer, where="DPModel.compile")
         super().compile(optimizer=optimizer, **kwargs)
         # Build the optimizer (and the EMA) now, outside any tf.function.
         self.optimizer.build(self.trainable_variables)

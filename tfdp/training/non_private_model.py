@@ -6,6 +6,7 @@ import tensorflow as tf
 from tfdp import models
 from tfdp.training import chunked
 from tfdp.training import ema
+from tfdp.training import optimizers
 from tfdp.training.chunked import dims as _dims, hits as _hits, pad_rows as _pad_rows
 from tfdp.training.dp_model import _safe_mean
 
@@ -104,12 +105,15 @@ class NonPrivateModel(chunked.ChunkedTraining, ema.EMAParameters, keras.Model):
         """Compiles with `optimizer`; the loss (cross-entropy on logits) is fixed.
 
         Raises:
-          ValueError: if `loss` or `metrics` is given.
+          ValueError: if `loss` or `metrics` is given, or an optimizer with
+            `gradient_accumulation_steps` (`optimizers.refuse_step_miscounting`).
         """
         for key in ("loss", "metrics"):
             if kwargs.get(key) is not None:
                 raise ValueError(f"NonPrivateModel.compile does not take {key!r}: the loss is "
                                  "fixed to sparse categorical cross-entropy on logits.")
+        optimizer = keras.optimizers.get(optimizer)
+        optimizers.refuse_step_miscounting(optimizer, where="NonPrivateModel.compile")
         super().compile(optimizer=optimizer, **kwargs)
         self.optimizer.build(self.trainable_variables)
         self._build_ema()

@@ -108,3 +108,32 @@ class SGDWithL2(keras.optimizers.SGD):
 
     def get_config(self):
         return {**super().get_config(), "l2": self.l2}
+
+
+def refuse_step_miscounting(optimizer, *, where):
+    """Refuses an optimizer whose `iterations` would not count every update.
+
+    tfdp counts DP releases with `optimizer.iterations`: the checkpoint's
+    steps, where a resumed sampler restarts, and the steps epsilon is
+    computed for. Keras' `gradient_accumulation_steps` = k makes
+    `iterations` count one per k calls of `apply_gradients`, while every
+    call is one noisy release of a Poisson batch, so epsilon would be
+    understated, the run would train past its plan, and a resume would
+    sample steps it already used. `accumulation_steps` (tfdp's own) cuts a
+    logical batch into chunks instead, with one update per batch.
+
+    Args:
+      optimizer: a `keras.optimizers.Optimizer`.
+      where: the function named in the message.
+
+    Raises:
+      ValueError: if the optimizer has `gradient_accumulation_steps` set.
+    """
+    steps = getattr(optimizer, "gradient_accumulation_steps", None)
+    if steps:
+        raise ValueError(
+            f"{where}: the optimizer has gradient_accumulation_steps={steps}, with which Keras "
+            "counts one optimizer iteration per that many updates; tfdp counts privacy "
+            "releases with optimizer.iterations, so epsilon would be understated. Leave it "
+            "unset; to bound memory, set accumulation_steps (tfdp.OptimizationConfig), which "
+            "cuts each logical batch into chunks and makes one noisy update per batch.")
