@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 
 import pytest
 import tensorflow as tf
@@ -115,12 +116,13 @@ def test_a_private_workdir_is_not_resumed_without_privacy(tmp_path, run_smoke):
     assert sorted(os.listdir(tmp_path)) == before
 
 
-def test_a_non_private_workdir_is_not_resumed_privately(tmp_path, run_smoke):
-    run_smoke(tmp_path, ["fashion_mnist.gin"], NOT_PRIVATE)
-    before = sorted(os.listdir(tmp_path))
+def test_a_non_private_workdir_is_not_resumed_privately(tmp_path, run_smoke, non_private_run):
+    workdir = tmp_path / "wd"  # a copy of the module's non-private run
+    shutil.copytree(non_private_run[0], workdir)
+    before = sorted(os.listdir(workdir))
     with pytest.raises(ValueError, match="is of a NON-PRIVATE run"):
-        run_smoke(tmp_path, ["fashion_mnist.gin"], ["NUM_STEPS = 4"])
-    assert sorted(os.listdir(tmp_path)) == before
+        run_smoke(workdir, ["fashion_mnist.gin"], ["NUM_STEPS = 4"])
+    assert sorted(os.listdir(workdir)) == before
     assert not REPORT_FILES & set(before)
 
 

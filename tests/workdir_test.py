@@ -255,6 +255,8 @@ def test_a_corrupt_checkpoint_is_named_and_the_intact_earlier_one_offered(
     assert re.search(r"The earlier checkpoint \S*checkpoints/ckpt-0 is intact\. To resume "
                      r"from it, move the files of ckpt-2 .*run the same command again", message)
     assert _tree(copy) == before
+    if named == "index":
+        return  # with ckpt-2's files moved aside, which of them was cut no longer matters
     # Doing as told resumes from ckpt-0: the same seeds replay steps 1-2.
     (copy / "aside").mkdir()
     for path in (copy / "checkpoints").glob("ckpt-2.*"):

@@ -451,19 +451,22 @@ def test_a_resume_reads_the_feature_cache_instead_of_computing_the_features(
 
 @pytest.mark.parametrize("private", [True, False])
 def test_a_backbone_trained_on_the_private_split_is_refused_before_any_output(
-        run_smoke, tmp_path, private):
-    backbone = tmp_path / "backbone"
-    # (Mock data ignores slices, so both use 'train'; test_splits_overlap covers slices.)
-    run_smoke(backbone, ["fashion_mnist.gin"],
-              [] if private else ["tfdp.train_and_evaluate.privacy = None"])
+        run_smoke, tmp_path, pretrain_workdir, private):
+    # (Mock data ignores slices; test_splits_overlap covers slices.) The private backbone is
+    # the shared one, trained at epsilon = 3 on 'test': fine-tuning on 'test' shares it.
+    if private:
+        backbone, split = pretrain_workdir, "test"
+    else:
+        backbone, split = tmp_path / "backbone", "train"
+        run_smoke(backbone, ["fashion_mnist.gin"], ["tfdp.train_and_evaluate.privacy = None"])
     workdir = tmp_path / "finetune"
     workdir.mkdir()
     trained = "at epsilon = 3" if private else "WITHOUT privacy"
     with pytest.raises(ValueError, match=trained + r".*shares examples with this run's private "
-                                                   r"split 'train'.*disjoint public split"):
+                                                   rf"split '{split}'.*disjoint public split"):
         run_smoke(workdir, ["fashion_mnist_finetune.gin"], [
             f'PRETRAINED_BACKBONE = "{backbone}"', 'TRAINABLE = "head"',
-            "tfdp.DataConfig.train_split = 'train'"])
+            f"tfdp.DataConfig.train_split = '{split}'"])
     assert os.listdir(workdir) == []
 
 

@@ -81,7 +81,7 @@ relaxed" events): in 600 slow-profile examples about 5% of the cases, with
 both paths 1e-3..1 (relative) away from float64 on the same inputs (pixel
 ranges of 1e5, normalizations of near-constant activations).
 
-Profiles: "ghost-fuzz-fast" (default suite, 24 derandomized cases of any
+Profiles: "ghost-fuzz-fast" (default suite, 16 derandomized cases of any
 kind), "ghost-fuzz-blocks" (default suite: one derandomized case for each
 other image block kind, `test_fuzz_each_block_kind`), "ghost-fuzz-layers"
 (default suite: 3 derandomized cases for each pretrained-backbone layer,
@@ -122,8 +122,11 @@ MIN_CLIP_NORM = 1e-12
 
 # No "explain" phase: it re-runs the failing case under coverage, minutes for TensorFlow.
 _PHASES = [hypothesis.Phase.explicit, hypothesis.Phase.generate, hypothesis.Phase.shrink]
+# 16, not 24 (14 s, not 20 s, on the 2-core host): the 16 derandomized cases draw image and
+# token models, a fallback variable and 14 block kinds; every block kind and backbone layer
+# also has cases of its own (the blocks and layers profiles), and -m slow draws 600.
 hypothesis.settings.register_profile(
-    "ghost-fuzz-fast", max_examples=24, deadline=None, derandomize=True, database=None,
+    "ghost-fuzz-fast", max_examples=16, deadline=None, derandomize=True, database=None,
     print_blob=True, phases=_PHASES, suppress_health_check=list(hypothesis.HealthCheck))
 hypothesis.settings.register_profile(
     "ghost-fuzz-blocks", max_examples=1, deadline=None, derandomize=True, database=None,
