@@ -125,7 +125,9 @@ class ChunkedTraining:
         self._zero_accumulators()
         accumulate = self._accumulate_chunk
         if not tf.executing_eagerly():
-            accumulate = tf.function(accumulate, reduce_retracing=True)
+            # No autograph, as Keras traces train_step: an error of a check raised while
+            # tracing (e.g. `models.ExampleMixingError`) keeps its type.
+            accumulate = tf.function(accumulate, reduce_retracing=True, autograph=False)
         for chunk in split_chunks(tensors, self.accumulation_steps):
             accumulate(chunk)
 
