@@ -9,6 +9,7 @@ import tensorflow as tf
 from tfdp import accounting
 from tfdp import models
 from tfdp.dp import clipping
+from tfdp.dp.clipping import CLIPPING_PATHS
 from tfdp.dp import device_arithmetic
 from tfdp.dp import seeds
 from tfdp.dp import noise
@@ -21,8 +22,6 @@ from tfdp.training import microbatches
 from tfdp.training.chunked import hits, masked
 from tfdp.training import example_weights
 from tfdp.training.example_weights import refuse_example_weights
-
-from tfdp.dp.clipping import CLIPPING_PATHS
 
 
 class DPModel(chunked.ChunkedTraining, ema.EMAParameters, keras.Model):
@@ -273,14 +272,9 @@ class DPModel(chunked.ChunkedTraining, ema.EMAParameters, keras.Model):
     # -- The step: clip -> accumulate -> noise -> scale, on the chunked path ----
 
     def train_step(self, data):
-        """One update from a logical batch, by the chunked train function's own accumulation.
-
-        The batch is cut into `accumulation_steps` chunks; the accumulators
-        are zeroed, each chunk's `_contribution` is added in order, and the
-        update is made from their sum (`_update_from_accumulators`): the
-        calls the chunked train function makes for chunk elements
-        (`tfdp.training.chunked`), in this replica's context.
-        """
+        """One update from a logical batch: its `accumulation_steps` chunks are added up
+        by the chunked train function's own accumulation (`tfdp.training.chunked`), then
+        `_update_from_accumulators` (noise once, divide by B, apply)."""
         images, labels, mask = example_weights.unpack(data)
         self._accumulate_batch((images, labels, example_weights.binary(mask)))
         return self._update_from_accumulators()
