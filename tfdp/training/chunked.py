@@ -87,7 +87,7 @@ class ChunkedTraining:
 
         if not self.run_eagerly:
             accumulate = tf.function(accumulate, jit_compile=self.jit_compile,
-                                     reduce_retracing=True)
+                                     reduce_retracing=True, autograph=False)
 
         def one_update(iterator):
             # A Python loop: automatic control dependencies then run the chunks strictly in
@@ -99,7 +99,7 @@ class ChunkedTraining:
             return update()
 
         if not self.run_eagerly:
-            one_update = tf.function(one_update, reduce_retracing=True)
+            one_update = tf.function(one_update, reduce_retracing=True, autograph=False)
         self.train_function = one_update
         return one_update
 
