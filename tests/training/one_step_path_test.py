@@ -16,6 +16,7 @@ raises; another noise seed gives another update
 """
 
 import dataclasses
+import functools
 from unittest import mock
 
 import keras
@@ -61,6 +62,7 @@ def _settings(accumulation_steps, noise_seed=NOISE_SEED):
     return privacy, optimization
 
 
+@functools.lru_cache(maxsize=None)  # pure: the same arguments give the same update
 def _cli_step(accumulation_steps):
     """One step of the trainer's own stages: plan, chunked input, mode's model, fit."""
     images, labels = _images_and_labels()
@@ -110,8 +112,8 @@ def test_the_cli_and_make_private_make_the_same_update_bit_for_bit(accumulation_
 
 
 def test_another_noise_seed_gives_another_update():
-    _, cli = _cli_step(1)
-    _, private = _make_private_step(1, noise_seed=NOISE_SEED + 1)
+    _, cli = _cli_step(3)
+    _, private = _make_private_step(3, noise_seed=NOISE_SEED + 1)
     assert all(np.any(got != want) for got, want in zip(private, cli))
 
 
