@@ -9,7 +9,9 @@ updates to .npy files that the tests below check. The noise and the
 microbatch-sensitivity scenarios run on both input layouts: whole logical
 batches (`distribute_logical_batches`) and the path the trainer runs,
 accumulation chunks (`distribute_chunks` -> `ChunkedInput`, a = 2). The
-default suite runs R = 1 and 2; R = 4 runs under `-m slow`.
+default suite runs R = 2 and R = 1's reference update; R = 1's noise and
+microbatch scenarios (one replica: `tests/training/dp_model_test.py` checks the
+same std and sensitivity) and R = 4 run under `-m slow`.
 """
 
 import functools
@@ -55,7 +57,8 @@ from tfdp import data
 from tfdp.training import distribute
 from tfdp.training.dp_model import DPModel
 
-out, replica_counts = sys.argv[1], [int(r) for r in sys.argv[2].split(",")]
+# "1u" runs R = 1's reference update (scenario 2) alone.
+out, runs = sys.argv[1], sys.argv[2].split(",")
 SIGMA, CLIP, BATCH = 2.0, 0.5, 50
 devices = [d.name for d in tf.config.list_logical_devices("CPU")]
 
@@ -237,8 +240,21 @@ def variable_batches():
     return tf.data.Dataset.from_generator(lambda: iter(zip(xs, ys)), output_signature=spec)
 
 
-for r in replica_counts:
+for run in runs:
+    r, update_only = int(run.rstrip("u")), run.endswith("u")
     strategy = tf.distribute.MirroredStrategy(devices[:r])
+    # 2. No noise, variable batches padded with masked zeros to a multiple of R
+    #    (R = 2: 7 -> 8, 3 -> 4, 0 -> 2, 5 -> 6 slots), EMA on, 4 updates.
+    model, dp = build(strategy, 16, l2_clip_norm=0.05, noise_multiplier=0.0, batch_size=10.0,
+                      ema_decay=0.9, accumulation_steps=2)
+    padded = data.pad_batches(variable_batches(), multiple=r)
+    np.save(f"{out}/update_{r}.npy", fit(strategy, dp, model, padded, 4))
+    # Every replica's own copy of the EMA variables: [r, num_ema_values].
+    np.save(f"{out}/ema_{r}.npy", np.stack([
+        np.concatenate([strategy.experimental_local_results(e.value)[i].numpy().ravel()
+                        for e in dp.ema_variables]) for i in range(r)]))
+    if update_only:
+        continue
     # 1. All examples masked: the update is exactly -noise / B.
     model, dp = build(strategy, 400, l2_clip_norm=CLIP, noise_multiplier=SIGMA, batch_size=BATCH)
     zero = tf.data.Dataset.from_tensors((tf.ones([8, 8]), tf.zeros([8], tf.int32), tf.zeros([8])))
@@ -253,16 +269,6 @@ for r in replica_counts:
     assert int(dp.optimizer.iterations.numpy()) == 1
     np.save(f"{out}/noise_chunks_{r}.npy", np.concatenate(
         [(w.numpy() - b).ravel() for w, b in zip(model.trainable_variables, before)]))
-    # 2. No noise, variable batches padded with masked zeros to a multiple of R
-    #    (R = 2: 7 -> 8, 3 -> 4, 0 -> 2, 5 -> 6 slots), EMA on, 4 updates.
-    model, dp = build(strategy, 16, l2_clip_norm=0.05, noise_multiplier=0.0, batch_size=10.0,
-                      ema_decay=0.9, accumulation_steps=2)
-    padded = data.pad_batches(variable_batches(), multiple=r)
-    np.save(f"{out}/update_{r}.npy", fit(strategy, dp, model, padded, 4))
-    # Every replica's own copy of the EMA variables: [r, num_ema_values].
-    np.save(f"{out}/ema_{r}.npy", np.stack([
-        np.concatenate([strategy.experimental_local_results(e.value)[i].numpy().ravel()
-                        for e in dp.ema_variables]) for i in range(r)]))
     # 3. Microbatches that span replicas (and chunks): the sensitivity stays 2C.
     np.save(f"{out}/microbatch_deltas_batches_{r}.npy", microbatch_deltas(strategy, r))
     np.save(f"{out}/microbatch_deltas_chunks_{r}.npy", microbatch_deltas_chunked(strategy, r))
@@ -283,15 +289,21 @@ def _run_replica_script(counts, out):
 def replica_runs(once_per_session):
     """A loader of `_SCRIPT`'s .npy files (`name_R`), running the script on first use.
 
-    R = 1 and 2 in one process, R = 4 in another (MirroredStrategy's collective
-    group keys clash when strategies over 2 and then 4 of the same devices are
-    created in one process; R = 1 never all-reduces), each once for both xdist
-    workers. The R = 4 process starts only when an R = 4 test (`-m slow`) asks.
+    R = 1's reference update and R = 2 in one process, R = 4 in another
+    (MirroredStrategy's collective group keys clash when strategies over 2 and
+    then 4 of the same devices are created in one process; R = 1 never
+    all-reduces), each once for both xdist workers. The R = 4 process, and
+    R = 1's other scenarios, start only when a `-m slow` test asks.
     """
     folders = {}
 
     def load(name):
-        counts = "4" if name.endswith("_4") else "1,2"
+        if name.endswith("_4"):
+            counts = "4"
+        elif name.endswith("_1") and not name.startswith(("update_", "ema_")):
+            counts = "1"
+        else:
+            counts = "1u,2"
         if counts not in folders:
             try:
                 folders[counts] = once_per_session(
@@ -306,14 +318,16 @@ def replica_runs(once_per_session):
     return load
 
 
-# The default suite runs R = 1 and 2; R = 4 (its own process: 20 s of the 2 cores, beside the
-# other xdist worker and the R = 1, 2 process) runs under -m slow. R = 2 already splits every
-# logical batch, chunk and microbatch over replicas: R = 4 checks the same arithmetic.
+# The default suite runs R = 2 and R = 1's reference update; R = 4 (its own process: 20 s of
+# the 2 cores) runs under -m slow, and so do R = 1's noise and microbatch cases (one replica:
+# dp_model_test.py's noise and sensitivity tests). R = 2 already splits every logical batch,
+# chunk and microbatch over replicas: R = 4 checks the same arithmetic.
 REPLICA_PARAMS = [pytest.param(r, marks=[pytest.mark.slow] if r == 4 else []) for r in REPLICAS]
+SPLIT_PARAMS = [pytest.param(r, marks=[pytest.mark.slow] if r != 2 else []) for r in REPLICAS]
 
 
 @pytest.mark.parametrize("layout", ["batches", "chunks"])
-@pytest.mark.parametrize("replicas", REPLICA_PARAMS)
+@pytest.mark.parametrize("replicas", SPLIT_PARAMS)
 def test_summed_noise_has_std_sigma_c_over_b_for_every_replica_count(replica_runs, replicas,
                                                                    layout):
     # Zero gradients (all-zero mask), SGD at lr 1: the update is -(sum of the R
@@ -361,7 +375,7 @@ def test_masked_padding_contributes_nothing():
 
 
 @pytest.mark.parametrize("layout", ["batches", "chunks"])
-@pytest.mark.parametrize("replicas", REPLICA_PARAMS)
+@pytest.mark.parametrize("replicas", SPLIT_PARAMS)
 def test_microbatched_sensitivity_is_2c_across_replicas(replica_runs, replicas, layout):
     # Adjacent batches built by hand (tests/training/dp_model_test.py has the same with
     # 1, 2 and 4 accumulation chunks of one batch): adding one example moves the others
