@@ -100,7 +100,9 @@ def _make_private_step(accumulation_steps, noise_seed=NOISE_SEED):
     return private.mechanism, [v.numpy() for v in private.model.model.trainable_variables]
 
 
-@pytest.mark.parametrize("accumulation_steps", [1, 3])
+# Accumulation 3 (three chunks per update) by default; 1 (one chunk: the same calls, once)
+# under -m slow.
+@pytest.mark.parametrize("accumulation_steps", [pytest.param(1, marks=pytest.mark.slow), 3])
 def test_the_cli_and_make_private_make_the_same_update_bit_for_bit(accumulation_steps):
     plan, cli = _cli_step(accumulation_steps)
     mechanism, private = _make_private_step(accumulation_steps)
@@ -129,7 +131,8 @@ def _dp_model(accumulation_steps, num_microbatches):
     return model, dp
 
 
-@pytest.mark.parametrize("accumulation_steps, num_microbatches", [(1, None), (3, None), (3, 2)])
+@pytest.mark.parametrize("accumulation_steps, num_microbatches", [
+    pytest.param(1, None, marks=pytest.mark.slow), (3, None), (3, 2)])
 def test_train_step_on_a_logical_batch_equals_the_chunked_path_bit_for_bit(
         accumulation_steps, num_microbatches):
     rng = np.random.default_rng(1)
