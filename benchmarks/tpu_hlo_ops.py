@@ -218,7 +218,10 @@ def _conv_flops(op, shapes, out_shape):
 def parse_module(text):
     """(ops, top): convolutions/dots anywhere, and every instruction of non-fused computations.
 
-    Each top-level instruction is `(computation, name, opcode, bytes, op_type, op_name, calls)`.
+    Each top-level instruction is `(computation, name, opcode, bytes, op_type, op_name, calls,
+    cycles)`: cycles is the TPU compiler's own estimate in its backend_config
+    (`estimated_cycles`; 0 where it gives none), which unlike cost analysis' flops sees an
+    operand precision's extra passes.
     """
     comps = {}  # name -> list of (name, result text, opcode, args, attrs)
     current = None
@@ -238,6 +241,8 @@ def parse_module(text):
         result, rest = _result_and_rest(m.group(3))
         opcode, args, attrs = _split_operands(rest)
         comps[current].append((m.group(2), result, opcode, args, attrs))
+    global _COMPUTATIONS
+    _COMPUTATIONS = comps
     types = {}  # instruction name -> its result type (names are unique in a module)
     for instrs in comps.values():
         for name, result, opcode, args, attrs in instrs:
@@ -287,9 +292,39 @@ def parse_module(text):
             if not fused and opcode not in (None, "parameter", "constant", "tuple",
                                             "get-tuple-element", "bitcast"):
                 nbytes = _nbytes(_strip_layouts(result)) + _nbytes(operand_types(args))
+                cycles = re.search(r'"estimated_cycles":"([0-9]+)"', attrs)
                 top.append((cname, name, opcode, nbytes, op_type, op_name,
-                            _attr(attrs, "calls").lstrip("%")))
+                            _attr(attrs, "calls").lstrip("%"),
+                            int(cycles.group(1)) if cycles else 0))
     return ops, top
+
+
+_COMPUTATIONS = {}  # the last parsed module's computations (for `fusion_kind`)
+
+
+def fusion_kind(calls):
+    """What a fusion without convolutions or dots does, from the ops of its computation.
+
+    random bits (xor: the noise's generator), select + reduce (a weighted sum over the
+    examples, `clipping.weighted_sum`'s multiply_no_nan), a reduce to [examples, <= 512]
+    (the DP step's per-example squares; a plain step's GroupNorm statistics), another reduce,
+    or elementwise/layout.
+    """
+    instrs = _COMPUTATIONS.get(calls, [])
+    ops = collections.Counter(opcode for _, _, opcode, _, _ in instrs)
+    root = [result for name, result, opcode, _, _ in instrs][-1:] or [""]
+    outs = [tuple(int(x) for x in dims.split(",") if x)
+            for _, dims in _SHAPE.findall(_strip_layouts(root[0]))]
+    if ops["xor"]:
+        return "random bits"
+    if ops["reduce"] and ops["select"]:
+        return "select + reduce (weighted sum)"
+    if ops["reduce"] and outs and all(1 <= len(o) <= 2 and o[-1] <= 512 and o[0] <= 512
+                                      for o in outs):
+        return "reduce to [examples, <= 512] (squares; GN stats)"
+    if ops["reduce"]:
+        return "other reduce"
+    return "elementwise/layout"
 
 
 def parse(text):
@@ -354,14 +389,22 @@ def main():
     print(f"\nlargest {top_n} convolutions/dots:")
     for op in sorted(ops, key=lambda o: -o.flops)[:top_n]:
         print(f"  {op.short()}  [{op.op_type}] {op.op_name[-90:]}")
-    tb = collections.defaultdict(lambda: [0, 0])
-    for cname, name, opcode, nbytes, op_type, op_name, calls in top:
-        tb[f"{opcode} {op_type}"][0] += 1
-        tb[f"{opcode} {op_type}"][1] += nbytes
-    print(f"\nbytes of top-level instructions (operands + result): "
-          f"{sum(t[3] for t in top) / 1e9:.3f} GB")
-    for k, (count, nbytes) in sorted(tb.items(), key=lambda kv: -kv[1][1])[:top_n]:
-        print(f"  {nbytes / 1e9:9.3f} GB  {count:5d}  {k}")
+    roles = collections.defaultdict(set)  # fused computation -> roles of its convs/dots
+    for op in ops:
+        roles[op.computation].add(op.role())
+    tb = collections.defaultdict(lambda: [0, 0, 0])
+    for cname, name, opcode, nbytes, op_type, op_name, calls, cycles in top:
+        k = opcode
+        if opcode == "fusion":
+            k = "fusion [" + (", ".join(sorted(roles[calls])) or fusion_kind(calls)) + "]"
+        tb[k][0] += 1
+        tb[k][1] += nbytes
+        tb[k][2] += cycles
+    print(f"\ntop-level instructions: bytes (operands + result; an async start and its done "
+          f"both count) {sum(t[3] for t in top) / 1e9:.3f} GB, the compiler's estimated "
+          f"cycles {sum(t[7] for t in top) / 1e6:.2f} M")
+    for k, (count, nbytes, cycles) in sorted(tb.items(), key=lambda kv: -kv[1][2])[:top_n]:
+        print(f"  {cycles / 1e6:9.3f} Mcycles {nbytes / 1e9:9.3f} GB  {count:5d}  {k}")
 
 
 if __name__ == "__main__":

@@ -4,7 +4,9 @@ Compile-only (libtpu's deviceless client, no TPU needed): for each WRN-16-4 conv
 and chunk size n (and K augmult views per example), compiles each way of computing the n
 examples' kernel gradients, or what the DP step does with them, and prints one JSON line per
 (layer, n, K, form, precision) with XLA's cost analysis of the TPU program (GFLOP, GB accessed),
-its temp memory (MB), and the convolutions/dots of the optimized HLO (from `tpu_hlo_ops`):
+its temp memory (MB), the compiler's estimated cycles of the program's top-level instructions
+(`Mcycles`, from their backend_config: unlike the flops, it sees HIGHEST's extra passes) and the
+convolutions/dots of the optimized HLO (from `tpu_hlo_ops`):
 
   grouped  tfdp's form (`conv.conv2d_example_gradients`): the input transposed to [C, H, W, n],
            the output gradient to a depthwise kernel [oh, ow, 1, n O], one convolution with
@@ -320,8 +322,10 @@ def main():
                                         "temp_MB": round(m.temp_size_in_bytes / 1e6, 2),
                                         "arg_MB": round(m.argument_size_in_bytes / 1e6, 2)})
                             text = comp.as_text()
-                            ops = tpu_hlo_ops.parse(text)
+                            ops, top = tpu_hlo_ops.parse_module(text)
                             rec["ops_GFLOP"] = round(sum(op.flops for op in ops) / 1e9, 4)
+                            # the compiler's own estimate: sees an operand precision's passes
+                            rec["Mcycles"] = round(sum(t[7] for t in top) / 1e6, 4)
                             rec["ops"] = [op.short() for op in ops if op.flops]
                             if args.dump:
                                 os.makedirs(args.dump, exist_ok=True)
