@@ -15,12 +15,14 @@ convolutions/dots of the optimized HLO (from `tpu_hlo_ops`):
   vmap     jax.vmap of jax.grad of one example's conv (the reference's per-example gradient).
   slices   im2col patches by slicing (no arithmetic, as tfdp's conv2d_patches) and einsum
            'nrd,nro->ndo' (a batched matmul).
-  patches  the same with JAX's `conv_general_dilated_patches` (a grouped conv builds them).
+  shifts   one batched matmul 'nrc,nro->nco' per kernel offset, over the input's strided
+           slice for that offset (no patches materialized).
+  patches  as slices, with JAX's `conv_general_dilated_patches` (a grouped conv builds them).
   plain    the kernel gradient of the whole chunk (the baseline: no per-example form is cheaper).
   gram     the Gram form's squared norms: per example sum_rs (p_r.p_s)(g_r.g_s), sliced patches.
   w1       the clipped weighted sum over held gradients h [n, kh, kw, C, O]: sum_i f_i h_i.
   w2       book-keeping's weighted sum: the plain kernel gradient of the factor-scaled g.
-  norm_grouped / norm_vmap / norm_slices: the form followed by each example's squared norm
+  norm_grouped / norm_vmap / norm_slices / norm_shifts: the form followed by each example's squared norm
            (what the norms pass of the DP step computes; the held gradients are then dropped).
 
 Every input is float32; `--precision` DEFAULT (one bf16 pass on a TPU, the compiler's choice)
@@ -174,6 +176,24 @@ def slice_form(x, g, k, s, pad, views, prec):
     return jnp.einsum("nrd,nro->ndo", p, gg, precision=prec)
 
 
+def shift_form(x, g, k, s, pad, views, prec):
+    """One batched matmul 'nrc,nro->nco' per kernel offset over a strided slice of the input.
+
+    No patches: each offset's slice can be read by its dot directly. [n, k, k, C, O].
+    """
+    n = x.shape[0] // views
+    x = jnp.pad(x, ((0, 0), pad, pad, (0, 0)))
+    out = g.shape[1]
+    gg = g.reshape(n, -1, g.shape[-1])
+    taps = []
+    for y in range(k):
+        for t in range(k):
+            a = x[:, y:y + (out - 1) * s + 1:s, t:t + (out - 1) * s + 1:s]
+            taps.append(jnp.einsum("nrc,nro->nco", a.reshape(n, -1, a.shape[-1]), gg,
+                                   precision=prec))
+    return jnp.stack(taps, axis=1).reshape(n, k, k, x.shape[-1], g.shape[-1])
+
+
 def patch_form(x, g, k, s, pad, views, prec):
     n = x.shape[0] // views
     p = patches(x, k, s, pad, prec)
@@ -219,6 +239,10 @@ def build(form, name, n, views, prec):
         return (lambda x, g: slice_form(x, g, k, s, pad, views, prec)), (x, g)
     if form == "norm_slices":
         return (lambda x, g: sq(slice_form(x, g, k, s, pad, views, prec))), (x, g)
+    if form == "shifts":
+        return (lambda x, g: shift_form(x, g, k, s, pad, views, prec)), (x, g)
+    if form == "norm_shifts":
+        return (lambda x, g: sq(shift_form(x, g, k, s, pad, views, prec))), (x, g)
     if form == "norm_grouped":
         return (lambda x, g: sq(grouped(x, g, k, s, pad, views, prec))), (x, g)
     if form == "norm_vmap":
@@ -239,8 +263,8 @@ def build(form, name, n, views, prec):
     raise ValueError(form)
 
 
-FORMS = ["plain", "grouped", "vmap", "slices", "patches", "norm_grouped", "norm_vmap",
-         "norm_slices", "gram", "w1", "w2"]
+FORMS = ["plain", "grouped", "vmap", "slices", "shifts", "patches", "norm_grouped", "norm_vmap",
+         "norm_slices", "norm_shifts", "gram", "w1", "w2"]
 
 
 def table(paths, key="GFLOP"):
@@ -270,7 +294,10 @@ def table(paths, key="GFLOP"):
             if f not in by:
                 cells.append("")
                 continue
-            v = by[f][key]
+            v = by[f].get(key)
+            if v is None:
+                cells.append("")
+                continue
             ratio = f" ({by[f]['GFLOP'] / base:.2g}x)" if base and key == "GFLOP" else ""
             cells.append(f"{v:.4g}{ratio}")
         print(f"| {layer} | {n} | {k} | {prec[:4]} | " + " | ".join(cells) + " |")
