@@ -22,7 +22,7 @@ convolutions/dots of the optimized HLO (from `tpu_hlo_ops`):
   gram     the Gram form's squared norms: per example sum_rs (p_r.p_s)(g_r.g_s), sliced patches.
   w1       the clipped weighted sum over held gradients h [n, kh, kw, C, O]: sum_i f_i h_i.
   w2       book-keeping's weighted sum: the plain kernel gradient of the factor-scaled g.
-  norm_grouped / norm_vmap / norm_slices / norm_shifts: the form followed by each example's squared norm
+  norm_grouped / norm_vmap / norm_slices / norm_shifts: the form, then each example's squared norm
            (what the norms pass of the DP step computes; the held gradients are then dropped).
 
 Every input is float32; `--precision` DEFAULT (one bf16 pass on a TPU, the compiler's choice)
