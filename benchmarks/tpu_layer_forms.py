@@ -22,6 +22,7 @@ convolutions/dots of the optimized HLO (from `tpu_hlo_ops`):
   gram     the Gram form's squared norms: per example sum_rs (p_r.p_s)(g_r.g_s), sliced patches.
   w1       the clipped weighted sum over held gradients h [n, kh, kw, C, O]: sum_i f_i h_i.
   w2       book-keeping's weighted sum: the plain kernel gradient of the factor-scaled g.
+  norm_slices_bf16: norm_slices with x and g rounded to bfloat16 first (the patches in bf16).
   norm_grouped / norm_vmap / norm_slices / norm_shifts: the form, then each example's squared norm
            (what the norms pass of the DP step computes; the held gradients are then dropped).
 
@@ -239,6 +240,14 @@ def build(form, name, n, views, prec):
         return (lambda x, g: slice_form(x, g, k, s, pad, views, prec)), (x, g)
     if form == "norm_slices":
         return (lambda x, g: sq(slice_form(x, g, k, s, pad, views, prec))), (x, g)
+    if form == "norm_slices_bf16":  # patches built from bf16 inputs (what one pass multiplies)
+        def f16(x, g):
+            n = x.shape[0] // views
+            p = sliced_patches(x.astype(jnp.bfloat16), k, s, pad)
+            p = p.reshape(n, -1, p.shape[-1])
+            gg = g.astype(jnp.bfloat16).reshape(n, -1, g.shape[-1])
+            return sq(jnp.einsum("nrd,nro->ndo", p, gg, preferred_element_type=jnp.float32))
+        return f16, (x, g)
     if form == "shifts":
         return (lambda x, g: shift_form(x, g, k, s, pad, views, prec)), (x, g)
     if form == "norm_shifts":
@@ -264,7 +273,7 @@ def build(form, name, n, views, prec):
 
 
 FORMS = ["plain", "grouped", "vmap", "slices", "shifts", "patches", "norm_grouped", "norm_vmap",
-         "norm_slices", "norm_shifts", "gram", "w1", "w2"]
+         "norm_slices", "norm_slices_bf16", "norm_shifts", "gram", "w1", "w2"]
 
 
 def table(paths, key="GFLOP"):
