@@ -22,6 +22,8 @@ convolutions/dots of the optimized HLO (from `tpu_hlo_ops`):
   gram     the Gram form's squared norms: per example sum_rs (p_r.p_s)(g_r.g_s), sliced patches.
   w1       the clipped weighted sum over held gradients h [n, kh, kw, C, O]: sum_i f_i h_i.
   w2       book-keeping's weighted sum: the plain kernel gradient of the factor-scaled g.
+  loop     each example's kernel gradient as its own plain kernel-gradient conv (batch K),
+           unrolled over the n examples (no groups, no patches).
   norm_slices_bf16: norm_slices with x and g rounded to bfloat16 first (the patches in bf16).
   norm_grouped / norm_vmap / norm_slices / norm_shifts: the form, then each example's squared norm
            (what the norms pass of the DP step computes; the held gradients are then dropped).
@@ -248,6 +250,13 @@ def build(form, name, n, views, prec):
             gg = g.astype(jnp.bfloat16).reshape(n, -1, g.shape[-1])
             return sq(jnp.einsum("nrd,nro->ndo", p, gg, preferred_element_type=jnp.float32))
         return f16, (x, g)
+    if form in ("loop", "norm_loop"):  # each example's kernel gradient, one plain conv each
+        def per_example(x, g):
+            n = x.shape[0] // views
+            h = jnp.stack([plain(x[i * views:(i + 1) * views], g[i * views:(i + 1) * views],
+                                 k, s, pad, prec) for i in range(n)])
+            return sq(h) if form == "norm_loop" else h
+        return per_example, (x, g)
     if form == "shifts":
         return (lambda x, g: shift_form(x, g, k, s, pad, views, prec)), (x, g)
     if form == "norm_shifts":
@@ -273,7 +282,7 @@ def build(form, name, n, views, prec):
 
 
 FORMS = ["plain", "grouped", "vmap", "slices", "shifts", "patches", "norm_grouped", "norm_vmap",
-         "norm_slices", "norm_slices_bf16", "norm_shifts", "gram", "w1", "w2"]
+         "norm_slices", "norm_slices_bf16", "norm_shifts", "loop", "norm_loop", "gram", "w1", "w2"]
 
 
 def table(paths, key="GFLOP"):
