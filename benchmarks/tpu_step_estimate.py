@@ -11,8 +11,9 @@ dropped: `norm_slices`, `norm_shifts`, `norm_grouped`; or the Gram form `gram`),
 sum is the book-keeping one (`w2`: the plain kernel gradient of the factor-scaled output
 gradients), which replaces the plain step's kernel gradient one for one (its figures are the
 plain kernel gradient's, so it adds nothing here). `best_GFLOP` / `best_Mcycles` take, per
-layer, the direct norms form (slices, shifts, grouped) with the fewest flops / estimated
-cycles. `gram` is measured at one pass (DEFAULT): the exact Gram form costs ~6x its cycles.
+layer, the direct norms form measured (slices, shifts, grouped, loop; `--best_of`) with the
+fewest flops / estimated cycles. `gram` is measured at one pass (DEFAULT): the exact Gram
+form costs ~6x its cycles.
 The plain step's own figures are given on the command line (from `tpu_cost.py` /
 `tpu_hlo_ops.py` on the exported plain step). Not counted: the classifier, biases and
 GroupNorm scales (tiny) and the noise. Over-counted: each form's bytes include reading its
@@ -49,16 +50,19 @@ def load(paths, precision="DEFAULT", views=1):
     return out
 
 
-def estimate(data, batch, chunk, form):
+DIRECT = ("norm_slices", "norm_shifts", "norm_grouped", "norm_loop")
+
+
+def estimate(data, batch, chunk, form, forms_allowed=DIRECT):
     """(totals {key: value}, per-layer rows) of the DP step's extra for one norms form."""
     totals = {k: 0.0 for k in KEYS}
     rows = []
     for layer, count in COUNT.items():
         best = form.startswith("best_")
-        candidates = ["norm_slices", "norm_shifts", "norm_grouped"] if best else [form]
+        candidates = ([f for f in DIRECT if f in forms_allowed] if best else [form])
         have = [f for f in candidates if (layer, chunk, f) in data
                 and data[layer, chunk, f].get("Mcycles") is not None]
-        if not have or (best and len(have) < len(candidates)):
+        if not have:
             rows.append((layer, None, None))
             continue
         by = form[5:] if best else "Mcycles"
@@ -78,7 +82,9 @@ def main():
     ap.add_argument("--chunk", type=int, required=True)
     ap.add_argument("--plain", required=True, help="GFLOP,GB,MCYCLES of the plain step")
     ap.add_argument("--forms",
-                    default="norm_slices,norm_shifts,norm_grouped,gram,best_GFLOP,best_Mcycles")
+                    default="norm_slices,norm_shifts,norm_grouped,norm_loop,gram,"
+                    "best_GFLOP,best_Mcycles")
+    ap.add_argument("--best_of", default=",".join(DIRECT))
     args = ap.parse_args()
     plain = dict(zip(KEYS, (float(v) for v in args.plain.split(","))))
     data = load(args.files)
@@ -87,7 +93,7 @@ def main():
     print("| norms form | DP GFLOP (x plain) | DP GB (x plain) | DP Mcycles (x plain) | missing |")
     print("|---|---|---|---|---|")
     for form in args.forms.split(","):
-        totals, rows = estimate(data, args.batch, args.chunk, form)
+        totals, rows = estimate(data, args.batch, args.chunk, form, args.best_of.split(","))
         missing = [layer for layer, f, _ in rows if f is None]
         cells = [f"{plain[k] + totals[k]:.4g} ({(plain[k] + totals[k]) / plain[k]:.2f}x)"
                  if not missing else "(incomplete)" for k in KEYS]
