@@ -32,8 +32,8 @@ Every input is float32; `--precision` DEFAULT (one bf16 pass on a TPU, the compi
 and/or HIGHEST (float32-exact products: several bf16 passes, if the compiler splits them).
 Outputs: the squared norms [n] where the form gives norms, else the gradients.
 
-Usage (the jax[tpu] venv, e.g. /tmp/vtpu; one libtpu process at a time):
-  TPU_SKIP_MDS_QUERY=1 python benchmarks/tpu_layer_forms.py [--target v5e] [--n 8,16,32,128]
+Usage (a venv with jax[tpu], $TPU_VENV; one libtpu process at a time):
+  TPU_SKIP_MDS_QUERY=1 $TPU_VENV/bin/python benchmarks/tpu_layer_forms.py [--target v5e] [--n 8,16,32,128]
       [--k 1] [--layers all|NAME,...] [--forms all|grouped,vmap,...] [--precision DEFAULT,HIGHEST]
       [--dump DIR]
 `--dump DIR` writes each case's optimized HLO text (DIR/layer_n_K_form_precision.hlo.txt).
