@@ -52,7 +52,6 @@ os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 from jax.sharding import SingleDeviceSharding  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -300,7 +299,7 @@ def table(paths, key="GFLOP"):
             if r["form"] not in forms:
                 forms.append(r["form"])
     forms = [f for f in FORMS if f in forms]
-    print(f"| layer | n | K | prec | " + " | ".join(forms) + " |")
+    print("| layer | n | K | prec | " + " | ".join(forms) + " |")
     print("|---" * (4 + len(forms)) + "|")
     order = {name: i for i, name in enumerate(LAYERS)}
     for (layer, n, k, prec), by in sorted(rows.items(),
