@@ -631,6 +631,9 @@ def main(argv=None):
     parser.add_argument("--held", action="store_true",
                         help="analysis only: hold every direct-form gradient (no recompute; "
                              "ghost_norms.forms.RECOMPUTED_GRADIENTS = False)")
+    parser.add_argument("--per_example_convs", choices=("grouped", "per_example"), default=None,
+                        help="how direct-form conv kernels build per-example gradients "
+                             "(ghost_norms.forms.PER_EXAMPLE_CONVS; default: the plan's)")
     parser.add_argument("--export_only", action="store_true")
     parser.add_argument("--layers", action="store_true",
                         help="per-kernel ghost-rule cost instead of the steps (analysis)")
@@ -645,6 +648,9 @@ def main(argv=None):
     if args.held:
         from tfdp.dp.ghost_norms import forms
         forms.RECOMPUTED_GRADIENTS = False
+    if args.per_example_convs:
+        from tfdp.dp.ghost_norms import forms
+        forms.PER_EXAMPLE_CONVS = args.per_example_convs
     print(host.describe_host())
     print(f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; "
           f"{' '.join(shlex.quote(a) for a in [sys.executable, *sys.argv])}")

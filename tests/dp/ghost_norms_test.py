@@ -509,11 +509,20 @@ def test_rules_match_their_exact_class_only():
     assert ghost_norms.find_layer_rule(Derived()) is None
 
 
+def test_the_per_example_convs_switch_defaults_to_grouped_and_refuses_other_values(
+        monkeypatch):
+    assert forms.per_example_convs() == "grouped"
+    monkeypatch.setattr(forms, "PER_EXAMPLE_CONVS", "loop")
+    with pytest.raises(ValueError, match="PER_EXAMPLE_CONVS='loop'"):
+        forms.per_example_convs()
+
+
 def test_a_switch_set_on_the_package_raises_and_on_forms_reaches_the_rules(monkeypatch):
     # The rules read the switches and `choose_form` from `forms`: set on the package they would
     # reach no rule, so the package refuses them (and every name it re-exports).
-    for name in ("choose_form", "GROUPED_CONV_GRADIENTS", "RECOMPUTED_GRADIENTS",
-                 "RECOMPUTE_CHUNKS", "RECOMPUTE_CHUNK_EXAMPLES", "kernel_sq_norms"):
+    for name in ("choose_form", "GROUPED_CONV_GRADIENTS", "PER_EXAMPLE_CONVS",
+                 "RECOMPUTED_GRADIENTS", "RECOMPUTE_CHUNKS", "RECOMPUTE_CHUNK_EXAMPLES",
+                 "kernel_sq_norms"):
         with pytest.raises(AttributeError, match="set it on the module that defines it"):
             monkeypatch.setattr(ghost_norms, name, None, raising=False)  # undone if it took
     assert ghost_norms.choose_form is forms.choose_form  # nothing was set
@@ -949,24 +958,29 @@ def _near_constant_255_case():
     return (3, 3), (1, 1), (2, 2), "same", 2, x, g
 
 
+CONV_ROUTES = st.sampled_from(["grouped", "per_example"])
+
+
 # 15 derandomized cases by default (30 took 12 s on the 2-core host, a compile per case under
-# XLA), plus near-constant images at 255, which the 15 do not draw; -m slow draws
+# XLA), plus near-constant images at 255, which the 15 do not draw, on both ways of building
+# the gradients (one grouped convolution, one convolution per example); -m slow draws
 # GROUPED_CONV_EXAMPLES (default 200) random ones.
 @settings(max_examples=15, deadline=None, derandomize=True)
-@given(_conv_geometries(), st.booleans())
-@example(_near_constant_255_case(), False)
-def test_grouped_conv_gradients_are_the_per_example_gradients(case, jit):
-    _check_grouped_conv_gradients(case, jit)
+@given(_conv_geometries(), st.booleans(), CONV_ROUTES)
+@example(_near_constant_255_case(), False, "grouped")
+@example(_near_constant_255_case(), True, "per_example")
+def test_grouped_conv_gradients_are_the_per_example_gradients(case, jit, route):
+    _check_grouped_conv_gradients(case, jit, route)
 
 
 @pytest.mark.slow
 @settings(max_examples=int(os.environ.get("GROUPED_CONV_EXAMPLES", 200)), deadline=None)
-@given(_conv_geometries(), st.booleans())
-def test_grouped_conv_gradients_are_the_per_example_gradients_long(case, jit):
-    _check_grouped_conv_gradients(case, jit)
+@given(_conv_geometries(), st.booleans(), CONV_ROUTES)
+def test_grouped_conv_gradients_are_the_per_example_gradients_long(case, jit, route):
+    _check_grouped_conv_gradients(case, jit, route)
 
 
-def _check_grouped_conv_gradients(case, jit):
+def _check_grouped_conv_gradients(case, jit, route):
     # The route a GPU or TPU takes for direct-form conv kernels, eagerly and under XLA,
     # against a float64 loop: the same gradients up to float32 rounding of their terms
     # (strides, dilations, both paddings, space-to-depth patch orders, views).
@@ -980,7 +994,11 @@ def _check_grouped_conv_gradients(case, jit):
                                           dilation_rate=dilation, padding=padding)
         return rows.to_kernel_rows(tf.transpose(rows.gradients(g, views), [2, 0, 1]))
 
-    got = tf.function(grouped, jit_compile=jit)(tf.constant(x), tf.constant(g)).numpy()
+    with mock.patch.object(forms, "PER_EXAMPLE_CONVS", route), mock.patch.object(
+            conv_norms, "_one_convolution_per_example",
+            wraps=conv_norms._one_convolution_per_example) as per_example:
+        got = tf.function(grouped, jit_compile=jit)(tf.constant(x), tf.constant(g)).numpy()
+    assert per_example.called == (route == "per_example")  # the switch took
     got = np.transpose(got, [1, 0, 2]).reshape(expected.shape)  # [batch, kh, kw, c, o]
     finite = np.isfinite(terms) & (terms < 1e38)
     rounding = 2.0**-24 * (np.prod(g.shape[1:3]) * views + 2) * terms
@@ -988,8 +1006,8 @@ def _check_grouped_conv_gradients(case, jit):
 
 
 @settings(max_examples=25, deadline=None, derandomize=True)
-@given(_conv_geometries(), st.booleans())
-def test_grouped_route_adds_no_more_than_its_norms(case, recompute):
+@given(_conv_geometries(), st.booleans(), CONV_ROUTES)
+def test_grouped_route_adds_no_more_than_its_norms(case, recompute, route):
     # The rule's contract on the grouped route, held or recomputed (chunks of one example):
     # the vector each example adds (one-hot factors) is within its squares (or
     # `NORM_FLOOR`, which the clipped sum counts for a square that flushes to 0:
@@ -998,6 +1016,7 @@ def test_grouped_route_adds_no_more_than_its_norms(case, recompute):
     batch = len(x) // views
     with mock.patch.object(forms, "choose_form", lambda *_: ghost_norms.DIRECT), \
             mock.patch.object(forms, "GROUPED_CONV_GRADIENTS", True), \
+            mock.patch.object(forms, "PER_EXAMPLE_CONVS", route), \
             mock.patch.object(forms, "RECOMPUTED_GRADIENTS", recompute), \
             mock.patch.object(forms, "RECOMPUTE_CHUNK_EXAMPLES", 1), \
             mock.patch.object(conv_norms, "conv2d_example_gradients",

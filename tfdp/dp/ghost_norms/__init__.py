@@ -80,8 +80,9 @@ layer has which rule is kept in a registry (`register_layer_rule`,
 `find_layer_rule`) that `tfdp.training` fills with the Keras layer classes.
 
 The public names below are re-exported here. The switches that tests and
-benchmarks set (`GROUPED_CONV_GRADIENTS`, `RECOMPUTED_GRADIENTS`,
-`RECOMPUTE_CHUNKS`, `RECOMPUTE_CHUNK_EXAMPLES`, and `choose_form` replaced)
+benchmarks set (`GROUPED_CONV_GRADIENTS`, `PER_EXAMPLE_CONVS`,
+`RECOMPUTED_GRADIENTS`, `RECOMPUTE_CHUNKS`, `RECOMPUTE_CHUNK_EXAMPLES`, and
+`choose_form` replaced)
 are set on `forms`, the module that defines and reads them; setting a
 re-exported name or a switch on this package raises, as it would reach
 none of the code that reads it.
@@ -98,8 +99,9 @@ from tfdp.dp.ghost_norms.dense import (einsum_kernel_geometry, einsum_kernel_sq_
                                        kernel_sq_norms)
 from tfdp.dp.ghost_norms.embedding import embedding_sq_norms
 from tfdp.dp.ghost_norms.forms import (DIRECT, GRAM, NORM_DTYPE, choose_form,
-                                       grouped_conv_gradients, held_squares, reclip_factors,
-                                       recompute_chunk_count, recomputed_gradients)
+                                       grouped_conv_gradients, held_squares, per_example_convs,
+                                       reclip_factors, recompute_chunk_count,
+                                       recomputed_gradients)
 from tfdp.dp.ghost_norms.registry import UnsupportedLayer, find_layer_rule, register_layer_rule
 from tfdp.dp.ghost_norms.rows import Rows, example_rows
 from tfdp.dp.ghost_norms.weight_standardized import ws_kernel_sq_norms
@@ -109,13 +111,14 @@ __all__ = [
     "choose_form", "conv2d_example_gradients", "conv2d_kernel_sq_norms", "conv2d_patches",
     "depthwise_kernel_sq_norms", "einsum_kernel_geometry", "einsum_kernel_sq_norms",
     "embedding_sq_norms", "example_rows", "find_layer_rule", "grouped_conv2d_kernel_sq_norms",
-    "grouped_conv_gradients", "held_squares", "kernel_sq_norms", "reclip_factors",
+    "grouped_conv_gradients", "held_squares", "kernel_sq_norms", "per_example_convs",
+    "reclip_factors",
     "recompute_chunk_count", "recomputed_gradients", "register_layer_rule", "ws_kernel_sq_norms",
 ]
 
 # Read by `forms` (and `choose_form` by `dense` and `weight_standardized` through it).
-_SWITCHES = ("GROUPED_CONV_GRADIENTS", "RECOMPUTED_GRADIENTS", "RECOMPUTE_CHUNKS",
-             "RECOMPUTE_CHUNK_EXAMPLES")
+_SWITCHES = ("GROUPED_CONV_GRADIENTS", "PER_EXAMPLE_CONVS", "RECOMPUTED_GRADIENTS",
+             "RECOMPUTE_CHUNKS", "RECOMPUTE_CHUNK_EXAMPLES")
 
 
 class _Package(types.ModuleType):

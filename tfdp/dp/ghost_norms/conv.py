@@ -177,6 +177,10 @@ def conv2d_example_gradients(inputs: tf.Tensor, output_grads: tf.Tensor, *, kern
         raise ValueError(f"conv2d_example_gradients: strides {strides} and dilation_rate "
                          f"{dilation_rate} must be equal on both axes and not both above 1.")
     channels, filters = inputs.shape[-1], output_grads.shape[-1]
+    if forms.per_example_convs() == "per_example" and inputs.shape[0] is not None:
+        return _one_convolution_per_example(inputs, output_grads, kernel_size=kernel_size,
+                                            strides=strides, dilation_rate=dilation_rate,
+                                            num_views=num_views)
     s = sh
     # Stride s: offset y = s * alpha + r reads input row (p + alpha) s + r, row p + alpha of
     # the input's phase r (`a[r::s]`): one stride-1 correlation per phase (r, t), each of
@@ -205,6 +209,39 @@ def conv2d_example_gradients(inputs: tf.Tensor, output_grads: tf.Tensor, *, kern
         total = out if total is None else total + out  # [channels, kh, kw, batch * filters]
     total = tf.reshape(total, [channels, kh, kw, -1, filters])
     return tf.transpose(total, [3, 1, 2, 0, 4])
+
+
+def _one_convolution_per_example(inputs: tf.Tensor, output_grads: tf.Tensor, *, kernel_size,
+                                 strides, dilation_rate, num_views: int) -> tf.Tensor:
+    """`conv2d_example_gradients` as one kernel-gradient convolution per example.
+
+    Example i's gradient is the plain step's kernel gradient of a batch of
+    its K views alone (`tf.nn.conv2d` differentiated with respect to its
+    filter: the convolution a compiler emits for a layer's kernel gradient),
+    unrolled over the examples: no groups (a TPU's compiler makes a
+    convolution of fewer than 128 groups one dense convolution against a
+    masked kernel, n times the multiply-adds) and no patches. Operands are
+    rounded as the device's (`device_arithmetic.device_rounded`), as the
+    grouped route's.
+
+    Args:
+      inputs: float32 `[batch * K, height, width, channels]`, padded, with a
+        static batch.
+      output_grads: float32 `[batch * K, out_height, out_width, filters]`.
+      kernel_size, strides, dilation_rate: pairs of ints, the convolution's.
+      num_views: K; example i's views are rows `i K .. i K + K - 1`.
+
+    Returns:
+      float32 `[batch, kh, kw, channels, filters]`.
+    """
+    filter_shape = [*kernel_size, inputs.shape[-1], output_grads.shape[-1]]
+    a = device_arithmetic.device_rounded(inputs)
+    g = device_arithmetic.device_rounded(output_grads)
+    return tf.stack([
+        tf.compat.v1.nn.conv2d_backprop_filter(
+            a[i:i + num_views], filter_shape, g[i:i + num_views],
+            strides=[1, *strides, 1], padding="VALID", dilations=[1, *dilation_rate, 1])
+        for i in range(0, inputs.shape[0], num_views)])
 
 
 def _interleave_phases(out: dict, s: int, kh: int, kw: int) -> tf.Tensor:

@@ -215,6 +215,33 @@ def grouped_conv_gradients() -> bool:
     return device_arithmetic.splits()
 
 
+# How the grouped route builds a conv kernel's per-example gradients: "grouped" (one grouped
+# convolution, the batch as its groups; the default) or "per_example" (each example's own
+# kernel-gradient convolution, as the plain step's).
+PER_EXAMPLE_CONVS: Optional[str] = None
+
+
+def per_example_convs() -> str:
+    """"grouped" or "per_example": how `conv.conv2d_example_gradients` builds (trace time).
+
+    `PER_EXAMPLE_CONVS` if set, else "grouped". On a TPU's compiler the
+    per-example convolutions cost the plain kernel gradients' flops where a
+    convolution of fewer than 128 groups costs n times them, but the step
+    moves more bytes and holds more memory (WRN-16-4, B = 32:
+    docs/performance.md, "Per-example convolutions on a TPU"), so no device
+    takes them by default yet.
+
+    Raises:
+      ValueError: `PER_EXAMPLE_CONVS` is neither None, "grouped" nor "per_example".
+    """
+    if PER_EXAMPLE_CONVS is None:
+        return "grouped"
+    if PER_EXAMPLE_CONVS not in ("grouped", "per_example"):
+        raise ValueError(f"PER_EXAMPLE_CONVS={PER_EXAMPLE_CONVS!r}: give None, 'grouped' or "
+                         "'per_example'.")
+    return PER_EXAMPLE_CONVS
+
+
 # Where a direct-form conv kernel on the grouped route is RECOMPUTED instead of held:
 # None follows the device (`recomputed_gradients`); True or False forces it.
 RECOMPUTED_GRADIENTS: Optional[bool] = None
