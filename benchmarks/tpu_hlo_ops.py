@@ -20,6 +20,7 @@ No TPU or JAX needed (it reads text).
 
 import collections
 import dataclasses
+import json
 import math
 import re
 import sys
@@ -32,6 +33,16 @@ _SHAPE = re.compile(r"\b([a-z]+[0-9]*(?:e\dm\d\w*)?)\[([0-9,]*)\]")
 _COMP_START = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*(\(.*\))?\s*->.*\{\s*$")
 _INSTR = re.compile(r"^\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
 
+
+
+def json_records(paths):
+    """Every JSON line of the files `paths` (`tpu_layer_forms.py`'s output), other lines skipped."""
+    for path in paths:
+        for line in open(path):
+            try:
+                yield json.loads(line)
+            except ValueError:
+                continue
 
 @dataclasses.dataclass
 class Op:

@@ -287,17 +287,12 @@ FORMS = ["plain", "grouped", "vmap", "slices", "shifts", "patches", "norm_groupe
 def table(paths, key="GFLOP"):
     """Markdown: per (layer, n, K, precision), each form's `key` (and GFLOP / the plain form's)."""
     rows, forms = {}, []
-    for path in paths:
-        for line in open(path):
-            try:
-                r = json.loads(line)
-            except ValueError:
-                continue
-            if "layer" not in r or "error" in r:
-                continue
-            rows.setdefault((r["layer"], r["n"], r["K"], r["precision"]), {})[r["form"]] = r
-            if r["form"] not in forms:
-                forms.append(r["form"])
+    for r in tpu_hlo_ops.json_records(paths):
+        if "layer" not in r or "error" in r:
+            continue
+        rows.setdefault((r["layer"], r["n"], r["K"], r["precision"]), {})[r["form"]] = r
+        if r["form"] not in forms:
+            forms.append(r["form"])
     forms = [f for f in FORMS if f in forms]
     print("| layer | n | K | prec | " + " | ".join(forms) + " |")
     print("|---" * (4 + len(forms)) + "|")

@@ -26,7 +26,11 @@ No JAX needed.
 """
 
 import argparse
-import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import tpu_hlo_ops  # noqa: E402
 
 # WRN-16-4 (32x32 inputs): how many convs of each shape (`tpu_layer_forms.LAYERS`)
 COUNT = {"stem_3x3_3_16": 1, "s1_3x3_16_64": 1, "s1_3x3_64_64": 3, "s1_1x1_16_64": 1,
@@ -38,15 +42,9 @@ KEYS = ("GFLOP", "GB", "Mcycles")
 def load(paths, precision="DEFAULT", views=1):
     """{(layer, n, form): record}, the last record of each (DEFAULT precision, K = views)."""
     out = {}
-    for path in paths:
-        for line in open(path):
-            try:
-                r = json.loads(line)
-            except ValueError:
-                continue
-            if "layer" in r and "error" not in r and r["precision"] == precision \
-                    and r["K"] == views:
-                out[r["layer"], r["n"], r["form"]] = r
+    for r in tpu_hlo_ops.json_records(paths):
+        if "layer" in r and "error" not in r and r["precision"] == precision and r["K"] == views:
+            out[r["layer"], r["n"], r["form"]] = r
     return out
 
 
