@@ -155,44 +155,34 @@ def test_train_step_on_a_logical_batch_equals_the_chunked_path_bit_for_bit(
         np.testing.assert_array_equal(got.numpy(), want)
 
 
-def test_steps_per_execution_and_train_on_batch_run_the_same_accumulation():
-    # Keras runs train_step in a loop of 2 steps per call (steps_per_execution=2), or once
-    # per train_on_batch: the accumulators are zeroed per step, so every update is the same.
+def test_steps_per_execution_train_on_batch_and_chunked_input_run_the_same_accumulation():
+    # Two updates, each a logical batch of B in 3 accumulation chunks, reached three ways:
+    # `train_on_batch` twice; one `fit` call of Keras' loop of 2 steps (steps_per_execution
+    # = 2: the accumulators are zeroed per step); a `fit` on chunked input, then a
+    # `train_on_batch`, which takes a whole batch (the chunked train function would take an
+    # iterator of chunks). Every route gives the same weights bit for bit.
     rng = np.random.default_rng(2)
     x = rng.normal(size=(2, B, 6)).astype(np.float32)
     y = rng.integers(0, 3, (2, B)).astype(np.int32)
-    batches = tf.data.Dataset.from_tensor_slices((x, y))
     model, dp = _dp_model(3, None)
-    dp.fit(batches, epochs=1, steps_per_epoch=2, verbose=0)
+    for step in range(2):
+        dp.train_on_batch(x[step], y[step])
     want = [v.numpy() for v in model.trainable_variables]
+    initial = [v.numpy() for v in _dp_model(3, None)[0].trainable_variables]
+    assert all(np.any(w != w0) for w, w0 in zip(want, initial))  # both updates moved them
 
     model, dp = _dp_model(3, None)
     dp.compile(optimizer=keras.optimizers.SGD(1.0), steps_per_execution=2)
-    dp.fit(batches, epochs=1, steps_per_epoch=2, verbose=0)
+    dp.fit(tf.data.Dataset.from_tensor_slices((x, y)), epochs=1, steps_per_epoch=2, verbose=0)
     assert int(dp.optimizer.iterations.numpy()) == 2
     for got, expected in zip(model.trainable_variables, want):
         np.testing.assert_array_equal(got.numpy(), expected)
 
     model, dp = _dp_model(3, None)
-    for step in range(2):
-        dp.train_on_batch(x[step], y[step])
-    for got, expected in zip(model.trainable_variables, want):
-        np.testing.assert_array_equal(got.numpy(), expected)
-
-
-def test_train_on_batch_after_a_fit_on_chunked_input_takes_a_whole_batch():
-    rng = np.random.default_rng(3)
-    x = rng.normal(size=(B, 6)).astype(np.float32)
-    y = rng.integers(0, 3, B).astype(np.int32)
-    model, dp = _dp_model(3, None)
-    dp.fit(tf.data.Dataset.from_tensors((x, y)), epochs=1, steps_per_epoch=1, verbose=0)
-    dp.train_on_batch(x, y)
-    want = [v.numpy() for v in model.trainable_variables]
-
-    model, dp = _dp_model(3, None)
-    chunks = tf.data.Dataset.from_tensor_slices((x.reshape(3, B // 3, 6), y.reshape(3, -1)))
+    chunks = tf.data.Dataset.from_tensor_slices((x[0].reshape(3, B // 3, 6),
+                                                 y[0].reshape(3, -1)))
     dp.fit(distribute.ChunkedInput(chunks, 3), epochs=1, steps_per_epoch=1, verbose=0)
-    dp.train_on_batch(x, y)  # the chunked train function would take an iterator of chunks
+    dp.train_on_batch(x[1], y[1])
     assert int(dp.optimizer.iterations.numpy()) == 2
     for got, expected in zip(model.trainable_variables, want):
         np.testing.assert_array_equal(got.numpy(), expected)
