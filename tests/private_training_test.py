@@ -327,6 +327,10 @@ def test_each_supported_setting_reaches_the_mechanism_or_the_model():
     assert report["exported_parameters"] == "ema"
 
 
+# Slow-only (12 s of the 2-core host): by default, tests/training/one_step_path_test.py builds
+# make_private's update and the CLI's, each from scratch, under the same fixed seeds and
+# compares them bit for bit.
+@pytest.mark.slow
 def test_fixed_seeds_reproduce_the_run():
     keras.utils.set_random_seed(0)
     model = _model()

@@ -9,9 +9,11 @@ updates to .npy files that the tests below check. The noise and the
 microbatch-sensitivity scenarios run on both input layouts: whole logical
 batches (`distribute_logical_batches`) and the path the trainer runs,
 accumulation chunks (`distribute_chunks` -> `ChunkedInput`, a = 2). The
-default suite runs R = 2 and R = 1's reference update; R = 1's noise and
-microbatch scenarios (one replica: `tests/training/dp_model_test.py` checks the
-same std and sensitivity) and R = 4 run under `-m slow`.
+default suite runs R = 2 on the trainer's layout and R = 1's reference update;
+R = 2 on whole logical batches (its updates without noise are checked by
+default), R = 1's noise and microbatch scenarios (one replica:
+`tests/training/dp_model_test.py` checks the same std and sensitivity) and R = 4
+run under `-m slow`.
 """
 
 import functools
@@ -57,7 +59,9 @@ from tfdp import data
 from tfdp.training import distribute
 from tfdp.training.dp_model import DPModel
 
-# "1u" runs R = 1's reference update (scenario 2) alone.
+# A run is R and what it does: "1u" R = 1's reference update (scenario 2) alone; "2c" the
+# update and the chunked layout's scenarios; "2b" the logical batches' scenarios alone; "4"
+# all of them.
 out, runs = sys.argv[1], sys.argv[2].split(",")
 SIGMA, CLIP, BATCH = 2.0, 0.5, 50
 devices = [d.name for d in tf.config.list_logical_devices("CPU")]
@@ -241,8 +245,20 @@ def variable_batches():
 
 
 for run in runs:
-    r, update_only = int(run.rstrip("u")), run.endswith("u")
+    r, only = int(run.rstrip("ubc")), run.lstrip("0123456789")
     strategy = tf.distribute.MirroredStrategy(devices[:r])
+    batches, chunks = only in ("", "b"), only in ("", "c")
+    # 1. All examples masked: the update is exactly -noise / B.
+    if batches:
+        model, dp = build(strategy, 400, l2_clip_norm=CLIP, noise_multiplier=SIGMA,
+                          batch_size=BATCH)
+        zero = tf.data.Dataset.from_tensors((tf.ones([8, 8]), tf.zeros([8], tf.int32),
+                                             tf.zeros([8])))
+        np.save(f"{out}/noise_batches_{r}.npy", fit(strategy, dp, model, zero, 1))
+        # 3. Microbatches that span replicas: the sensitivity stays 2C.
+        np.save(f"{out}/microbatch_deltas_batches_{r}.npy", microbatch_deltas(strategy, r))
+    if only == "b":
+        continue
     # 2. No noise, variable batches padded with masked zeros to a multiple of R
     #    (R = 2: 7 -> 8, 3 -> 4, 0 -> 2, 5 -> 6 slots), EMA on, 4 updates.
     model, dp = build(strategy, 16, l2_clip_norm=0.05, noise_multiplier=0.0, batch_size=10.0,
@@ -253,13 +269,9 @@ for run in runs:
     np.save(f"{out}/ema_{r}.npy", np.stack([
         np.concatenate([strategy.experimental_local_results(e.value)[i].numpy().ravel()
                         for e in dp.ema_variables]) for i in range(r)]))
-    if update_only:
+    if not chunks:
         continue
-    # 1. All examples masked: the update is exactly -noise / B.
-    model, dp = build(strategy, 400, l2_clip_norm=CLIP, noise_multiplier=SIGMA, batch_size=BATCH)
-    zero = tf.data.Dataset.from_tensors((tf.ones([8, 8]), tf.zeros([8], tf.int32), tf.zeros([8])))
-    np.save(f"{out}/noise_batches_{r}.npy", fit(strategy, dp, model, zero, 1))
-    # 1b. The same on the chunked path: A all-masked chunks per replica, one update.
+    # 1b. Scenario 1 on the chunked path: A all-masked chunks per replica, one update.
     model, dp = build(strategy, 400, l2_clip_norm=CLIP, noise_multiplier=SIGMA, batch_size=BATCH,
                       accumulation_steps=A)
     masked = (np.ones([2, 8], np.float32), np.zeros([2], np.int32), np.zeros([2], np.float32))
@@ -269,8 +281,7 @@ for run in runs:
     assert int(dp.optimizer.iterations.numpy()) == 1
     np.save(f"{out}/noise_chunks_{r}.npy", np.concatenate(
         [(w.numpy() - b).ravel() for w, b in zip(model.trainable_variables, before)]))
-    # 3. Microbatches that span replicas (and chunks): the sensitivity stays 2C.
-    np.save(f"{out}/microbatch_deltas_batches_{r}.npy", microbatch_deltas(strategy, r))
+    # 3b. Microbatches that span replicas and chunks: the sensitivity stays 2C.
     np.save(f"{out}/microbatch_deltas_chunks_{r}.npy", microbatch_deltas_chunked(strategy, r))
 '''
 
@@ -289,11 +300,12 @@ def _run_replica_script(counts, out):
 def replica_runs(once_per_session):
     """A loader of `_SCRIPT`'s .npy files (`name_R`), running the script on first use.
 
-    R = 1's reference update and R = 2 in one process, R = 4 in another
-    (MirroredStrategy's collective group keys clash when strategies over 2 and
-    then 4 of the same devices are created in one process; R = 1 never
-    all-reduces), each once for both xdist workers. The R = 4 process, and
-    R = 1's other scenarios, start only when a `-m slow` test asks.
+    R = 1's reference update and R = 2 (but its logical-batch scenarios) in one
+    process, R = 4 in another (MirroredStrategy's collective group keys clash
+    when strategies over 2 and then 4 of the same devices are created in one
+    process; R = 1 never all-reduces), each once for both xdist workers. The
+    R = 4 process, R = 1's other scenarios and R = 2's logical-batch ones start
+    only when a `-m slow` test asks.
     """
     folders = {}
 
@@ -302,8 +314,10 @@ def replica_runs(once_per_session):
             counts = "4"
         elif name.endswith("_1") and not name.startswith(("update_", "ema_")):
             counts = "1"
+        elif name.endswith("_batches_2"):
+            counts = "2b"
         else:
-            counts = "1u,2"
+            counts = "1u,2c"
         if counts not in folders:
             try:
                 folders[counts] = once_per_session(
@@ -321,13 +335,17 @@ def replica_runs(once_per_session):
 # The default suite runs R = 2 and R = 1's reference update; R = 4 (its own process: 20 s of
 # the 2 cores) runs under -m slow, and so do R = 1's noise and microbatch cases (one replica:
 # dp_model_test.py's noise and sensitivity tests). R = 2 already splits every logical batch,
-# chunk and microbatch over replicas: R = 4 checks the same arithmetic.
+# chunk and microbatch over replicas: R = 4 checks the same arithmetic. The noise and
+# microbatch cases of R = 2 run on the trainer's layout (chunks) by default; on whole logical
+# batches (Keras' own distribution of a user's `fit`) under -m slow (8 s of the 2 cores),
+# while R = 2's updates without noise take that layout by default.
 REPLICA_PARAMS = [pytest.param(r, marks=[pytest.mark.slow] if r == 4 else []) for r in REPLICAS]
-SPLIT_PARAMS = [pytest.param(r, marks=[pytest.mark.slow] if r != 2 else []) for r in REPLICAS]
+SPLIT_PARAMS = [
+    pytest.param(r, layout, marks=[pytest.mark.slow] if (r, layout) != (2, "chunks") else [])
+    for r in REPLICAS for layout in ("batches", "chunks")]
 
 
-@pytest.mark.parametrize("layout", ["batches", "chunks"])
-@pytest.mark.parametrize("replicas", SPLIT_PARAMS)
+@pytest.mark.parametrize("replicas, layout", SPLIT_PARAMS)
 def test_summed_noise_has_std_sigma_c_over_b_for_every_replica_count(replica_runs, replicas,
                                                                    layout):
     # Zero gradients (all-zero mask), SGD at lr 1: the update is -(sum of the R
@@ -374,8 +392,7 @@ def test_masked_padding_contributes_nothing():
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-9)
 
 
-@pytest.mark.parametrize("layout", ["batches", "chunks"])
-@pytest.mark.parametrize("replicas", SPLIT_PARAMS)
+@pytest.mark.parametrize("replicas, layout", SPLIT_PARAMS)
 def test_microbatched_sensitivity_is_2c_across_replicas(replica_runs, replicas, layout):
     # Adjacent batches built by hand (tests/training/dp_model_test.py has the same with
     # 1, 2 and 4 accumulation chunks of one batch): adding one example moves the others
