@@ -65,6 +65,49 @@ def test_emulated_rounding_is_round_to_nearest_even(bits):
     np.testing.assert_array_equal(mantissa * 2**bits, np.round(mantissa * 2**bits))
 
 
+def _bits(values):
+    return np.asarray(values, np.float32).view(np.uint32)
+
+
+def test_bf16_rounding_equals_a_cast_on_every_kind_of_float_and_keeps_non_finite_values():
+    # Random magnitudes from 2^-149 to 2^127, ties, the largest float32 (rounds to inf, as a
+    # cast does), subnormals, and inf and NaN with any payload: a NaN whose magnitude bits
+    # are 0x7FFFFFFF would carry into the sign bit (-0.0) if it were rounded as a number.
+    rng = np.random.default_rng(7)
+    raw = rng.integers(0, 2**32, 20000, dtype=np.uint64).astype(np.uint32)
+    finite = raw[(raw & 0x7F800000) != 0x7F800000]
+    ties = (finite & 0xFFFF0000) | 0x8000
+    special = np.array([0x7F7FFFFF, 0xFF7FFFFF, 0x00000001, 0x80008000, 0x00018000, 0x7F800000,
+                        0xFF800000, 0x7FC00000, 0x7F800001, 0x7FFFFFFF, 0xFFFFFFFF, 0x7FFF8000],
+                       np.uint32)
+    x = np.concatenate([finite, ties, special]).view(np.float32)
+    rounded = device_arithmetic.round_mantissa(tf.constant(x), 8).numpy()
+    cast = tf.cast(tf.cast(tf.constant(x), tf.bfloat16), tf.float32).numpy()
+    is_finite = np.isfinite(x)
+    np.testing.assert_array_equal(_bits(rounded[is_finite]), _bits(cast[is_finite]))
+    np.testing.assert_array_equal(_bits(rounded[~is_finite]), _bits(x[~is_finite]))
+    assert np.isposinf(rounded[x == np.float32(3.4028235e38)]).all()
+
+
+def test_split_pieces_are_rounded_by_integer_operations_no_compiler_can_drop():
+    # XLA's SimplifyFPConversions removes a float32 -> bfloat16 -> float32 chain (on GPUs and
+    # oneDNN CPU builds, under xla_allow_excess_precision, on by default): the pieces would
+    # then be the unrounded value and zeros, and the device would round their products.
+    # The compiled pieces hold no bfloat16 at all, and still add up to the input.
+    x = tf.constant(RNG.normal(size=64) * 10.0**RNG.uniform(-20, 20, 64), tf.float32)
+    pieces = tf.function(lambda t: tf.stack(precision.bf16_pieces(t)), jit_compile=True)
+    hlo = pieces.experimental_get_compiler_ir(x)(stage="optimized_hlo")
+    assert "bf16[" not in hlo and " convert(" not in hlo, hlo  # no bf16 value, no conversion
+    graph = tf.function(precision.bf16_pieces).get_concrete_function(x).graph
+    assert not [op for op in graph.get_operations()
+                if op.type == "Cast" and op.get_attr("DstT") == tf.bfloat16]
+    values = pieces(x).numpy()
+    np.testing.assert_array_equal(
+        values, tf.cast(tf.cast(tf.constant(values), tf.bfloat16), tf.float32).numpy())
+    total = values.astype(np.float64).sum(axis=0)
+    assert np.all(np.abs(total - x.numpy()) <= 2.0**-24 * np.abs(x.numpy()))
+
+
 def test_bf16_pieces_are_exact_bf16_and_add_up_to_the_input():
     x = tf.constant(RNG.normal(size=1000) * 10.0**RNG.uniform(-20, 20, 1000), tf.float32)
     pieces = precision.bf16_pieces(x)

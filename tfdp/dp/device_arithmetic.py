@@ -188,22 +188,31 @@ def splits() -> bool:
 def round_mantissa(t: tf.Tensor, bits: int) -> tf.Tensor:
     """`t` rounded to nearest (ties to even) to `bits` significant bits.
 
+    Computed on the bits of `t` (integer operations), never as a cast: XLA's
+    `SimplifyFPConversions` pass removes a float32 -> bfloat16 -> float32
+    convert chain (its GPU compiler runs it, and so do its CPU builds with
+    oneDNN contractions, whenever `xla_allow_excess_precision` is on, the
+    default), and the split products (`tfdp.dp.precision.bf16_pieces`) are
+    exact only if their pieces really are rounded. A finite value beyond the
+    largest one `bits` can hold rounds to inf, as a cast does; inf and NaN
+    (whatever their payload) are returned as they are.
+
     Args:
       t: float32 tensor, any shape.
-      bits: significant bits kept, 1 to 24 (24: `t` itself; 8: a cast to bfloat16 and back).
+      bits: significant bits kept, 1 to 24 (24: `t` itself; 8: bfloat16's).
 
     Returns:
       float32, `t`'s shape.
     """
     if bits >= 24:
         return t
-    if bits == 8:
-        return tf.cast(tf.cast(t, tf.bfloat16), tf.float32)  # TensorFlow rounds to nearest even
     drop = 24 - bits
     ints = tf.bitcast(t, tf.int32)
     odd = tf.bitwise.bitwise_and(tf.bitwise.right_shift(ints, drop), 1)
+    # A finite value's magnitude bits are at most 0x7F7FFFFF: adding under 2^drop cannot
+    # carry into the sign. A NaN's could (0x7FFFFFFF would become -0.0): kept as it is.
     ints = tf.bitwise.bitwise_and(ints + ((1 << (drop - 1)) - 1) + odd, ~((1 << drop) - 1))
-    return tf.bitcast(ints, tf.float32)
+    return tf.where(compiler_checks.is_finite(t), tf.bitcast(ints, tf.float32), t)
 
 
 def device_rounded(t: tf.Tensor) -> tf.Tensor:
