@@ -90,8 +90,8 @@ def test_bf16_rounding_equals_a_cast_on_every_kind_of_float_and_keeps_non_finite
 
 
 def test_split_pieces_are_rounded_by_integer_operations_no_compiler_can_drop():
-    # XLA's SimplifyFPConversions removes a float32 -> bfloat16 -> float32 chain (on GPUs and
-    # oneDNN CPU builds, under xla_allow_excess_precision, on by default): the pieces would
+    # XLA's SimplifyFPConversions removes a float32 -> bfloat16 -> float32 chain (on GPUs under
+    # xla_allow_excess_precision, on by default; this CPU build keeps it): the pieces would
     # then be the unrounded value and zeros, and the device would round their products.
     # The compiled pieces hold no bfloat16 at all, and still add up to the input.
     x = tf.constant(RNG.normal(size=64) * 10.0**RNG.uniform(-20, 20, 64), tf.float32)
