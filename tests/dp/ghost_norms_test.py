@@ -517,6 +517,25 @@ def test_the_per_example_convs_switch_defaults_to_grouped_and_refuses_other_valu
         forms.per_example_convs()
 
 
+def test_per_example_convs_keep_a_stem_of_few_channels_grouped(monkeypatch):
+    # "per_example": one kernel-gradient convolution per example, except below
+    # PER_EXAMPLE_MIN_CHANNELS input channels (an image stem), which keeps the grouped one.
+    monkeypatch.setattr(forms, "PER_EXAMPLE_CONVS", "per_example")
+
+    def op_types(channels):
+        a = tf.TensorSpec([4, 6, 6, channels], tf.float32)
+        g = tf.TensorSpec([4, 4, 4, 5], tf.float32)
+        graph = tf.function(lambda x, y: conv_norms.conv2d_example_gradients(
+            x, y, kernel_size=(3, 3), strides=(1, 1), dilation_rate=(1, 1))
+        ).get_concrete_function(a, g).graph
+        return [op.type for op in graph.get_operations()]
+
+    stem = op_types(forms.PER_EXAMPLE_MIN_CHANNELS - 1)
+    wide = op_types(forms.PER_EXAMPLE_MIN_CHANNELS)
+    assert "DepthwiseConv2dNative" in stem and "Conv2DBackpropFilter" not in stem
+    assert wide.count("Conv2DBackpropFilter") == 4 and "DepthwiseConv2dNative" not in wide
+
+
 def test_a_switch_set_on_the_package_raises_and_on_forms_reaches_the_rules(monkeypatch):
     # The rules read the switches and `choose_form` from `forms`: set on the package they would
     # reach no rule, so the package refuses them (and every name it re-exports).
@@ -994,7 +1013,9 @@ def _check_grouped_conv_gradients(case, jit, route):
                                           dilation_rate=dilation, padding=padding)
         return rows.to_kernel_rows(tf.transpose(rows.gradients(g, views), [2, 0, 1]))
 
-    with mock.patch.object(forms, "PER_EXAMPLE_CONVS", route), mock.patch.object(
+    # The geometries have 1-3 input channels: the per-example route takes them all here.
+    with mock.patch.object(forms, "PER_EXAMPLE_CONVS", route), \
+            mock.patch.object(forms, "PER_EXAMPLE_MIN_CHANNELS", 1), mock.patch.object(
             conv_norms, "_one_convolution_per_example",
             wraps=conv_norms._one_convolution_per_example) as per_example:
         got = tf.function(grouped, jit_compile=jit)(tf.constant(x), tf.constant(g)).numpy()
@@ -1017,6 +1038,7 @@ def test_grouped_route_adds_no_more_than_its_norms(case, recompute, route):
     with mock.patch.object(forms, "choose_form", lambda *_: ghost_norms.DIRECT), \
             mock.patch.object(forms, "GROUPED_CONV_GRADIENTS", True), \
             mock.patch.object(forms, "PER_EXAMPLE_CONVS", route), \
+            mock.patch.object(forms, "PER_EXAMPLE_MIN_CHANNELS", 1), \
             mock.patch.object(forms, "RECOMPUTED_GRADIENTS", recompute), \
             mock.patch.object(forms, "RECOMPUTE_CHUNK_EXAMPLES", 1), \
             mock.patch.object(conv_norms, "conv2d_example_gradients",

@@ -177,7 +177,8 @@ def conv2d_example_gradients(inputs: tf.Tensor, output_grads: tf.Tensor, *, kern
         raise ValueError(f"conv2d_example_gradients: strides {strides} and dilation_rate "
                          f"{dilation_rate} must be equal on both axes and not both above 1.")
     channels, filters = inputs.shape[-1], output_grads.shape[-1]
-    if forms.per_example_convs() == "per_example" and inputs.shape[0] is not None:
+    if (forms.per_example_convs() == "per_example" and inputs.shape[0] is not None
+            and channels >= forms.PER_EXAMPLE_MIN_CHANNELS):
         return _one_convolution_per_example(inputs, output_grads, kernel_size=kernel_size,
                                             strides=strides, dilation_rate=dilation_rate,
                                             num_views=num_views)
