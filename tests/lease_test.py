@@ -377,10 +377,17 @@ except workdir_lib.WorkdirLockedError as e:
 
 @pytest.fixture
 def busy_cpu():
-    """A busy loop on a core beside the test, as on a loaded host."""
+    """A busy loop on a core beside the test, as on a loaded host.
+
+    Under pytest-xdist the other workers already load the host (the suite keeps both
+    cores busy): no spinner, whose core the suite's own tests would lose.
+    """
     import subprocess  # pylint: disable=g-import-not-at-top
     import sys  # pylint: disable=g-import-not-at-top
 
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        yield
+        return
     spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     yield
     spinner.kill()

@@ -199,11 +199,11 @@ def test_a_non_finite_update_is_withheld_and_stays_withheld():
     assert all(np.all(t.numpy() == 0) for t in out) and int(withheld.numpy()) == 2
 
 
-def guard_outcomes():
+def guard_outcomes(clippings=("ghost", "vectorized")):
     """Per clipping path: the outcome of two XLA-compiled steps on a batch with one NaN
     feature ("released" or "stopped"), and whether the model's state stayed finite."""
     lines = []
-    for clipping in ("ghost", "vectorized"):
+    for clipping in clippings:
         keras.utils.set_random_seed(0)
         inputs = keras.Input((4,))
         hidden = keras.layers.Dense(5, activation="relu")(inputs)
@@ -245,9 +245,9 @@ def test_one_nan_example_never_makes_a_release_non_finite(tmp_path):
     assert out[-2:] == ["ghost stopped stopped True", "vectorized stopped stopped True"]
     # IEEE semantics (this process, whose XLA keeps them:
     # test_xla_without_fast_math_keeps_ieee_semantics): the NaN example is dropped in the
-    # step, and training goes on.
-    assert guard_outcomes() == ["ghost released released True",
-                                "vectorized released released True"]
+    # step, and training goes on: the ghost path, the default (the fast-math run above
+    # compiles both paths).
+    assert guard_outcomes(("ghost",)) == ["ghost released released True"]
 
 
 def test_a_dtype_policy_changed_after_compile_is_refused():

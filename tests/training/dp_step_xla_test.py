@@ -33,11 +33,13 @@ def _mechanism(batch_size):
                                   noise_multiplier=1.0, l2_clip_norm=1.0, delta=1e-5)
 
 
-def compiled_dp_step(model, shape, *, batch=4, scale=255.0, num_views=None, cls=DPModel):
+def compiled_dp_step(model, shape, *, batch=4, scale=255.0, num_views=None, cls=DPModel,
+                     run=True):
     """Runs one XLA-compiled DP step of `model`; returns `(dp, nodes, hlo, logs)`.
 
     `nodes`: `graph_checks.graph_nodes` of the traced train step; `hlo`: the
-    text of its XLA HLO (before optimization).
+    text of its XLA HLO (before optimization); `logs`: the step's, or None
+    with `run=False` (traced and lowered, not compiled or run).
     """
     rng = np.random.default_rng(0)
     views = () if num_views is None else (num_views,)
@@ -45,7 +47,7 @@ def compiled_dp_step(model, shape, *, batch=4, scale=255.0, num_views=None, cls=
     y = rng.integers(0, 10, batch).astype(np.int32)
     dp = cls(model, _mechanism(batch), clipping="auto", noise_seed=0)
     dp.compile(optimizer=keras.optimizers.SGD(0.01), jit_compile=True)
-    logs = dp.train_on_batch(x, y, return_dict=True)
+    logs = dp.train_on_batch(x, y, return_dict=True) if run else None
     step = tf.function(dp.train_step, jit_compile=True, autograph=False)
     data = (tf.constant(x), tf.constant(y))
     concrete = step.get_concrete_function(data)
@@ -94,7 +96,7 @@ def test_the_check_sees_a_float64_op_inside_the_step():
     keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input((6, 6, 1)), keras.layers.Conv2D(2, 3),
                               keras.layers.Flatten(), keras.layers.Dense(10)])
-    _, nodes, hlo, _ = compiled_dp_step(model, (6, 6, 1), cls=Widening)
+    _, nodes, hlo, _ = compiled_dp_step(model, (6, 6, 1), cls=Widening, run=False)
     assert graph_checks.nodes_of_dtype(nodes, tf.float64)
     with pytest.raises(AssertionError, match="float64 in the DP step"):
         assert_tpu_ready(nodes, hlo)

@@ -496,13 +496,24 @@ def test_clipping_is_validated_and_in_the_config():
     assert dp.get_config()["clipping"] == "ghost"
 
 
+def _small_cnn():
+    """The Tramer & Boneh CNN's layer kinds (strided convolutions, max pooling, tanh, dense)
+    at a third of its size: its XLA step compiles in about 2/3 of the time."""
+    return keras.Sequential([
+        keras.Input((12, 12, 1)),
+        keras.layers.Conv2D(4, 4, strides=2, padding="same", activation="tanh"),
+        keras.layers.MaxPooling2D(2, 1),
+        keras.layers.Conv2D(6, 3, strides=2, padding="valid", activation="tanh"),
+        keras.layers.Flatten(), keras.layers.Dense(10)])
+
+
 @pytest.mark.parametrize("clipping_path",
                          ["ghost", pytest.param("vectorized", marks=pytest.mark.slow)])
 def test_xla_step_of_the_cnn_equals_the_graph_step(clipping_path):
-    data = _inputs((28, 28, 1), 255.0, batch=4)
-    _, compiled = _update(lambda: models.build_tramer_cnn(10), clipping_path, data,
-                          jit_compile=True)
-    _, graph = _update(lambda: models.build_tramer_cnn(10), clipping_path, data)
+    data = _inputs((12, 12, 1), 255.0, batch=4)
+    _, compiled = _update(_small_cnn, clipping_path, data, jit_compile=True)
+    _, graph = _update(_small_cnn, clipping_path, data)
+    assert any(np.any(u != 0) for u in graph)
     _assert_same_update(compiled, graph)
 
 

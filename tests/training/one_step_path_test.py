@@ -131,8 +131,11 @@ def _dp_model(accumulation_steps, num_microbatches):
     return model, dp
 
 
+# (3, None) under -m slow too: by default the accumulation test below compares train_on_batch
+# (train_step on a logical batch of 3 chunks) with a fit on chunked input, bit for bit.
 @pytest.mark.parametrize("accumulation_steps, num_microbatches", [
-    pytest.param(1, None, marks=pytest.mark.slow), (3, None), (3, 2)])
+    pytest.param(1, None, marks=pytest.mark.slow),
+    pytest.param(3, None, marks=pytest.mark.slow), (3, 2)])
 def test_train_step_on_a_logical_batch_equals_the_chunked_path_bit_for_bit(
         accumulation_steps, num_microbatches):
     rng = np.random.default_rng(1)
