@@ -540,7 +540,7 @@ def test_a_switch_set_on_the_package_raises_and_on_forms_reaches_the_rules(monke
     # The rules read the switches and `choose_form` from `forms`: set on the package they would
     # reach no rule, so the package refuses them (and every name it re-exports).
     for name in ("choose_form", "GROUPED_CONV_GRADIENTS", "PER_EXAMPLE_CONVS",
-                 "RECOMPUTED_GRADIENTS", "RECOMPUTE_CHUNKS", "RECOMPUTE_CHUNK_EXAMPLES",
+                 "PER_EXAMPLE_MIN_CHANNELS", "RECOMPUTED_GRADIENTS", "RECOMPUTE_CHUNKS", "RECOMPUTE_CHUNK_EXAMPLES",
                  "kernel_sq_norms"):
         with pytest.raises(AttributeError, match="set it on the module that defines it"):
             monkeypatch.setattr(ghost_norms, name, None, raising=False)  # undone if it took

@@ -192,8 +192,9 @@ def round_mantissa(t: tf.Tensor, bits: int) -> tf.Tensor:
     `SimplifyFPConversions` pass removes a float32 -> bfloat16 -> float32
     convert chain (its GPU compiler runs it whenever
     `xla_allow_excess_precision` is on, the default; oneDNN CPU builds with
-    the contraction rewriter enabled run it too), and the split products (`tfdp.dp.precision.bf16_pieces`) are
-    exact only if their pieces really are rounded. A finite value beyond the
+    the contraction rewriter enabled run it too), and the split products
+    (`tfdp.dp.precision.bf16_pieces`) are exact only if their pieces really
+    are rounded. A finite value beyond the
     largest one `bits` can hold rounds to inf, as a cast does; inf and NaN
     (whatever their payload) are returned as they are.
 
