@@ -317,6 +317,10 @@ def export_case(case, out_dir, plan="tf32", loops="unrolled", normalize_update=F
     from tfdp.dp.ghost_norms import forms
     from tfdp.training.dp_model import DPModel
     model_name, batch, views, res, name = parse_case(case)
+    if loops in ("coarse", "all") and forms.per_example_convs() == "per_example":
+        raise ValueError(f"--loops {loops}: the per-example route loops one example per trip "
+                         "(forms.recompute_trip_count), so half as many chunks is the same "
+                         "program; use --loops unrolled or doubled.")
     os.makedirs(out_dir, exist_ok=True)
     set_plan(plan)
     x, y = batch_of(model_name, batch, res, views)
@@ -343,7 +347,7 @@ def export_case(case, out_dir, plan="tf32", loops="unrolled", normalize_update=F
     def dp_step():
         return tf.function(lambda x, y, m: dp.train_step((x, y, m)), jit_compile=True)
 
-    chunks = forms.recompute_chunk_count(batch) if forms.recomputed_gradients() else 1
+    chunks = forms.recompute_trip_count(batch) if forms.recomputed_gradients() else 1
     extra = {"case": case, "batch": batch, "views": views, "plan": plan}
     metas.append(write_step(out_dir, f"{name}_dp", dp_step(), args,
                             {**extra, "kind": "dp", "clipping_path": dp.clipping_path,
@@ -651,6 +655,10 @@ def main(argv=None):
     if args.per_example_convs:
         from tfdp.dp.ghost_norms import forms
         forms.PER_EXAMPLE_CONVS = args.per_example_convs
+        if args.per_example_convs == "per_example" and args.loops in ("coarse", "all"):
+            parser.error(f"--loops {args.loops} with --per_example_convs per_example: that route "
+                         "loops one example per trip, so it has no coarser chunking; use "
+                         "--loops unrolled or doubled.")
     print(host.describe_host())
     print(f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; "
           f"{' '.join(shlex.quote(a) for a in [sys.executable, *sys.argv])}")

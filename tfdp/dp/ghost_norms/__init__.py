@@ -57,7 +57,8 @@ pairs (cost R^2 * (fan_in + fan_out), six passes on a GPU or TPU; Li et al.
 and from one grouped convolution on a GPU or TPU (`conv2d_example_gradients`).
 There, a kernel whose per-example gradient is larger than what it is built
 from (the example's input region and output gradients) is not held but
-built twice, chunk by chunk of the batch: once for its norms, once for the
+built twice, chunk by chunk of the batch (one example at a time on the
+per-example route, `recompute_trip_count`): once for its norms, once for the
 weighted sum, which clips the second build again to the first one's norm
 (`forms._recomputed`, `reclip_factors`): one layer's chunk of per-example
 gradients in memory at a time, the memory of Bu et al. 2023's book-keeping.
@@ -101,7 +102,7 @@ from tfdp.dp.ghost_norms.embedding import embedding_sq_norms
 from tfdp.dp.ghost_norms.forms import (DIRECT, GRAM, NORM_DTYPE, choose_form,
                                        grouped_conv_gradients, held_squares, per_example_convs,
                                        reclip_factors, recompute_chunk_count,
-                                       recomputed_gradients)
+                                       recompute_trip_count, recomputed_gradients)
 from tfdp.dp.ghost_norms.registry import UnsupportedLayer, find_layer_rule, register_layer_rule
 from tfdp.dp.ghost_norms.rows import Rows, example_rows
 from tfdp.dp.ghost_norms.weight_standardized import ws_kernel_sq_norms
@@ -112,8 +113,8 @@ __all__ = [
     "depthwise_kernel_sq_norms", "einsum_kernel_geometry", "einsum_kernel_sq_norms",
     "embedding_sq_norms", "example_rows", "find_layer_rule", "grouped_conv2d_kernel_sq_norms",
     "grouped_conv_gradients", "held_squares", "kernel_sq_norms", "per_example_convs",
-    "reclip_factors",
-    "recompute_chunk_count", "recomputed_gradients", "register_layer_rule", "ws_kernel_sq_norms",
+    "reclip_factors", "recompute_chunk_count", "recompute_trip_count", "recomputed_gradients",
+    "register_layer_rule", "ws_kernel_sq_norms",
 ]
 
 # Read by `forms` (and `choose_form` by `dense` and `weight_standardized` through it).

@@ -286,7 +286,7 @@ def _recompute_chunks(rows: Rows, output_grads: tf.Tensor, num_views: int) -> in
     kept = num_views * (reads + grads)  # per example
     if RECOMPUTED_GRADIENTS is None and kept >= rows.fan_in * output_grads.shape[-1]:
         return 0  # (True forces it: tests)
-    return recompute_chunk_count(images // num_views)
+    return recompute_trip_count(images // num_views)
 
 
 def recompute_chunk_count(batch: int) -> int:
@@ -299,6 +299,24 @@ def recompute_chunk_count(batch: int) -> int:
     """
     wanted = max(1, min(RECOMPUTE_CHUNKS, batch // RECOMPUTE_CHUNK_EXAMPLES))
     return max(n for n in range(1, wanted + 1) if batch % n == 0)
+
+
+def recompute_trip_count(batch: int) -> int:
+    """The trips of a recomputed kernel's loops over a batch of `batch` examples (trace time).
+
+    One example per trip on the per-example route (`per_example_convs()` is
+    "per_example", whatever each convolution's channels): each trip of the
+    norms' loop builds one example's gradient (projected where the kernel is
+    weight-standardized) and squares it, and each trip of the weighted sum's
+    loop builds it again, reclips and adds it; no chunk of gradients is
+    stacked, and no operand is broadcast over a chunk (WRN-16-4 at B = 32 on
+    a TPU v5e: 12.49 GB accessed against 18.09 with chunks of 8;
+    docs/performance.md, "Per-example convolutions on a TPU"). Else
+    `recompute_chunk_count(batch)`.
+    """
+    if per_example_convs() == "per_example":
+        return batch
+    return recompute_chunk_count(batch)
 
 
 def reclip_factors(factors: tf.Tensor, first: tf.Tensor, again: tf.Tensor) -> tf.Tensor:
