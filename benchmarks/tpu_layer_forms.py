@@ -27,6 +27,18 @@ convolutions/dots of the optimized HLO (from `tpu_hlo_ops`):
   norm_slices_bf16: norm_slices with x and g rounded to bfloat16 first (the patches in bf16).
   norm_grouped / norm_vmap / norm_slices / norm_shifts: the form, then each example's squared norm
            (what the norms pass of the DP step computes; the held gradients are then dropped).
+  norm_each  as norm_loop, but each example's squares taken from its own convolution's output,
+           with no stack of the n gradients (the compiler can fuse the squares into the conv).
+  norm_each_ws: as norm_each, each gradient first projected as weight standardization's chain
+           rule does (`P_o h_o = h_o - mean(h_o) 1 - (u_o . h_o) u_o`, u the unit kernel, an
+           input), its coefficients from h itself (two passes over h).
+  norm_each_ws_pre: as norm_each_ws, the coefficients from the activations instead:
+           `1 . h_o = sum_t box_t g_to` (box: the input's window sums) and `u_o . h_o = sum_t
+           z_to g_to` (z: the layer's output before its gain, an input the forward pass made).
+  sum_each_ws_pre: the recompute's clipped sum with norm_each_ws_pre's vectors: each example's
+           vector built again, its squares, the reclip factor (f, first: inputs), accumulated.
+  sum_each   the same without weight standardization.
+  w2_ws      w2, then the projection of the sum (book-keeping for a WS kernel).
 
 Every input is float32; `--precision` DEFAULT (one bf16 pass on a TPU, the compiler's choice)
 and/or HIGHEST (float32-exact products: several bf16 passes, if the compiler splits them).
@@ -50,12 +62,13 @@ import time
 
 os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-from jax.sharding import SingleDeviceSharding  # noqa: E402
-
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import tpu_hlo_ops  # noqa: E402
+
+if sys.argv[1:2] != ["--table"]:  # the tables of earlier runs need no JAX
+    import jax  # noqa: E402
+    import jax.numpy as jnp  # noqa: E402
+    from jax.sharding import SingleDeviceSharding  # noqa: E402
 
 TOPOLOGIES = {"v4": "v4:2x2x1", "v5e": "v5e:2x2", "v5p": "v5p:2x2x1", "v6e": "v6e:2x2"}
 
@@ -224,6 +237,32 @@ def sq(h):
     return jnp.sum(jnp.square(h.reshape(h.shape[0], -1)), axis=1)
 
 
+def ws_project(h, u):
+    """`P_o h_o` of weight standardization's chain rule, coefficients from h: [k, k, C, O]."""
+    centred = h - jnp.mean(h, axis=(0, 1, 2), keepdims=True)
+    return centred - jnp.sum(centred * u, axis=(0, 1, 2), keepdims=True) * u
+
+
+def window_sums(x, k, s, pad):
+    """Each output position's sum of its input window over every channel: [n K, oh, ow]."""
+    ones = jnp.ones((k, k, x.shape[-1], 1), x.dtype)
+    return conv(x, ones, s, pad, jax.lax.Precision.HIGHEST)[..., 0]
+
+
+def ws_coefficients(x, g, z, k, s, pad, views):
+    """Per example and output channel, `mean(h_o)` and `u_o . h_o` from activations: [n, O] each."""
+    n, c = x.shape[0] // views, x.shape[-1]
+    box = window_sums(x, k, s, pad).reshape(n, -1)
+    gg = g.reshape(n, -1, g.shape[-1])
+    mean = jnp.sum(box[:, :, None] * gg, axis=1) / (k * k * c)
+    along = jnp.sum(z.reshape(n, -1, z.shape[-1]) * gg, axis=1)
+    return mean, along
+
+
+def reclip(f, first, again):
+    return f * jnp.where(again <= first, 1.0, jnp.sqrt(first / again))
+
+
 def build(form, name, n, views, prec):
     """(function, argument specs)."""
     size, c, o, k, s, pad, out = geometry(name)
@@ -231,6 +270,7 @@ def build(form, name, n, views, prec):
     g = jax.ShapeDtypeStruct((n * views, out, out, o), jnp.float32)
     f = jax.ShapeDtypeStruct((n,), jnp.float32)
     h = jax.ShapeDtypeStruct((n, k, k, c, o), jnp.float32)
+    h0 = jax.ShapeDtypeStruct((k, k, c, o), jnp.float32)  # one kernel: u, the unit kernel
     if form == "grouped":
         return (lambda x, g: grouped(x, g, k, s, pad, views, prec)), (x, g)
     if form == "vmap":
@@ -272,16 +312,52 @@ def build(form, name, n, views, prec):
         return (lambda x, g: gram(x, g, k, s, pad, views, prec)), (x, g)
     if form == "w1":
         return (lambda f, h: jnp.einsum("n,nabco->abco", f, h, precision=prec)), (f, h)
-    if form == "w2":
-        def w2(x, g, f):
+    if form in ("w2", "w2_ws"):
+        def w2(x, g, f, *u):
             gs = g * jnp.repeat(f, views)[:, None, None, None]
-            return plain(x, gs, k, s, pad, prec)
-        return w2, (x, g, f)
+            total = plain(x, gs, k, s, pad, prec)
+            return ws_project(total, u[0]) if u else total
+        return w2, ((x, g, f, h0) if form == "w2_ws" else (x, g, f))
+    if form in ("norm_each", "norm_each_ws"):
+        def norm_each(x, g, *u):
+            out = []
+            for i in range(x.shape[0] // views):
+                hi = plain(x[i * views:(i + 1) * views], g[i * views:(i + 1) * views],
+                           k, s, pad, prec)
+                out.append(jnp.sum(jnp.square(ws_project(hi, u[0]) if u else hi)))
+            return jnp.stack(out)
+        return norm_each, ((x, g, h0) if form == "norm_each_ws" else (x, g))
+    if form in ("norm_each_ws_pre", "sum_each_ws_pre", "sum_each"):
+        ws = form != "sum_each"
+
+        def vectors(x, g, u, z):
+            mean, along = ws_coefficients(x, g, z, k, s, pad, views) if ws else (None, None)
+            for i in range(x.shape[0] // views):
+                hi = plain(x[i * views:(i + 1) * views], g[i * views:(i + 1) * views],
+                           k, s, pad, prec)
+                yield hi - mean[i] - along[i] * u if ws else hi
+
+        def norms(x, g, u, z):
+            return jnp.stack([jnp.sum(jnp.square(v)) for v in vectors(x, g, u, z)])
+
+        def clipped_sum(x, g, u, z, f, first):
+            total = 0.0
+            for i, v in enumerate(vectors(x, g, u, z)):
+                total = total + reclip(f[i], first[i], jnp.sum(jnp.square(v))) * v
+            return total
+
+        if form == "norm_each_ws_pre":
+            return norms, (x, g, h0, g)
+        if form == "sum_each_ws_pre":
+            return clipped_sum, (x, g, h0, g, f, f)
+        return (lambda x, g, f, first: clipped_sum(x, g, None, None, f, first)), (x, g, f, f)
     raise ValueError(form)
 
 
 FORMS = ["plain", "grouped", "vmap", "slices", "shifts", "patches", "norm_grouped", "norm_vmap",
-         "norm_slices", "norm_slices_bf16", "norm_shifts", "loop", "norm_loop", "gram", "w1", "w2"]
+         "norm_slices", "norm_slices_bf16", "norm_shifts", "loop", "norm_loop", "norm_each",
+         "norm_each_ws", "norm_each_ws_pre", "gram", "w1", "w2", "w2_ws", "sum_each",
+         "sum_each_ws_pre"]
 
 
 def table(paths, key="GFLOP"):

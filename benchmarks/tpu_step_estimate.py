@@ -14,6 +14,13 @@ plain kernel gradient's, so it adds nothing here). `best_GFLOP` / `best_Mcycles`
 layer, the direct norms form measured (slices, shifts, grouped, loop; `--best_of`) with the
 fewest flops / estimated cycles. `gram` is measured at one pass (DEFAULT): the exact Gram
 form costs ~6x its cycles.
+With `--sum FORM` the clipped sum is FORM instead (`w2_ws`: book-keeping, then weight
+standardization's projection of the sum; `sum_each`, `sum_each_ws_pre`: each example's vector
+built again and accumulated, as the recompute does), and what FORM costs above the plain
+kernel gradient of the same images is added too:
+
+  DP = plain step + sum over convs of (B / n) x (NORMS(layer, n) + SUM(layer, n) - plain(layer, n))
+
 The plain step's own figures are given on the command line (from `tpu_cost.py` /
 `tpu_hlo_ops.py` on the exported plain step). Not counted: the classifier, biases and
 GroupNorm scales (tiny) and the noise. Over-counted: each form's bytes include reading its
@@ -22,6 +29,7 @@ x and g, which the step reads anyway. The weighted sum is taken at one pass, as 
 Usage:
   python benchmarks/tpu_step_estimate.py OUT.jsonl... --batch 32 --chunk 8
       --plain GFLOP,GB,MCYCLES [--forms norm_slices,norm_shifts,norm_grouped,gram,best_GFLOP]
+      [--sum w2_ws] [--views K]
 No JAX needed.
 """
 
@@ -51,8 +59,12 @@ def load(paths, precision="DEFAULT", views=1):
 DIRECT = ("norm_slices", "norm_shifts", "norm_grouped", "norm_loop")
 
 
-def estimate(data, batch, chunk, form, forms_allowed=DIRECT):
-    """(totals {key: value}, per-layer rows) of the DP step's extra for one norms form."""
+def estimate(data, batch, chunk, form, forms_allowed=DIRECT, sum_form=None):
+    """(totals {key: value}, per-layer rows) of the DP step's extra for one norms form.
+
+    With `sum_form`, each layer also adds that clipped-sum form's figures less the plain
+    kernel gradient's (a layer missing either is missing).
+    """
     totals = {k: 0.0 for k in KEYS}
     rows = []
     for layer, count in COUNT.items():
@@ -60,13 +72,18 @@ def estimate(data, batch, chunk, form, forms_allowed=DIRECT):
         candidates = ([f for f in DIRECT if f in forms_allowed] if best else [form])
         have = [f for f in candidates if (layer, chunk, f) in data
                 and data[layer, chunk, f].get("Mcycles") is not None]
-        if not have:
+        summed = sum_form is None or all((layer, chunk, f) in data for f in (sum_form, "plain"))
+        if not have or not summed:
             rows.append((layer, None, None))
             continue
         by = form[5:] if best else "Mcycles"
         f = min(have, key=lambda f: (data[layer, chunk, f][by], data[layer, chunk, f]["Mcycles"]))
         r = data[layer, chunk, f]
         extra = {k: count * (batch // chunk) * r[k] for k in KEYS}
+        if sum_form is not None:
+            above = {k: data[layer, chunk, sum_form][k] - data[layer, chunk, "plain"][k]
+                     for k in KEYS}
+            extra = {k: extra[k] + count * (batch // chunk) * above[k] for k in KEYS}
         for k in KEYS:
             totals[k] += extra[k]
         rows.append((layer, f, extra))
@@ -83,15 +100,19 @@ def main():
                     default="norm_slices,norm_shifts,norm_grouped,norm_loop,gram,"
                     "best_GFLOP,best_Mcycles")
     ap.add_argument("--best_of", default=",".join(DIRECT))
+    ap.add_argument("--sum", default=None,
+                    help="the clipped sum's form (default: book-keeping, counted as free)")
+    ap.add_argument("--views", type=int, default=1, help="K, augmult views per example")
     args = ap.parse_args()
     plain = dict(zip(KEYS, (float(v) for v in args.plain.split(","))))
-    data = load(args.files)
-    print(f"WRN-16-4, B = {args.batch}, chunks of {args.chunk}; plain step "
-          + ", ".join(f"{plain[k]:g} {k}" for k in KEYS))
+    data = load(args.files, views=args.views)
+    print(f"WRN-16-4, B = {args.batch} x K = {args.views}, chunks of {args.chunk}; clipped sum "
+          f"{args.sum or 'w2 (free)'}; plain step " + ", ".join(f"{plain[k]:g} {k}" for k in KEYS))
     print("| norms form | DP GFLOP (x plain) | DP GB (x plain) | DP Mcycles (x plain) | missing |")
     print("|---|---|---|---|---|")
     for form in args.forms.split(","):
-        totals, rows = estimate(data, args.batch, args.chunk, form, args.best_of.split(","))
+        totals, rows = estimate(data, args.batch, args.chunk, form, args.best_of.split(","),
+                                args.sum)
         missing = [layer for layer, f, _ in rows if f is None]
         cells = [f"{plain[k] + totals[k]:.4g} ({(plain[k] + totals[k]) / plain[k]:.2f}x)"
                  if not missing else "(incomplete)" for k in KEYS]
