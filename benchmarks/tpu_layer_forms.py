@@ -29,6 +29,8 @@ convolutions/dots of the optimized HLO (from `tpu_hlo_ops`):
            (what the norms pass of the DP step computes; the held gradients are then dropped).
   norm_each  as norm_loop, but each example's squares taken from its own convolution's output,
            with no stack of the n gradients (the compiler can fuse the squares into the conv).
+  norm_each_staged: as norm_each, the squares summed in stages of 32 (zero-padded), as
+           tfdp's `precision.staged_sum` bounds its sums' rounding.
   norm_each_ws: as norm_each, each gradient first projected as weight standardization's chain
            rule does (`P_o h_o = h_o - mean(h_o) 1 - (u_o . h_o) u_o`, u the unit kernel, an
            input), its coefficients from h itself (two passes over h).
@@ -237,6 +239,14 @@ def sq(h):
     return jnp.sum(jnp.square(h.reshape(h.shape[0], -1)), axis=1)
 
 
+def staged(t):
+    """`sum(t)` in stages of 32 terms (zero-padded), as `precision.staged_sum` sums."""
+    t = t.reshape(-1)
+    while t.shape[0] > 32:
+        t = jnp.sum(jnp.pad(t, (0, -t.shape[0] % 32)).reshape(-1, 32), axis=1)
+    return jnp.sum(t)
+
+
 def ws_project(h, u):
     """`P_o h_o` of weight standardization's chain rule, coefficients from h: [k, k, C, O]."""
     centred = h - jnp.mean(h, axis=(0, 1, 2), keepdims=True)
@@ -318,13 +328,15 @@ def build(form, name, n, views, prec):
             total = plain(x, gs, k, s, pad, prec)
             return ws_project(total, u[0]) if u else total
         return w2, ((x, g, f, h0) if form == "w2_ws" else (x, g, f))
-    if form in ("norm_each", "norm_each_ws"):
+    if form in ("norm_each", "norm_each_staged", "norm_each_ws"):
+        total = staged if form == "norm_each_staged" else jnp.sum
+
         def norm_each(x, g, *u):
             out = []
             for i in range(x.shape[0] // views):
                 hi = plain(x[i * views:(i + 1) * views], g[i * views:(i + 1) * views],
                            k, s, pad, prec)
-                out.append(jnp.sum(jnp.square(ws_project(hi, u[0]) if u else hi)))
+                out.append(total(jnp.square(ws_project(hi, u[0]) if u else hi)))
             return jnp.stack(out)
         return norm_each, ((x, g, h0) if form == "norm_each_ws" else (x, g))
     if form in ("norm_each_ws_pre", "sum_each_ws_pre", "sum_each"):
@@ -356,7 +368,7 @@ def build(form, name, n, views, prec):
 
 FORMS = ["plain", "grouped", "vmap", "slices", "shifts", "patches", "norm_grouped", "norm_vmap",
          "norm_slices", "norm_slices_bf16", "norm_shifts", "loop", "norm_loop", "norm_each",
-         "norm_each_ws", "norm_each_ws_pre", "gram", "w1", "w2", "w2_ws", "sum_each",
+         "norm_each_staged", "norm_each_ws", "norm_each_ws_pre", "gram", "w1", "w2", "w2_ws", "sum_each",
          "sum_each_ws_pre"]
 
 
