@@ -368,8 +368,8 @@ def build(form, name, n, views, prec):
 
 FORMS = ["plain", "grouped", "vmap", "slices", "shifts", "patches", "norm_grouped", "norm_vmap",
          "norm_slices", "norm_slices_bf16", "norm_shifts", "loop", "norm_loop", "norm_each",
-         "norm_each_staged", "norm_each_ws", "norm_each_ws_pre", "gram", "w1", "w2", "w2_ws", "sum_each",
-         "sum_each_ws_pre"]
+         "norm_each_staged", "norm_each_ws", "norm_each_ws_pre", "gram", "w1", "w2", "w2_ws",
+         "sum_each", "sum_each_ws_pre"]
 
 
 def table(paths, key="GFLOP"):

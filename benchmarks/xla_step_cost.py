@@ -299,6 +299,19 @@ def write_step(out_dir, name, fn, args, extra=None):
     return meta
 
 
+def loops_refused(loops):
+    """Why `--loops` cannot measure the route set now (a message), or None.
+
+    The per-example route loops one example per trip (`forms.recompute_trip_count`): half as
+    many chunks is the same program, so `coarse` (and `all`, which includes it) measure nothing.
+    """
+    from tfdp.dp.ghost_norms import forms
+    if loops in ("coarse", "all") and forms.per_example_convs() == "per_example":
+        return (f"--loops {loops} with the per-example route: it loops one example per trip, "
+                "so it has no coarser chunking; use --loops unrolled or doubled.")
+    return None
+
+
 def export_case(case, out_dir, plan="tf32", loops="unrolled", normalize_update=False,
                 ema_decay=None):
     """Writes CASE_plain and CASE_dp (see the module docstring); returns their names and metadata.
@@ -317,10 +330,9 @@ def export_case(case, out_dir, plan="tf32", loops="unrolled", normalize_update=F
     from tfdp.dp.ghost_norms import forms
     from tfdp.training.dp_model import DPModel
     model_name, batch, views, res, name = parse_case(case)
-    if loops in ("coarse", "all") and forms.per_example_convs() == "per_example":
-        raise ValueError(f"--loops {loops}: the per-example route loops one example per trip "
-                         "(forms.recompute_trip_count), so half as many chunks is the same "
-                         "program; use --loops unrolled or doubled.")
+    refused = loops_refused(loops)
+    if refused:
+        raise ValueError(refused)
     os.makedirs(out_dir, exist_ok=True)
     set_plan(plan)
     x, y = batch_of(model_name, batch, res, views)
@@ -655,10 +667,8 @@ def main(argv=None):
     if args.per_example_convs:
         from tfdp.dp.ghost_norms import forms
         forms.PER_EXAMPLE_CONVS = args.per_example_convs
-        if args.per_example_convs == "per_example" and args.loops in ("coarse", "all"):
-            parser.error(f"--loops {args.loops} with --per_example_convs per_example: that route "
-                         "loops one example per trip, so it has no coarser chunking; use "
-                         "--loops unrolled or doubled.")
+        if loops_refused(args.loops):
+            parser.error(loops_refused(args.loops))
     print(host.describe_host())
     print(f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; "
           f"{' '.join(shlex.quote(a) for a in [sys.executable, *sys.argv])}")
