@@ -231,12 +231,12 @@ def per_example_convs() -> str:
 
     `PER_EXAMPLE_CONVS` if set, else "grouped". On a TPU's compiler the
     per-example convolutions cost the plain kernel gradients' flops where a
-    convolution of fewer than 128 groups costs n times them; with WRN-16-4
-    at B = 32 the step still moves 5% more bytes and holds 16% more memory
-    than with grouped convolutions (NF-ResNet-50 at B = 8: the same bytes,
-    less memory), and larger batches are not measured (docs/performance.md,
-    "Per-example convolutions on a TPU"), so no device takes them by
-    default yet.
+    convolution of fewer than 128 groups costs n times them; but with
+    WRN-16-4 the step moves 5% more bytes than with grouped convolutions at
+    B = 32 and 1.7-1.9x as many at B = 128 (each example's rebuilt gradient
+    is written and read: bytes in proportion to B F O; NF-ResNet-50 at
+    B = 8: the same bytes, less memory; docs/performance.md, "Per-example
+    convolutions on a TPU"), so no device takes them by default.
 
     Raises:
       ValueError: `PER_EXAMPLE_CONVS` is neither None, "grouped" nor "per_example".
