@@ -13,6 +13,9 @@ convolutions/dots of the optimized HLO (from `tpu_hlo_ops`):
            feature_group_count = n per stride phase (and per view), as tf.nn.depthwise_conv2d
            lowers; the result [C, kh, kw, n O].
   vmap     jax.vmap of jax.grad of one example's conv (the reference's per-example gradient).
+  batch_grouped: tfdp's batch-group route: the input as [n C, H, W, 1], the output gradient as
+           the filter [oh, ow, 1, n O], one convolution with batch_group_count = n (stride 1,
+           K = 1 only: an error record otherwise); norm_batch_grouped: then each example's squares.
   slices   im2col patches by slicing (no arithmetic, as tfdp's conv2d_patches) and einsum
            'nrd,nro->ndo' (a batched matmul).
   shifts   one batched matmul 'nrc,nro->nco' per kernel offset, over the input's strided
@@ -155,6 +158,23 @@ def grouped(x, g, k, s, pad, views, prec):
     return jnp.transpose(total.reshape(c, k, k, n, o), (3, 1, 2, 0, 4))
 
 
+def batch_grouped(x, g, k, s, pad, views, prec):
+    """tfdp's batch-group route (`forms.PER_EXAMPLE_CONVS = "batch_grouped"`), stride 1, K = 1:
+    the input as [n C, H, W, 1], example-major, the output gradient as the filter
+    [oh, ow, 1, n O], one convolution with batch_group_count = n; [n, k, k, C, O]."""
+    if s != 1 or views != 1:
+        raise ValueError("batch_grouped: stride 1 and K = 1 only here")
+    x = jnp.pad(x, ((0, 0), pad, pad, (0, 0)))
+    n, c = x.shape[0], x.shape[-1]
+    oh, o = g.shape[1], g.shape[-1]
+    x = x[:, :oh + k - 1, :oh + k - 1]
+    lhs = jnp.transpose(x, (0, 3, 1, 2)).reshape(n * c, x.shape[1], x.shape[2], 1)
+    rhs = jnp.transpose(g, (1, 2, 0, 3)).reshape(oh, oh, 1, n * o)
+    out = jax.lax.conv_general_dilated(lhs, rhs, (1, 1), "VALID", dimension_numbers=DN,
+                                       batch_group_count=n, precision=prec)  # [C, k, k, n O]
+    return jnp.transpose(out.reshape(c, k, k, n, o), (3, 1, 2, 0, 4))
+
+
 def vmapped(x, g, k, s, pad, views, prec):
     n = x.shape[0] // views
     c, o = x.shape[-1], g.shape[-1]
@@ -285,6 +305,10 @@ def build(form, name, n, views, prec):
         return (lambda x, g: grouped(x, g, k, s, pad, views, prec)), (x, g)
     if form == "vmap":
         return (lambda x, g: vmapped(x, g, k, s, pad, views, prec)), (x, g)
+    if form == "batch_grouped":
+        return (lambda x, g: batch_grouped(x, g, k, s, pad, views, prec)), (x, g)
+    if form == "norm_batch_grouped":
+        return (lambda x, g: sq(batch_grouped(x, g, k, s, pad, views, prec))), (x, g)
     if form == "patches":
         return (lambda x, g: patch_form(x, g, k, s, pad, views, prec)), (x, g)
     if form == "slices":
@@ -369,7 +393,7 @@ def build(form, name, n, views, prec):
 FORMS = ["plain", "grouped", "vmap", "slices", "shifts", "patches", "norm_grouped", "norm_vmap",
          "norm_slices", "norm_slices_bf16", "norm_shifts", "loop", "norm_loop", "norm_each",
          "norm_each_staged", "norm_each_ws", "norm_each_ws_pre", "gram", "w1", "w2", "w2_ws",
-         "sum_each", "sum_each_ws_pre"]
+         "sum_each", "sum_each_ws_pre", "batch_grouped", "norm_batch_grouped"]
 
 
 def table(paths, key="GFLOP"):

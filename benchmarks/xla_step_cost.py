@@ -647,7 +647,8 @@ def main(argv=None):
     parser.add_argument("--held", action="store_true",
                         help="analysis only: hold every direct-form gradient (no recompute; "
                              "ghost_norms.forms.RECOMPUTED_GRADIENTS = False)")
-    parser.add_argument("--per_example_convs", choices=("grouped", "per_example"), default=None,
+    parser.add_argument("--per_example_convs",
+                        choices=("grouped", "per_example", "batch_grouped"), default=None,
                         help="how direct-form conv kernels build per-example gradients "
                              "(ghost_norms.forms.PER_EXAMPLE_CONVS; default: the plan's)")
     parser.add_argument("--export_only", action="store_true")

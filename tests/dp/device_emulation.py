@@ -8,7 +8,7 @@ float32 matmul and convolution: the model's forward pass, its backward pass
 `tensordot`). `every_matmul_rounded(device)` does that while a step is
 traced: the TensorFlow op wrappers that create those ops (`MatMul`,
 `BatchMatMul*`, `Einsum`, `Conv2D` and its two backprops, the depthwise
-convolution and its two backprops) round each float32 input to the
+convolution and its two backprops, XLA's `XlaConvV2`) round each float32 input to the
 device's significant bits first (round to nearest even), wherever
 TensorFlow's own modules hold a reference to them. The rounding passes the
 gradient straight through, so the backward pass is built as for the
@@ -26,6 +26,7 @@ import sys
 
 import numpy as np
 import tensorflow as tf
+from tensorflow.compiler.tf2xla.ops import gen_xla_ops
 from tensorflow.python.ops import gen_linalg_ops
 from tensorflow.python.ops import gen_math_ops
 from tensorflow.python.ops import gen_nn_ops
@@ -38,6 +39,7 @@ _OPS = {
     gen_nn_ops: ("conv2d", "conv2d_backprop_input", "conv2d_backprop_filter",
                  "depthwise_conv2d_native", "depthwise_conv2d_native_backprop_input",
                  "depthwise_conv2d_native_backprop_filter"),
+    gen_xla_ops: ("xla_conv_v2",),
 }
 
 _count = {"ops": 0}  # how many op inputs were rounded (a test checks that it saw them)

@@ -977,17 +977,19 @@ def _near_constant_255_case():
     return (3, 3), (1, 1), (2, 2), "same", 2, x, g
 
 
-CONV_ROUTES = st.sampled_from(["grouped", "per_example"])
+CONV_ROUTES = st.sampled_from(["grouped", "per_example", "batch_grouped"])
 
 
 # 15 derandomized cases by default (30 took 12 s on the 2-core host, a compile per case under
-# XLA), plus near-constant images at 255, which the 15 do not draw, on both ways of building
-# the gradients (one grouped convolution, one convolution per example); -m slow draws
-# GROUPED_CONV_EXAMPLES (default 200) random ones.
+# XLA), plus near-constant images at 255, which the 15 do not draw, on the three ways of
+# building the gradients (one grouped convolution, one convolution per example, one
+# convolution of batch groups); -m slow draws GROUPED_CONV_EXAMPLES (default 200) random ones.
 @settings(max_examples=15, deadline=None, derandomize=True)
 @given(_conv_geometries(), st.booleans(), CONV_ROUTES)
 @example(_near_constant_255_case(), False, "grouped")
 @example(_near_constant_255_case(), True, "per_example")
+@example(_near_constant_255_case(), True, "batch_grouped")
+@example(_near_constant_255_case(), False, "batch_grouped")
 def test_grouped_conv_gradients_are_the_per_example_gradients(case, jit, route):
     _check_grouped_conv_gradients(case, jit, route)
 
@@ -1017,9 +1019,12 @@ def _check_grouped_conv_gradients(case, jit, route):
     with mock.patch.object(forms, "PER_EXAMPLE_CONVS", route), \
             mock.patch.object(forms, "PER_EXAMPLE_MIN_CHANNELS", 1), mock.patch.object(
             conv_norms, "_one_convolution_per_example",
-            wraps=conv_norms._one_convolution_per_example) as per_example:
+            wraps=conv_norms._one_convolution_per_example) as per_example, mock.patch.object(
+            conv_norms, "_batch_grouped_correlation",
+            wraps=conv_norms._batch_grouped_correlation) as batch_grouped:
         got = tf.function(grouped, jit_compile=jit)(tf.constant(x), tf.constant(g)).numpy()
     assert per_example.called == (route == "per_example")  # the switch took
+    assert batch_grouped.called == (route == "batch_grouped")
     got = np.transpose(got, [1, 0, 2]).reshape(expected.shape)  # [batch, kh, kw, c, o]
     finite = np.isfinite(terms) & (terms < 1e38)
     rounding = 2.0**-24 * (np.prod(g.shape[1:3]) * views + 2) * terms
@@ -1029,6 +1034,7 @@ def _check_grouped_conv_gradients(case, jit, route):
 @settings(max_examples=25, deadline=None, derandomize=True)
 @given(_conv_geometries(), st.booleans(), CONV_ROUTES)
 @example(_near_constant_255_case(), True, "per_example")  # one example per trip
+@example(_near_constant_255_case(), True, "batch_grouped")
 def test_grouped_route_adds_no_more_than_its_norms(case, recompute, route):
     # The rule's contract on the grouped route, held or recomputed (chunks of one example):
     # the vector each example adds (one-hot factors) is within its squares (or
@@ -1179,7 +1185,10 @@ def test_a_recompute_that_differs_adds_no_more_than_the_first_norm(case, scales,
 @pytest.mark.parametrize("jit,route", [pytest.param(False, "grouped", marks=pytest.mark.slow),
                                        pytest.param(False, "per_example", marks=pytest.mark.slow),
                                        (True, "grouped"),
-                                       pytest.param(True, "per_example", marks=pytest.mark.slow)])
+                                       pytest.param(True, "per_example", marks=pytest.mark.slow),
+                                       (True, "batch_grouped"),
+                                       pytest.param(False, "batch_grouped",
+                                                    marks=pytest.mark.slow)])
 def test_recomputed_chunks_of_several_examples_are_the_held_vectors(monkeypatch, jit, route):
     # Chunks of 2 examples of K = 2 views (6 examples, 3 chunks; on the per-example route one
     # example per trip, 6 trips), a stride-2 conv and a WS conv, eagerly and under XLA: the
@@ -1208,7 +1217,7 @@ def test_recomputed_chunks_of_several_examples_are_the_held_vectors(monkeypatch,
                                                     g, kernel, epsilon=1e-4, num_views=views)
             # the trips each recomputed rule's loops take (`chunks`, the fourth argument)
             trips = {call.args[3] for call in loops.call_args_list}
-            assert trips == ({3 if route == "grouped" else batch} if recompute else set())
+            assert trips == ({batch if route == "per_example" else 3} if recompute else set())
             return ([plain[0], ws[0]],
                     [tf.stack([rule[1](f) for f in tf.unstack(factors)]) for rule in (plain, ws)])
         return lambda x: [[t.numpy() for t in part]

@@ -13,6 +13,8 @@ for convolutions' ghost norms. A weight-standardized kernel:
 
 import numpy as np
 import tensorflow as tf
+from tensorflow.compiler.tf2xla.python import xla  # TensorFlow's own XLA op wrappers
+from tensorflow.compiler.xla import xla_data_pb2
 
 from tfdp.dp import device_arithmetic
 from tfdp.dp import precision
@@ -155,7 +157,9 @@ def conv2d_example_gradients(inputs: tf.Tensor, output_grads: tf.Tensor, *, kern
     per phase of the kernel offsets (at most s^2), each over its input phase
     `a[r::s, t::s]`. The K views of an example are summed, one view at a
     time. One pass at the device's precision, like any held vector
-    (`forms._direct_products`).
+    (`forms._direct_products`). `forms.per_example_convs()` may take one
+    convolution per example instead (`_one_convolution_per_example`) or
+    batch groups (`_batch_grouped_correlation`).
 
     Args:
       inputs: float32 `[batch * K, height, width, channels]`, padded: the
@@ -188,6 +192,8 @@ def conv2d_example_gradients(inputs: tf.Tensor, output_grads: tf.Tensor, *, kern
     # the offsets it owns only (a dilated filter would compute every phase for every
     # offset: 4x the work of a strided 1x1 convolution), interleaved afterwards.
     phases_h, phases_w = range(min(s, kh)), range(min(s, kw))
+    # (batch groups need a static batch: an unknown one keeps the depthwise convolution)
+    batch_grouped = forms.per_example_convs() == "batch_grouped" and inputs.shape[0] is not None
     total = None
     for view in range(num_views):
         a = inputs[view::num_views] if num_views > 1 else inputs
@@ -198,9 +204,12 @@ def conv2d_example_gradients(inputs: tf.Tensor, output_grads: tf.Tensor, *, kern
         for r in phases_h:
             for t in phases_w:
                 phase = a[:, r::s, t::s] if s > 1 else a
+                # Offset (y, x) reads input (p s + y d): the input strided by d.
+                if batch_grouped:
+                    out[r, t] = _batch_grouped_correlation(phase, kernel, dh)
+                    continue
                 # [C, H, W, n]
                 lhs = device_arithmetic.device_rounded(tf.transpose(phase, [3, 1, 2, 0]))
-                # Offset (y, x) reads input (p s + y d): the input strided by d.
                 out[r, t] = tf.nn.depthwise_conv2d(lhs, kernel, strides=[1, dh, dh, 1],
                                                    padding="VALID")  # [C, ka_r, kb_t, n O]
         if s > 1:
@@ -210,6 +219,51 @@ def conv2d_example_gradients(inputs: tf.Tensor, output_grads: tf.Tensor, *, kern
         total = out if total is None else total + out  # [channels, kh, kw, batch * filters]
     total = tf.reshape(total, [channels, kh, kw, -1, filters])
     return tf.transpose(total, [3, 1, 2, 0, 4])
+
+
+def _batch_grouped_correlation(phase: tf.Tensor, kernel: tf.Tensor, stride: int) -> tf.Tensor:
+    """`[C, ka, kb, n O]`: each example's input phase correlated with its own output gradient.
+
+    One XLA convolution with `batch_group_count` = n (`tf2xla`'s `XlaConvV2`,
+    compiled on demand outside `jit_compile`): the examples' channels are
+    the batch `[n C, H, W, 1]`, example-major, and the output gradients the
+    filter `[oh, ow, 1, n O]`; group i pairs example i's C rows with its O
+    output features, so no product mixes two examples. A TPU's compiler
+    lowers it at about the plain kernel gradient's multiply-adds (1.0-1.2x
+    for WRN-16-4's 3x3 layers, against n times them for a convolution of
+    n < 128 feature groups), but the whole step moves 1.5x the grouped
+    route's bytes (docs/performance.md, "Batch groups"). The result's layout
+    is `tf.nn.depthwise_conv2d`'s.
+
+    Args:
+      phase: float32 `[n, H, W, C]`, the input phase the offsets read.
+      kernel: float32 `[oh, ow, n, O]`, the output gradients, rounded as the
+        device's.
+      stride: the window stride on the input (the convolution's dilation).
+    """
+    n, height, width, channels = phase.shape
+    oh, ow, _, filters = kernel.shape
+    lhs = tf.reshape(tf.transpose(phase, [0, 3, 1, 2]), [n * channels, height, width, 1])
+    lhs = device_arithmetic.device_rounded(lhs)
+    rhs = tf.reshape(kernel, [oh, ow, 1, n * filters])
+    out = xla.conv(lhs, rhs, window_strides=[stride, stride], padding=[(0, 0), (0, 0)],
+                   lhs_dilation=[1, 1], rhs_dilation=[1, 1],
+                   dimension_numbers=_nhwc_hwio_numbers(), batch_group_count=n, use_v2=True)
+    # (the op's shape function leaves the spatial sizes unknown)
+    return tf.ensure_shape(out, [channels, (height - oh) // stride + 1,
+                                 (width - ow) // stride + 1, n * filters])
+
+
+def _nhwc_hwio_numbers():
+    """XLA's ConvolutionDimensionNumbers for NHWC inputs and outputs, HWIO kernels."""
+    numbers = xla_data_pb2.ConvolutionDimensionNumbers(
+        input_batch_dimension=0, input_feature_dimension=3,
+        kernel_input_feature_dimension=2, kernel_output_feature_dimension=3,
+        output_batch_dimension=0, output_feature_dimension=3)
+    numbers.input_spatial_dimensions.extend([1, 2])
+    numbers.kernel_spatial_dimensions.extend([0, 1])
+    numbers.output_spatial_dimensions.extend([1, 2])
+    return numbers
 
 
 def _one_convolution_per_example(inputs: tf.Tensor, output_grads: tf.Tensor, *, kernel_size,

@@ -216,36 +216,40 @@ def grouped_conv_gradients() -> bool:
 
 
 # How the grouped route builds a conv kernel's per-example gradients: "grouped" (one grouped
-# convolution, the batch as its groups; the default) or "per_example" (each example's own
-# kernel-gradient convolution, as the plain step's), except for a convolution of fewer than
+# convolution, the batch as its feature groups), "batch_grouped" (one XLA convolution, the
+# batch as its batch groups) or "per_example" (each example's own kernel-gradient
+# convolution, as the plain step's), except for a convolution of fewer than
 # PER_EXAMPLE_MIN_CHANNELS input channels (an image stem), which stays grouped: a TPU's
 # compiler lowers a kernel gradient of 3 input channels as loops of elementwise fusions (on
 # WRN-16-4 at B = 32, the stem's 32 such convolutions took 4.6 M of the step's 27.9 M
-# estimated cycles).
+# estimated cycles). None: `per_example_convs()` picks.
 PER_EXAMPLE_CONVS: Optional[str] = None
 PER_EXAMPLE_MIN_CHANNELS = 8
 
 
 def per_example_convs() -> str:
-    """"grouped" or "per_example": how `conv.conv2d_example_gradients` builds (trace time).
+    """How `conv.conv2d_example_gradients` builds (trace time): "grouped", "per_example"
+    or "batch_grouped".
 
-    `PER_EXAMPLE_CONVS` if set, else "grouped". On a TPU's compiler the
-    per-example convolutions cost the plain kernel gradients' flops where a
-    convolution of fewer than 128 groups costs n times them; but with
-    WRN-16-4 the step moves 5% more bytes than with grouped convolutions at
-    B = 32 and 1.7-1.9x as many at B = 128 (each example's rebuilt gradient
-    is written and read: bytes in proportion to B F O; NF-ResNet-50 at
-    B = 8: the same bytes, less memory; docs/performance.md, "Per-example
-    convolutions on a TPU"), so no device takes them by default.
+    `PER_EXAMPLE_CONVS` if set, else "grouped". On a TPU's compiler a
+    convolution of fewer than 128 feature groups costs n times the plain
+    kernel gradients' flops; the other two routes cost about them, but
+    with WRN-16-4 their steps move more bytes: one convolution per example
+    5% more than the grouped route at B = 32 and 1.7-1.9x as many at
+    B = 128 (each example's rebuilt gradient is written and read: bytes in
+    proportion to B F O), batch groups 53% more at B = 32
+    (docs/performance.md, "Per-example convolutions on a TPU"), so no
+    device takes them by default.
 
     Raises:
-      ValueError: `PER_EXAMPLE_CONVS` is neither None, "grouped" nor "per_example".
+      ValueError: `PER_EXAMPLE_CONVS` is not None, "grouped", "per_example"
+        or "batch_grouped".
     """
     if PER_EXAMPLE_CONVS is None:
         return "grouped"
-    if PER_EXAMPLE_CONVS not in ("grouped", "per_example"):
-        raise ValueError(f"PER_EXAMPLE_CONVS={PER_EXAMPLE_CONVS!r}: give None, 'grouped' or "
-                         "'per_example'.")
+    if PER_EXAMPLE_CONVS not in ("grouped", "per_example", "batch_grouped"):
+        raise ValueError(f"PER_EXAMPLE_CONVS={PER_EXAMPLE_CONVS!r}: give None, 'grouped', "
+                         "'per_example' or 'batch_grouped'.")
     return PER_EXAMPLE_CONVS
 
 
