@@ -517,6 +517,35 @@ def test_the_per_example_convs_switch_defaults_to_grouped_and_refuses_other_valu
         forms.per_example_convs()
 
 
+@pytest.mark.parametrize("route", ["grouped", "batch_grouped"])
+def test_one_examples_non_finite_gradient_leaves_the_others_bit_for_bit(monkeypatch, route):
+    # XLA may lower batch groups with products of one example's output gradients and zeros
+    # standing for another's (0 * inf = NaN): an inf or a NaN in example 1's output gradients
+    # or its input must leave the other examples' gradients as they were, eagerly, in a graph
+    # and under XLA, and make example 1's not finite (factor 0, the fallback). A batch
+    # unknown at trace time keeps the depthwise convolution.
+    monkeypatch.setattr(forms, "PER_EXAMPLE_CONVS", route)
+    x, g = _normal(3, 8, 8, 2).numpy(), _normal(3, 3, 3, 4).numpy()
+
+    def gradients(x, g):
+        return conv_norms.conv2d_example_gradients(x, g, kernel_size=(3, 3), strides=(2, 2),
+                                                   dilation_rate=(1, 1))
+
+    runs = [gradients, tf.function(gradients), tf.function(gradients, jit_compile=True)]
+    for run in runs:
+        clean = run(tf.constant(x), tf.constant(g)).numpy()
+        for bad in (np.inf, -np.inf, np.nan):
+            for which in ("g", "x"):
+                xb, gb = x.copy(), g.copy()
+                (gb if which == "g" else xb)[1, 1, 1, 0] = bad
+                dirty = run(tf.constant(xb), tf.constant(gb)).numpy()
+                np.testing.assert_array_equal(dirty[[0, 2]], clean[[0, 2]])
+                assert not np.all(np.isfinite(dirty[1])), (run, bad, which)
+    dynamic = tf.function(gradients, input_signature=[tf.TensorSpec([None, 8, 8, 2]),
+                                                      tf.TensorSpec([None, 3, 3, 4])])
+    np.testing.assert_allclose(dynamic(x, g).numpy(), clean, rtol=1e-5, atol=1e-5)
+
+
 def test_per_example_convs_keep_a_stem_of_few_channels_grouped(monkeypatch):
     # "per_example": one kernel-gradient convolution per example, except below
     # PER_EXAMPLE_MIN_CHANNELS input channels (an image stem), which keeps the grouped one.

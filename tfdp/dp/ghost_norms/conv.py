@@ -228,7 +228,14 @@ def _batch_grouped_correlation(phase: tf.Tensor, kernel: tf.Tensor, stride: int)
     compiled on demand outside `jit_compile`): the examples' channels are
     the batch `[n C, H, W, 1]`, example-major, and the output gradients the
     filter `[oh, ow, 1, n O]`; group i pairs example i's C rows with its O
-    output features, so no product mixes two examples. A TPU's compiler
+    output features. XLA may lower it with products of one example's output
+    gradients and zeros standing for another's (XLA's CPU backend does,
+    outside a loop): 0 * inf would put NaN in other examples' gradients. So
+    an example whose phase or output gradients hold a non-finite value
+    enters as zeros and gets NaN gradients (its squares are then not
+    finite: factor 0, and the example-at-a-time fallback), and every
+    example's gradient depends on its own operands only, however XLA lowers
+    the convolution. A TPU's compiler
     lowers it at about the plain kernel gradient's multiply-adds (1.0-1.2x
     for WRN-16-4's 3x3 layers, against n times them for a convolution of
     n < 128 feature groups), but the whole step moves 1.5x the grouped
@@ -243,6 +250,10 @@ def _batch_grouped_correlation(phase: tf.Tensor, kernel: tf.Tensor, stride: int)
     """
     n, height, width, channels = phase.shape
     oh, ow, _, filters = kernel.shape
+    finite = tf.logical_and(tf.reduce_all(tf.math.is_finite(phase), axis=[1, 2, 3]),
+                            tf.reduce_all(tf.math.is_finite(kernel), axis=[0, 1, 3]))  # [n]
+    phase = tf.where(finite[:, None, None, None], phase, 0.0)
+    kernel = tf.where(finite[None, None, :, None], kernel, 0.0)
     lhs = tf.reshape(tf.transpose(phase, [0, 3, 1, 2]), [n * channels, height, width, 1])
     lhs = device_arithmetic.device_rounded(lhs)
     rhs = tf.reshape(kernel, [oh, ow, 1, n * filters])
@@ -250,8 +261,9 @@ def _batch_grouped_correlation(phase: tf.Tensor, kernel: tf.Tensor, stride: int)
                    lhs_dilation=[1, 1], rhs_dilation=[1, 1],
                    dimension_numbers=_nhwc_hwio_numbers(), batch_group_count=n, use_v2=True)
     # (the op's shape function leaves the spatial sizes unknown)
-    return tf.ensure_shape(out, [channels, (height - oh) // stride + 1,
-                                 (width - ow) // stride + 1, n * filters])
+    out = tf.ensure_shape(out, [channels, (height - oh) // stride + 1,
+                                (width - ow) // stride + 1, n * filters])
+    return tf.where(tf.repeat(finite, filters)[None, None, None, :], out, float("nan"))
 
 
 def _nhwc_hwio_numbers():
