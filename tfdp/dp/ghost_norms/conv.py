@@ -238,7 +238,7 @@ def _batch_grouped_correlation(phase: tf.Tensor, kernel: tf.Tensor, stride: int)
     the convolution. A TPU's compiler
     lowers it at about the plain kernel gradient's multiply-adds (1.0-1.2x
     for WRN-16-4's 3x3 layers, against n times them for a convolution of
-    n < 128 feature groups), but the whole step moves 1.5x the grouped
+    n < 128 feature groups), but the whole step moves 1.5-1.6x the grouped
     route's bytes (docs/performance.md, "Batch groups"). The result's layout
     is `tf.nn.depthwise_conv2d`'s.
 

@@ -237,7 +237,7 @@ def per_example_convs() -> str:
     with WRN-16-4 their steps move more bytes: one convolution per example
     5% more than the grouped route at B = 32 and 1.7-1.9x as many at
     B = 128 (each example's rebuilt gradient is written and read: bytes in
-    proportion to B F O), batch groups 53% more at B = 32
+    proportion to B F O), batch groups 1.5-1.6x as many
     (docs/performance.md, "Per-example convolutions on a TPU"), so no
     device takes them by default.
 
