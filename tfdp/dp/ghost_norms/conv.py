@@ -235,12 +235,11 @@ def _batch_grouped_correlation(phase: tf.Tensor, kernel: tf.Tensor, stride: int)
     enters as zeros and gets NaN gradients (its squares are then not
     finite: factor 0, and the example-at-a-time fallback), and every
     example's gradient depends on its own operands only, however XLA lowers
-    the convolution. A TPU's compiler
-    lowers it at about the plain kernel gradient's multiply-adds (1.0-1.2x
-    for WRN-16-4's 3x3 layers, against n times them for a convolution of
-    n < 128 feature groups), but the whole step moves 1.5-1.6x the grouped
-    route's bytes (docs/performance.md, "Batch groups"). The result's layout
-    is `tf.nn.depthwise_conv2d`'s.
+    the convolution. A TPU's compiler lowers it at about the plain kernel
+    gradient's multiply-adds (1.0-1.2x for WRN-16-4's 3x3 layers, against n
+    times them for a convolution of n < 128 feature groups), but the whole
+    step moves 1.5-1.6x the grouped route's bytes (docs/performance.md,
+    "Batch groups"). The result's layout is `tf.nn.depthwise_conv2d`'s.
 
     Args:
       phase: float32 `[n, H, W, C]`, the input phase the offsets read.

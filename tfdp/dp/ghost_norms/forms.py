@@ -228,10 +228,10 @@ PER_EXAMPLE_MIN_CHANNELS = 8
 
 
 def per_example_convs() -> str:
-    """How `conv.conv2d_example_gradients` builds (trace time): "grouped", "per_example"
-    or "batch_grouped".
+    """How `conv.conv2d_example_gradients` builds per-example gradients (trace time).
 
-    `PER_EXAMPLE_CONVS` if set, else "grouped". On a TPU's compiler a
+    "grouped", "per_example" or "batch_grouped": `PER_EXAMPLE_CONVS` if
+    set, else "grouped". On a TPU's compiler a
     convolution of fewer than 128 feature groups costs n times the plain
     kernel gradients' flops; the other two routes cost about them, but
     with WRN-16-4 their steps move more bytes: one convolution per example
