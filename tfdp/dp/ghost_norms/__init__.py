@@ -83,9 +83,10 @@ layer has which rule is kept in a registry (`register_layer_rule`,
 The public names below are re-exported here. The switches that tests and
 benchmarks set (`GROUPED_CONV_GRADIENTS`, `PER_EXAMPLE_CONVS`,
 `PER_EXAMPLE_MIN_CHANNELS`, `RECOMPUTED_GRADIENTS`, `RECOMPUTE_CHUNKS`,
-`RECOMPUTE_CHUNK_EXAMPLES`, and `choose_form` replaced) are set on `forms`, the module that defines and reads them; setting a
-re-exported name or a switch on this package raises, as it would reach
-none of the code that reads it.
+`RECOMPUTE_CHUNK_EXAMPLES`, and `choose_form` replaced) are set on `forms`,
+the module that defines and reads them; setting a re-exported name or a
+switch on this package raises, as it would reach none of the code that
+reads it.
 """
 
 import sys

@@ -231,15 +231,14 @@ def per_example_convs() -> str:
     """How `conv.conv2d_example_gradients` builds per-example gradients (trace time).
 
     "grouped", "per_example" or "batch_grouped": `PER_EXAMPLE_CONVS` if
-    set, else "grouped". On a TPU's compiler a
-    convolution of fewer than 128 feature groups costs n times the plain
-    kernel gradients' flops; the other two routes cost about them, but
-    with WRN-16-4 their steps move more bytes: one convolution per example
-    5% more than the grouped route at B = 32 and 1.7-1.9x as many at
-    B = 128 (each example's rebuilt gradient is written and read: bytes in
-    proportion to B F O), batch groups 1.5-1.6x as many
-    (docs/performance.md, "Per-example convolutions on a TPU"), so no
-    device takes them by default.
+    set, else "grouped". On a TPU's compiler a convolution of fewer than
+    128 feature groups costs n times the plain kernel gradients' flops; the
+    other two routes cost about them, but with WRN-16-4 their steps move
+    more bytes: one convolution per example 5% more than the grouped route
+    at B = 32 and 1.7-1.9x as many at B = 128 (each example's rebuilt
+    gradient is written and read: bytes in proportion to B F O), batch
+    groups 1.5-1.6x as many (docs/performance.md, "Per-example convolutions
+    on a TPU" and "Batch groups"), so no device takes them by default.
 
     Raises:
       ValueError: `PER_EXAMPLE_CONVS` is not None, "grouped", "per_example"
