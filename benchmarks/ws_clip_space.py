@@ -20,9 +20,11 @@ script checks the logits agree).
 
 Usage (the venv of README's command 1; Fashion-MNIST from `tools/prepare_fashion_mnist.py`):
   python benchmarks/ws_clip_space.py [--model wrn16_4] [--norm_order conv_gn_relu]
-      [--examples 64] [--data fashion_mnist|generated] [--seed 0]
-The model is measured at its initialization (the builder's, seeded by `--seed`). Prints the
-host line, then one JSON line.
+      [--examples 64] [--train_steps 0] [--data fashion_mnist|generated] [--seed 0]
+The model is measured at its initialization (the builder's, seeded by `--seed`), or after
+`--train_steps` steps of non-private SGD (batch 32, learning rate 0.1, momentum 0.9) on 6,000
+training images of another draw, which may share some with the measured ones (`train_loss`:
+the mean of the last 20 steps' losses). Prints the host line, then one JSON line.
 """
 
 import argparse
@@ -44,7 +46,11 @@ _DEPTH_WIDTH = {"wrn16_4": (16, 4), "wrn10_1": (10, 1)}
 
 
 def load_images(data, count, seed):
-    """float32 `[count, 32, 32, 1]` standardized images and int `[count]` labels."""
+    """float32 `[count, 32, 32, 1]` pixels in [0, 255] and int `[count]` labels.
+
+    The model's first layer rescales pixels itself (`build_wide_resnet`); Fashion-MNIST's
+    28 x 28 images are padded with black to 32 x 32.
+    """
     rng = np.random.default_rng(seed)
     if data == "generated":
         images = rng.integers(0, 256, (count, 28, 28, 1)).astype(np.uint8)
@@ -56,14 +62,12 @@ def load_images(data, count, seed):
         records = [source[int(i)] for i in chosen]
         images = np.stack([r["image"] for r in records])
         labels = np.array([r["label"] for r in records])
-    images = np.pad(images.astype(np.float32) / 255.0, [[0, 0], [2, 2], [2, 2], [0, 0]])
-    return (images - 0.286) / 0.353, labels
+    return np.pad(images.astype(np.float32), [[0, 0], [2, 2], [2, 2], [0, 0]]), labels
 
 
 def standardized_clone(model):
     """The same function with every WSConv2D a Conv2D holding the kernel it convolves with.
 
-    That kernel is `W_hat`, and for a ScaledWSConv2D `gain * W_hat` (the gain folded in).
     Only the model's own layers are replaced: a WS convolution inside a subclassed block
     (NF-ResNet's `NFResBlock`) is out of `keras.models.clone_model`'s reach, so NF-ResNets are
     not measured.
@@ -100,6 +104,25 @@ def per_example_norms(model, images, labels):
     return np.sqrt([float(squared_norm(x, y)) for x, y in zip(images, labels)])
 
 
+def train(model, images, labels, steps, seed):
+    """`steps` of non-private SGD (batch 32, learning rate 0.1, momentum 0.9); the last loss."""
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    optimizer = keras.optimizers.SGD(0.1, momentum=0.9)
+    rng = np.random.default_rng(seed + 1)
+
+    @tf.function
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x, training=True))
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+
+    losses = [float(step(images[chosen], labels[chosen]))
+              for chosen in (rng.integers(0, len(images), 32) for _ in range(steps))]
+    return float(np.mean(losses[-20:])) if losses else float("nan")
+
+
 def summary(values):
     return {"median": float(np.median(values)), "p10": float(np.percentile(values, 10)),
             "p90": float(np.percentile(values, 90)), "min": float(np.min(values)),
@@ -112,25 +135,35 @@ def main(argv=None):
     parser.add_argument("--norm_order", choices=("conv_gn_relu", "conv_relu_gn"),
                         default="conv_gn_relu")
     parser.add_argument("--examples", type=int, default=64)
+    parser.add_argument("--train_steps", type=int, default=0)
     parser.add_argument("--data", choices=("fashion_mnist", "generated"), default="fashion_mnist")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    if args.examples < 1:
-        parser.error(f"--examples={args.examples}: measure at least 1 example")
+    if args.examples < 1 or args.train_steps < 0:
+        parser.error(f"--examples={args.examples}, --train_steps={args.train_steps}: measure "
+                     "at least 1 example after 0 or more steps")
 
     keras.utils.set_random_seed(args.seed)
     images, labels = load_images(args.data, args.examples, args.seed)
     depth, width = _DEPTH_WIDTH[args.model]
     model = build_wide_resnet(depth, width, 10, input_shape=(32, 32, 1),
                               norm_order=args.norm_order)
+    train_loss = float("nan")
+    if args.train_steps:
+        train_loss = train(model, *load_images(args.data, 6000, args.seed + 1),
+                           args.train_steps, args.seed)
     clone = standardized_clone(model)
     gap = float(np.max(np.abs(model(images[:8]).numpy() - clone(images[:8]).numpy())))
+    if gap > 1e-4:
+        raise SystemExit(f"the clone's logits differ from the model's by {gap:.3g}: "
+                         "it is not the same function, so its gradients would not be W_hat's")
     raw = per_example_norms(model, images, labels)
     standardized = per_example_norms(clone, images, labels)
     print(host.describe_host())
     print(json.dumps({
         "model": args.model, "norm_order": args.norm_order, "data": args.data,
-        "seed": args.seed, "examples": args.examples, "logit_gap": gap,
+        "seed": args.seed, "train_steps": args.train_steps, "train_loss": train_loss,
+        "examples": args.examples, "logit_gap": gap,
         "raw_over_standardized": summary(raw / standardized),
         "norm_raw": summary(raw), "norm_standardized": summary(standardized)}))
 

@@ -59,3 +59,11 @@ def test_per_example_norms_are_each_examples_own():
     assert norms.shape == (3,) and np.all(norms > 0)
     np.testing.assert_allclose(norms[1], float(alone), rtol=1e-5)
     assert not np.allclose(norms[0], norms[2])
+
+
+def test_images_are_pixels_the_model_rescales_itself():
+    images, labels = ws_clip_space.load_images("generated", 5, seed=0)
+    assert images.shape == (5, 32, 32, 1) and images.dtype == np.float32
+    assert images.max() > 100 and images.min() >= 0 and images.max() <= 255
+    assert np.all(images[:, :2] == 0)  # the padding is black
+    assert labels.shape == (5,)
