@@ -105,7 +105,10 @@ def per_example_norms(model, images, labels):
 
 
 def train(model, images, labels, steps, seed):
-    """`steps` of non-private SGD (batch 32, learning rate 0.1, momentum 0.9); the last loss."""
+    """`steps` of non-private SGD (batch 32, learning rate 0.1, momentum 0.9).
+
+    Returns the mean of the last 20 steps' losses, or None for no step.
+    """
     loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     optimizer = keras.optimizers.SGD(0.1, momentum=0.9)
     rng = np.random.default_rng(seed + 1)
@@ -120,7 +123,7 @@ def train(model, images, labels, steps, seed):
 
     losses = [float(step(images[chosen], labels[chosen]))
               for chosen in (rng.integers(0, len(images), 32) for _ in range(steps))]
-    return float(np.mean(losses[-20:])) if losses else float("nan")
+    return float(np.mean(losses[-20:])) if losses else None
 
 
 def summary(values):
@@ -148,7 +151,7 @@ def main(argv=None):
     depth, width = _DEPTH_WIDTH[args.model]
     model = build_wide_resnet(depth, width, 10, input_shape=(32, 32, 1),
                               norm_order=args.norm_order)
-    train_loss = float("nan")
+    train_loss = None
     if args.train_steps:
         train_loss = train(model, *load_images(args.data, 6000, args.seed + 1),
                            args.train_steps, args.seed)

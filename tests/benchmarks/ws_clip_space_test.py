@@ -1,9 +1,11 @@
 """benchmarks/ws_clip_space.py: its clone's gradients are those with respect to W_hat."""
 
 import importlib.util
+import json
 import pathlib
 
 import numpy as np
+import pytest
 import tensorflow as tf
 
 BENCHMARKS = pathlib.Path(__file__).resolve().parents[2] / "benchmarks"
@@ -67,3 +69,15 @@ def test_images_are_pixels_the_model_rescales_itself():
     assert images.max() > 100 and images.min() >= 0 and images.max() <= 255
     assert np.all(images[:, :2] == 0)  # the padding is black
     assert labels.shape == (5,)
+
+
+@pytest.mark.slow  # 8 s: a training step and two traced per-example loops
+def test_the_script_trains_measures_and_prints_strict_json(capsys):
+    ws_clip_space.main(["--model=wrn10_1", "--data=generated", "--examples=2",
+                        "--train_steps=1"])
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    result = json.loads(line, parse_constant=lambda name: pytest.fail(f"{name} in {line}"))
+    assert result["train_steps"] == 1 and result["train_loss"] > 0
+    assert result["logit_gap"] <= 1e-4
+    ratio = result["raw_over_standardized"]
+    assert 0 < ratio["min"] <= ratio["median"] <= ratio["max"]
