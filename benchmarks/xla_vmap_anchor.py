@@ -1,17 +1,30 @@
-"""A measuring stick, not tfdp code: the reference's way to clip on WRN-16-4, compiled by XLA.
+"""A measuring stick, not tfdp code: the reference's way to clip, compiled by XLA.
 
 De et al. 2022 / jax_privacy clip with `jax.vmap` of the per-example
 gradient: one global norm over the raw parameters (through weight
 standardization); with augmult K the per-example loss is the mean over its
-K views. This script builds WRN-16-4 that way (GroupNorm with 16 groups +
-WS convs, the layout of jax_privacy's models/cifar.py) in JAX, compiles the
-plain SGD step (B K images) and the DP-SGD step (B examples x K views) for
-`--target` (one chip of a TPU by libtpu's compile-only client, or this CPU)
-and prints XLA's flops, bytes accessed and temp memory of each. It has no
-loops: its figures count everything. `xla_step_cost.py` measures tfdp's
-steps the same way (docs/performance.md has both).
+K views. This script builds, in JAX, `--model`
 
-    $TPU_VENV/bin/python benchmarks/xla_vmap_anchor.py [--target tpu:v5e|cpu] [--augmult K] B [B ...]
+  - `wrn16_4` (default): WRN-16-4 on 32x32x3 images, 10 classes (GroupNorm
+    with 16 groups + WS convs, the layout of jax_privacy's models/cifar.py);
+  - `nf_resnet50`: NF-ResNet-50 on 224x224x3 images, 1000 classes (Scaled WS
+    convs with gains and biases, the layout of `tfdp.models.build_nf_resnet`
+    and of jax_privacy's models/imagenet_nfresnets.py);
+
+compiles the plain SGD step (B K images) and the DP-SGD step (B examples x K
+views) for `--target` (one chip of a TPU by libtpu's compile-only client, or
+this CPU) and prints XLA's flops, bytes accessed and temp memory of each. It
+has no loops: its figures count everything. `xla_step_cost.py` measures
+tfdp's steps the same way (docs/performance.md has both).
+
+    $TPU_VENV/bin/python benchmarks/xla_vmap_anchor.py [--target tpu:v5e|cpu] [--model M] \\
+        [--augmult K] B [B ...]
+
+`--model nf_resnet50 --logits IN.npz` instead loads the weights from IN.npz
+(keyed by tfdp's variable paths, e.g. `stage1_block0/conv0/kernel`, plus
+`images`: float32 [N, H, W, 3] pixels in [0, 255]), prints the logits as one
+JSON line and stops: tests/benchmarks/xla_vmap_anchor_test.py checks that the
+anchor computes tfdp's NF-ResNet-50.
 
 Runs in the side venv of `xla_step_cost.py --target tpu:...` (jax[tpu]); no tfdp, no TensorFlow.
 """
@@ -26,7 +39,14 @@ import jax, jax.numpy as jnp
 
 TPU_TOPOLOGIES = {"v4": "v4:2x2x1", "v5e": "v5e:2x2", "v5p": "v5p:2x2x1", "v6e": "v6e:2x2"}
 args = sys.argv[1:]
-target = "tpu:v5e"; K = 1
+target = "tpu:v5e"; K = 1; model = "wrn16_4"
+if "--model" in args:
+    i = args.index("--model"); model = args[i + 1]; del args[i:i + 2]
+if model not in ("wrn16_4", "nf_resnet50"):
+    sys.exit(f"--model {model!r}: use wrn16_4 or nf_resnet50")
+logits_npz = None
+if "--logits" in args:
+    i = args.index("--logits"); logits_npz = args[i + 1]; del args[i:i + 2]
 if "--target" in args:
     i = args.index("--target"); target = args[i + 1]; del args[i:i + 2]
 cpu = target == "cpu"
@@ -58,14 +78,14 @@ def wsconv(q, x, stride):
     scale = jax.lax.rsqrt(jnp.maximum(v * fan, 1e-4)) * q["g"]
     w = w * scale - m * scale
     y = jax.lax.conv_general_dilated(x, w, (stride, stride), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
-    return y + q["b"]
+    return y + q["b"] if "b" in q else y
 
 def groupnorm(q, x, groups=16):
     b, h, w, c = x.shape; g = min(groups, c)
     xr = x.reshape(b, h, w, g, c // g); m = xr.mean((1, 2, 4), keepdims=True); v = xr.var((1, 2, 4), keepdims=True)
     return ((xr - m) * jax.lax.rsqrt(v + 1e-5)).reshape(b, h, w, c) * q["s"] + q["o"]
 
-def apply(p, n, x):
+def wrn_apply(p, n, x):
     x = wsconv(p["stem"], x, 1)
     for s in range(3):
         for i in range(n):
@@ -78,16 +98,82 @@ def apply(p, n, x):
     x = jax.nn.relu(groupnorm(p["final"], x)).mean((1, 2))
     return x @ p["fc"]["w"] + p["fc"]["b"]
 
+# NF-ResNet-50 (tfdp.models.build_nf_resnet's defaults: width 4, alpha 0.2, skip gains 1).
+RELU_GAIN = float(np.sqrt(2.0 / (1.0 - 1.0 / np.pi)))
+
+def nf_init(key, depths=(3, 4, 6, 3), nc=1000, alpha=0.2):
+    keys = iter(jax.random.split(key, 200)); p = {}; blocks = []
+    def conv(name, k, cin, cout, bias=True):
+        p[name] = {"w": jax.random.normal(next(keys), (k, k, cin, cout)) * (1.0 / (k * k * cin)) ** .5,
+                   "g": jnp.ones((cout,))}
+        if bias: p[name]["b"] = jnp.zeros((cout,))
+    conv("stem", 7, 3, 64, bias=False); cin = 64; var = 1.0
+    for s, (filters, depth, stride) in enumerate(zip((256, 512, 1024, 2048), depths, (1, 2, 2, 2))):
+        for i in range(depth):
+            pre = f"s{s}b{i}"; width = filters // 4; st = stride if i == 0 else 1
+            conv(pre + "c0", 1, cin, width); conv(pre + "c1", 3, width, width); conv(pre + "c2", 1, width, filters)
+            if cin != filters or st != 1: conv(pre + "sc", 1, cin, filters)
+            p[pre + "skip"] = jnp.ones(())
+            blocks.append((pre, st, float(np.sqrt(var)))); cin = filters
+            var = (1.0 if i == 0 else var) + alpha ** 2
+    p["fc"] = {"w": jax.random.normal(next(keys), (cin, nc)) * (1.0 / cin) ** .5, "b": jnp.zeros((nc,))}
+    return p, blocks
+
+def nf_apply(p, blocks, x, alpha=0.2):
+    x = x / 127.5 - 1.0
+    x = wsconv(p["stem"], x, 2)
+    x = jax.lax.reduce_window(x, -jnp.inf, jax.lax.max, (1, 3, 3, 1), (1, 2, 2, 1), "SAME")
+    srelu = lambda v: jax.nn.relu(v) * RELU_GAIN
+    for pre, st, beta in blocks:
+        out = srelu(x) * (1.0 / beta)
+        sc = wsconv(p[pre + "sc"], out, st) if pre + "sc" in p else x
+        r = wsconv(p[pre + "c0"], out, 1)
+        r = wsconv(p[pre + "c1"], srelu(r), st)
+        r = wsconv(p[pre + "c2"], srelu(r), 1)
+        x = sc + r * (p[pre + "skip"] * alpha)
+    x = srelu(x).mean((1, 2))
+    return x @ p["fc"]["w"] + p["fc"]["b"]
+
 def xent(logits, y):
     return -jnp.take_along_axis(jax.nn.log_softmax(logits), y[..., None], -1)[..., 0]
 
-p0, n = init(jax.random.PRNGKey(0))
+if model == "wrn16_4":
+    p0, n = init(jax.random.PRNGKey(0)); RES = 32; apply = wrn_apply
+else:
+    p0, n = nf_init(jax.random.PRNGKey(0)); RES = 224; apply = nf_apply
 
-def plain_step(p, x, y):  # x: [B*K, 32, 32, 3]
+def nf_from_tfdp(named):
+    """The anchor's NF-ResNet-50 parameters from tfdp's variable paths."""
+    def conv(path):
+        q = {"w": named[path + "/kernel"], "g": named[path + "/gain"]}
+        if path + "/bias" in named: q["b"] = named[path + "/bias"]
+        return q
+    p = {"stem": conv("stem_conv"),
+         "fc": {"w": named["logits/kernel"], "b": named["logits/bias"]}}
+    for pre, _, _ in n:
+        s_, b_ = pre[1:].split("b"); tf_pre = f"stage{int(s_) + 1}_block{b_}"
+        for c in ("c0", "c1", "c2"):
+            p[pre + c] = conv(f"{tf_pre}/conv{c[1]}")
+        if f"{tf_pre}/conv_shortcut/kernel" in named: p[pre + "sc"] = conv(f"{tf_pre}/conv_shortcut")
+        p[pre + "skip"] = named[f"{tf_pre}/skip_gain"]
+    if jax.tree.structure(p) != jax.tree.structure(p0):
+        sys.exit("--logits: the weights do not match the anchor's NF-ResNet-50")
+    return p
+
+if logits_npz:
+    if model != "nf_resnet50":
+        sys.exit("--logits: only with --model nf_resnet50")
+    with np.load(logits_npz) as z:
+        named = {k: jnp.asarray(z[k]) for k in z.files}
+    out = jax.jit(lambda p, x: apply(p, n, x))(nf_from_tfdp(named), named["images"])
+    print(json.dumps({"logits": np.asarray(out, np.float64).tolist()}))
+    sys.exit(0)
+
+def plain_step(p, x, y):  # x: [B*K, RES, RES, 3]
     g = jax.grad(lambda p: xent(apply(p, n, x), y).mean())(p)
     return jax.tree.map(lambda a, b: a - 0.1 * b, p, g)
 
-def dp_step(p, x, y, key):  # x: [B, K, 32, 32, 3]; the per-example loss is the mean over K views
+def dp_step(p, x, y, key):  # x: [B, K, RES, RES, 3]; the per-example loss is the mean over K views
     def loss1(p, xi, yi):
         return xent(apply(p, n, xi), jnp.repeat(yi[None], xi.shape[0])).mean()
     g = jax.vmap(jax.grad(loss1), in_axes=(None, 0, 0))(p, x, y)
@@ -108,11 +194,11 @@ from jax.sharding import SingleDeviceSharding
 sh = SingleDeviceSharding(dev)
 spec = lambda t: jax.ShapeDtypeStruct(t.shape, t.dtype, sharding=sh)
 ps = jax.tree.map(spec, p0)
-print(json.dumps({"target": target, "device": str(getattr(dev, "device_kind", dev)), "jax": jax.__version__, "augmult": K, "params": int(sum(a.size for a in jax.tree.leaves(p0)))}), flush=True)
+print(json.dumps({"model": model, "target": target, "device": str(getattr(dev, "device_kind", dev)), "jax": jax.__version__, "augmult": K, "params": int(sum(a.size for a in jax.tree.leaves(p0)))}), flush=True)
 for B in BS:
     for name, fn, ins in (
-            ("plain", plain_step, (jax.ShapeDtypeStruct((B * K, 32, 32, 3), jnp.float32, sharding=sh), jax.ShapeDtypeStruct((B * K,), jnp.int32, sharding=sh))),
-            ("dp_vmap", dp_step, (jax.ShapeDtypeStruct((B, K, 32, 32, 3), jnp.float32, sharding=sh), jax.ShapeDtypeStruct((B,), jnp.int32, sharding=sh), jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=sh)))):
+            ("plain", plain_step, (jax.ShapeDtypeStruct((B * K, RES, RES, 3), jnp.float32, sharding=sh), jax.ShapeDtypeStruct((B * K,), jnp.int32, sharding=sh))),
+            ("dp_vmap", dp_step, (jax.ShapeDtypeStruct((B, K, RES, RES, 3), jnp.float32, sharding=sh), jax.ShapeDtypeStruct((B,), jnp.int32, sharding=sh), jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=sh)))):
         try:
             c = jax.jit(fn).lower(ps, *ins).compile()
             ca = c.cost_analysis(); ca = ca[0] if isinstance(ca, list) else ca
