@@ -100,8 +100,9 @@ def wrn_apply(p, n, x):
 
 # NF-ResNet-50 (tfdp.models.build_nf_resnet's defaults: width 4, alpha 0.2, skip gains 1).
 RELU_GAIN = float(np.sqrt(2.0 / (1.0 - 1.0 / np.pi)))
+NF_ALPHA = 0.2  # the residual branch scale: the betas of nf_init and the sums of nf_apply
 
-def nf_init(key, depths=(3, 4, 6, 3), nc=1000, alpha=0.2):
+def nf_init(key, depths=(3, 4, 6, 3), nc=1000, alpha=NF_ALPHA):
     keys = iter(jax.random.split(key, 200)); p = {}; blocks = []
     def conv(name, k, cin, cout, bias=True):
         p[name] = {"w": jax.random.normal(next(keys), (k, k, cin, cout)) * (1.0 / (k * k * cin)) ** .5,
@@ -119,7 +120,7 @@ def nf_init(key, depths=(3, 4, 6, 3), nc=1000, alpha=0.2):
     p["fc"] = {"w": jax.random.normal(next(keys), (cin, nc)) * (1.0 / cin) ** .5, "b": jnp.zeros((nc,))}
     return p, blocks
 
-def nf_apply(p, blocks, x, alpha=0.2):
+def nf_apply(p, blocks, x, alpha=NF_ALPHA):
     x = x / 127.5 - 1.0
     x = wsconv(p["stem"], x, 2)
     x = jax.lax.reduce_window(x, -jnp.inf, jax.lax.max, (1, 3, 3, 1), (1, 2, 2, 1), "SAME")
@@ -148,14 +149,17 @@ def nf_from_tfdp(named):
         q = {"w": named[path + "/kernel"], "g": named[path + "/gain"]}
         if path + "/bias" in named: q["b"] = named[path + "/bias"]
         return q
-    p = {"stem": conv("stem_conv"),
-         "fc": {"w": named["logits/kernel"], "b": named["logits/bias"]}}
-    for pre, _, _ in n:
-        s_, b_ = pre[1:].split("b"); tf_pre = f"stage{int(s_) + 1}_block{b_}"
-        for c in ("c0", "c1", "c2"):
-            p[pre + c] = conv(f"{tf_pre}/conv{c[1]}")
-        if f"{tf_pre}/conv_shortcut/kernel" in named: p[pre + "sc"] = conv(f"{tf_pre}/conv_shortcut")
-        p[pre + "skip"] = named[f"{tf_pre}/skip_gain"]
+    try:
+        p = {"stem": conv("stem_conv"),
+             "fc": {"w": named["logits/kernel"], "b": named["logits/bias"]}}
+        for pre, _, _ in n:
+            s_, b_ = pre[1:].split("b"); tf_pre = f"stage{int(s_) + 1}_block{b_}"
+            for c in ("c0", "c1", "c2"):
+                p[pre + c] = conv(f"{tf_pre}/conv{c[1]}")
+            if f"{tf_pre}/conv_shortcut/kernel" in named: p[pre + "sc"] = conv(f"{tf_pre}/conv_shortcut")
+            p[pre + "skip"] = named[f"{tf_pre}/skip_gain"]
+    except KeyError as e:
+        sys.exit(f"--logits: the weights have no {e}: not tfdp's NF-ResNet-50")
     if jax.tree.structure(p) != jax.tree.structure(p0):
         sys.exit("--logits: the weights do not match the anchor's NF-ResNet-50")
     return p

@@ -38,6 +38,7 @@ def test_nf_resnet50_anchor_computes_tfdps_logits(tmp_path):
             v.assign(rng.uniform(0.5, 1.5, v.shape).astype(np.float32))
         elif v.path.endswith("/bias"):
             v.assign(rng.normal(0.0, 0.1, v.shape).astype(np.float32))
+    # (Every kernel here has var * fan_in near 1: the standardization's 1e-4 floor is not reached.)
     images = rng.uniform(0.0, 255.0, (2, 64, 64, 3)).astype(np.float32)
     want = np.asarray(model(images), np.float64)
     named = {v.path: np.asarray(v) for v in model.trainable_variables}
@@ -49,6 +50,14 @@ def test_nf_resnet50_anchor_computes_tfdps_logits(tmp_path):
 
     assert got.shape == want.shape == (2, 1000)
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * np.abs(want).max())
+
+
+@pytest.mark.skipif(not JAX_PYTHON, reason="TFDP_JAX_PYTHON (a Python with JAX) not set")
+def test_logits_refuses_weights_of_another_model(tmp_path):
+    np.savez(tmp_path / "weights.npz", images=np.zeros((1, 64, 64, 3), np.float32))
+    done = _anchor("--model", "nf_resnet50", "--logits", str(tmp_path / "weights.npz"))
+    assert done.returncode != 0
+    assert "not tfdp's NF-ResNet-50" in done.stderr
 
 
 @pytest.mark.skipif(not JAX_PYTHON, reason="TFDP_JAX_PYTHON (a Python with JAX) not set")
