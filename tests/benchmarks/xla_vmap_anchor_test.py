@@ -53,19 +53,18 @@ def test_nf_resnet50_anchor_computes_tfdps_logits(tmp_path):
 
 
 @pytest.mark.skipif(not JAX_PYTHON, reason="TFDP_JAX_PYTHON (a Python with JAX) not set")
-def test_logits_refuses_weights_of_another_model(tmp_path):
-    np.savez(tmp_path / "weights.npz", images=np.zeros((1, 64, 64, 3), np.float32))
-    done = _anchor("--model", "nf_resnet50", "--logits", str(tmp_path / "weights.npz"))
+@pytest.mark.parametrize(
+    "model, size, message",
+    [
+        ("nf_resnet50", 64, "not tfdp's NF-ResNet-50"),  # weights of another model
+        ("wrn16_4", 32, "only with --model nf_resnet50"),
+    ],
+)
+def test_logits_refuses(tmp_path, model, size, message):
+    np.savez(tmp_path / "weights.npz", images=np.zeros((1, size, size, 3), np.float32))
+    done = _anchor("--model", model, "--logits", str(tmp_path / "weights.npz"))
     assert done.returncode != 0
-    assert "not tfdp's NF-ResNet-50" in done.stderr
-
-
-@pytest.mark.skipif(not JAX_PYTHON, reason="TFDP_JAX_PYTHON (a Python with JAX) not set")
-def test_logits_refuses_the_wrn_model(tmp_path):
-    np.savez(tmp_path / "weights.npz", images=np.zeros((1, 32, 32, 3), np.float32))
-    done = _anchor("--model", "wrn16_4", "--logits", str(tmp_path / "weights.npz"))
-    assert done.returncode != 0
-    assert "only with --model nf_resnet50" in done.stderr
+    assert message in done.stderr
 
 
 @pytest.mark.skipif(not JAX_PYTHON, reason="TFDP_JAX_PYTHON (a Python with JAX) not set")
